@@ -1,0 +1,25 @@
+"""gpuscope: the truth about how well NVIDIA GPUs are used."""
+
+from ._nvml import NvmlUnavailable
+from ._records import Capability, Event, GpuIdentity, GpuRecord, HostRecord, ProcessRecord, Snapshot
+from .catalog import CATALOG, Metric
+from .sampler import ConfigError, Sampler, SamplerConfig
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CATALOG",
+    "Capability",
+    "ConfigError",
+    "Event",
+    "GpuIdentity",
+    "GpuRecord",
+    "HostRecord",
+    "Metric",
+    "NvmlUnavailable",
+    "ProcessRecord",
+    "Sampler",
+    "SamplerConfig",
+    "Snapshot",
+    "__version__",
+]

@@ -1,0 +1,156 @@
+"""Typed records the sampler produces. Plain data: no NVML, no threads, cheap to copy and serialise."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class GpuIdentity:
+    """What does not change while the GPU is attached (read once)."""
+
+    index: int
+    uuid: str
+    name: str
+    pci_bus_id: str = ""
+    architecture: str = ""
+    compute_capability: str = ""
+    driver_version: str = ""
+    cuda_version: str = ""
+    memory_total_bytes: int = 0
+    power_limit_watts: float | None = None
+    sm_clock_max_hertz: float | None = None
+    mig_mode: bool = False
+    numa_node: int | None = None
+    cpu_affinity: list[int] = field(default_factory=list)
+    parent_index: int | None = None  # set for a MIG instance
+    gpu_instance_id: int | None = None
+
+    @property
+    def label(self) -> str:
+        """The `gpu` label: '0', or '0/mig3' for MIG GPU instance 3 of GPU 0."""
+        if self.parent_index is None:
+            return str(self.index)
+        return f"{self.parent_index}/mig{self.gpu_instance_id}"
+
+
+@dataclass(slots=True)
+class GpuRecord:
+    """One GPU at one instant. `values` maps series keys (see catalog.series_key) to floats in base
+    units; a series missing from `values` was not read this tick or is not supported (see
+    Sampler.capabilities for which, and why)."""
+
+    identity: GpuIdentity
+    time_ns: int
+    values: dict[str, float]
+    healthy: bool = True
+    throttle_reasons: list[str] = field(default_factory=list)
+
+    @property
+    def index(self) -> int:
+        return self.identity.index
+
+    @property
+    def uuid(self) -> str:
+        return self.identity.uuid
+
+    def __getitem__(self, key: str) -> float:
+        return self.values[key]
+
+    def get(self, key: str, default: float | None = None) -> float | None:
+        return self.values.get(key, default)
+
+    # Shortcuts for the numbers people ask for first; each returns None where unsupported.
+    @property
+    def sm_active_ratio(self) -> float | None:
+        """GPM SM activity 0..1 (DCGM_FI_PROF_SM_ACTIVE): the utilization that does not lie."""
+        return self.values.get("gpu_sm_active_ratio")
+
+    @property
+    def utilization_ratio(self) -> float | None:
+        """NVML utilization.gpu 0..1 (nvidia-smi's 'GPU-Util'): any kernel or copy running."""
+        return self.values.get("gpu_utilization_ratio")
+
+    @property
+    def memory_used_bytes(self) -> float | None:
+        return self.values.get("gpu_memory_used_bytes")
+
+    @property
+    def power_watts(self) -> float | None:
+        return self.values.get("gpu_power_watts")
+
+
+@dataclass(slots=True)
+class ProcessRecord:
+    """A process using a GPU, joined with what the host knows about it."""
+
+    pid: int
+    gpu: str  # the GPU's label
+    gpu_uuid: str
+    type: str  # 'compute', 'graphics' or 'compute+graphics'
+    name: str = ""
+    user: str = ""
+    cmdline: str = ""  # secrets redacted
+    gpu_memory_bytes: float | None = None
+    sm_ratio: float | None = None
+    memory_ratio: float | None = None
+    cpu_ratio: float | None = None  # cores: 1.0 = one core saturated
+    thread_cpu_max_ratio: float | None = None
+    rss_bytes: float | None = None
+    threads: int | None = None
+    started_at: float | None = None  # epoch seconds
+    container: str = ""
+    pod_uid: str = ""
+    pod: str = ""
+    namespace: str = ""
+    slurm_job: str = ""
+    host_visible: bool = True  # False when the pid lives outside our pid namespace
+
+
+@dataclass(slots=True)
+class HostRecord:
+    time_ns: int
+    values: dict[str, float]
+
+
+@dataclass(slots=True)
+class Event:
+    """Something that happened at an instant: an XID, an ECC error, a throttle change, a lost GPU,
+    a process start or stop."""
+
+    time_ns: int
+    kind: str  # 'xid', 'ecc', 'clock_events', 'gpu_lost', 'process_start', 'process_stop', ...
+    gpu: str | None
+    message: str
+    data: dict[str, Any] = field(default_factory=dict)
+    count: int = 1  # identical events within one tick are folded; count says how many
+
+
+@dataclass(slots=True)
+class Snapshot:
+    """Everything the sampler knows at one tick."""
+
+    time_ns: int
+    gpus: list[GpuRecord]
+    processes: list[ProcessRecord]
+    host: HostRecord | None
+    events: list[Event]  # events that arrived since the previous snapshot
+    simulated: str | None = None  # the scenario name when this is the simulated node
+    hostname: str = ""
+
+    def gpu(self, label: str | int) -> GpuRecord:
+        label = str(label)
+        for g in self.gpus:
+            if g.identity.label == label:
+                return g
+        raise KeyError(f"no GPU {label!r} in this snapshot")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class Capability:
+    supported: bool
+    reason: str = ""  # why not, in words a user can act on

@@ -1,0 +1,337 @@
+"""The sampler: one thread per node reading every source at a cadence that fits each field's cost.
+
+    >>> from gpuscope import Sampler
+    >>> with Sampler(simulate="compute_bound") as s:   # or Sampler() on a GPU machine
+    ...     snap = s.sample_once()
+    >>> round(snap.gpus[0].sm_active_ratio, 1) > 0.5
+    True
+
+Schedule: tick k runs at t0 + k * interval (no drift); a tick that starts more than one interval late
+skips ahead and counts the skipped ticks instead of bunching them. Cost groups run every
+`fast` tick or at their own period; GPM at its window (never below 100 ms).
+Memory is bounded: the last `history` snapshots and the last 10,000 events.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any
+
+from ._nvml import GpuLost, Nvml
+from ._records import Capability, Event, GpuRecord, HostRecord, ProcessRecord, Snapshot
+from .catalog import CATALOG, decode_clock_event_reasons
+from .sources.device import Device, discover, mark_lost
+from .sources.events import EventSource
+from .sources.gpm import MIN_WINDOW_S, GpmSource
+from .sources.nvml import NvmlSource
+
+log = logging.getLogger("gpuscope.sampler")
+
+MIN_INTERVAL_S = 0.005  # 200 Hz: below this the NVML calls themselves no longer fit in a tick
+
+
+class ConfigError(ValueError):
+    """A sampler setting a user gave is out of range. The message is one sentence."""
+
+
+@dataclass
+class SamplerConfig:
+    """Periods in seconds. `interval` is the base rate (fast fields); the others are their own."""
+
+    interval: float = 0.1
+    gpm_window: float = 0.2
+    slow: float = 1.0
+    energy: float = 5.0
+    rare: float = 30.0
+    processes: float = 1.0
+    host: float = 1.0
+    history: int = 3000  # snapshots kept in memory
+    gpm: bool = True
+    collect_processes: bool = True
+    collect_host: bool = True
+    events: bool = True
+
+    def validate(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, float | int) and not isinstance(v, bool) and not math.isfinite(v):
+                raise ConfigError(f"{f.name} must be a finite number, got {v!r}.")
+        if self.interval <= 0:
+            raise ConfigError(f"The sampling interval must be positive, got {self.interval:g} s.")
+        if self.interval < MIN_INTERVAL_S:
+            raise ConfigError(
+                f"The sampling interval {self.interval * 1000:g} ms is below the {MIN_INTERVAL_S * 1000:g} ms "
+                "the NVML calls of one tick need; use a longer interval.")
+        if self.gpm and self.gpm_window < MIN_WINDOW_S:
+            raise ConfigError(
+                f"The GPM window {self.gpm_window * 1000:g} ms is below the {MIN_WINDOW_S * 1000:g} ms NVML "
+                "needs between two GPM samples.")
+        for name in ("slow", "energy", "rare", "processes", "host"):
+            if getattr(self, name) < self.interval:
+                raise ConfigError(f"The {name} period ({getattr(self, name):g} s) must not be shorter than the "
+                                  f"sampling interval ({self.interval:g} s).")
+        if self.history < 1:
+            raise ConfigError(f"history must keep at least one snapshot, got {self.history}.")
+
+
+class Sampler:
+    def __init__(
+        self,
+        config: SamplerConfig | None = None,
+        *,
+        nvml: Any = None,
+        host_reader: Any = None,
+        host_source: Any = None,
+        simulate: str | None = None,
+        gpus: int | None = None,
+    ) -> None:
+        self.config = config or SamplerConfig()
+        self.config.validate()
+        self.simulated: str | None = None
+        if simulate is not None:
+            from .sim import SimulatedNode
+
+            node = SimulatedNode(simulate, gpus=gpus)
+            nvml, host_reader = node.nvml, node.host_reader
+            host_source = host_source or node.host_source
+            self.simulated = node.scenario
+        self.nvml = nvml if isinstance(nvml, Nvml) else Nvml(nvml)
+        self._host_reader = host_reader
+        self._host_source = host_source
+        self.hostname = socket.gethostname()
+        self.devices: list[Device] = []
+        self.events_history: deque[Event] = deque(maxlen=10_000)
+        self.history: deque[Snapshot] = deque(maxlen=self.config.history)
+        self._pending_events: list[Event] = []
+        self._latest: Snapshot | None = None
+        self._processes: list[ProcessRecord] = []
+        self._host: HostRecord | None = None
+        self._subscribers: list[Callable[[Snapshot], None]] = []
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # one tick at a time
+        self._opened = False
+        self._next_due: dict[str, float] = {}
+        self._gpm_source: GpmSource | None = None
+        self._proc_source: Any = None
+        self._event_source: EventSource | None = None
+        self._errors_logged: set[str] = set()
+        self.cpu_seconds = 0.0
+        self.ticks = 0
+        self.missed_ticks = 0
+        self.tick_seconds: deque[float] = deque(maxlen=1000)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def open(self) -> None:
+        """Start NVML, find the GPUs, start the event thread. Raises NvmlUnavailable with a sentence."""
+        if self._opened:
+            return
+        self.nvml.init()
+        self.devices = discover(self.nvml, self._pending_events)
+        self._nvml_source = NvmlSource(self.nvml, self._pending_events)
+        self._gpm_source = GpmSource(self.nvml, MIN_WINDOW_S) if self.config.gpm else None
+        self._proc_source = None
+        if self.config.collect_processes:
+            from .sources.procs import ProcessSource
+
+            self._proc_source = ProcessSource(self.nvml, self._host_reader)
+        if self.config.collect_host and self._host_source is None:
+            from .sources.host import HostSource
+
+            self._host_source = HostSource()
+        self._event_source = None
+        if self.config.events:
+            self._event_source = EventSource(self.nvml, self.devices)
+            self._event_source.start()
+        self._opened = True
+
+    def start(self) -> Sampler:
+        """Open and sample in a background thread until stop()."""
+        self.open()
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name="gpuscope-sampler", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+            self._thread = None
+        if self._event_source is not None:
+            self._event_source.stop()
+            self._event_source = None
+        if self._opened:
+            self.nvml.shutdown()
+            self._opened = False
+
+    def __enter__(self) -> Sampler:
+        self.open()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- reading -------------------------------------------------------------------------------
+    def latest(self) -> Snapshot | None:
+        return self._latest
+
+    def subscribe(self, fn: Callable[[Snapshot], None]) -> None:
+        """Call fn(snapshot) after every tick, on the sampler thread. Keep it quick; it must not raise."""
+        self._subscribers.append(fn)
+
+    def capabilities(self) -> dict[str, dict[str, Capability]]:
+        """For every GPU label and catalog metric it could have: supported or not, and why."""
+        out: dict[str, dict[str, Capability]] = {}
+        for dev in self.devices:
+            caps: dict[str, Capability] = {}
+            for name, m in CATALOG.items():
+                if m.source not in ("nvml", "gpm", "events") and not name.startswith("gpu_process_"):
+                    continue
+                c = dev.caps.get(name)
+                if c is None:
+                    if dev.is_mig and m.source == "nvml" and name not in dev.values:
+                        c = Capability(False, "not available per MIG instance (read on the parent GPU)")
+                    elif not dev.healthy:
+                        c = Capability(False, "the GPU is lost")
+                    else:
+                        c = Capability(False, "not read yet")
+                caps[name] = c
+            out[dev.label] = caps
+        return out
+
+    def overhead(self) -> dict[str, Any]:
+        """The sampler's own cost: CPU seconds, ticks, missed ticks, tick time, per-call NVML latency."""
+        ts = sorted(self.tick_seconds)
+        return {
+            "cpu_seconds": self.cpu_seconds,
+            "ticks": self.ticks,
+            "missed_ticks": self.missed_ticks,
+            "tick_median_us": ts[len(ts) // 2] * 1e6 if ts else 0.0,
+            "tick_max_us": ts[-1] * 1e6 if ts else 0.0,
+            "nvml_calls": self.nvml.latency_table(),
+        }
+
+    def self_metrics(self) -> dict[str, float]:
+        return {
+            "gpuscope_sampler_cpu_seconds_total": self.cpu_seconds,
+            "gpuscope_sampler_ticks_total": float(self.ticks),
+            "gpuscope_sampler_missed_ticks_total": float(self.missed_ticks),
+        }
+
+    # -- sampling ------------------------------------------------------------------------------
+    def sample_once(self) -> Snapshot:
+        """Run one tick now (opening the sampler if needed) and return its snapshot."""
+        self.open()
+        return self._tick(time.monotonic())
+
+    def _due(self, group: str, period: float, now: float) -> bool:
+        nxt = self._next_due.get(group)
+        if nxt is None or now >= nxt - 1e-4:
+            # Stay on the grid of the period; skip whole periods if we fell behind.
+            base = now if nxt is None or now - nxt > period else nxt
+            self._next_due[group] = base + period
+            return True
+        return False
+
+    def _tick(self, now: float) -> Snapshot:
+        with self._lock:
+            c0 = time.thread_time()
+            t0 = time.perf_counter()
+            cfg = self.config
+            events = self._pending_events
+            groups = ["fast"]
+            for g, p in (("slow", cfg.slow), ("energy", cfg.energy), ("rare", cfg.rare)):
+                if self._due(g, p, now):
+                    groups.append(g)
+            gpm_due = self._gpm_source is not None and self._due("gpm", cfg.gpm_window, now)
+            for dev in self.devices:
+                if not dev.healthy:
+                    continue
+                try:
+                    for g in groups:
+                        self._guard(self._nvml_source.collect, g, dev, now)
+                    if gpm_due:
+                        self._guard(self._gpm_source.collect, "gpm", dev, now)  # type: ignore[union-attr]
+                except GpuLost:
+                    mark_lost(dev, events)
+            if self._proc_source is not None and self._due("processes", cfg.processes, now):
+                try:
+                    self._processes = self._proc_source.collect(self.devices, events)
+                except Exception as e:  # noqa: BLE001 - never stop sampling
+                    self._log_once("processes", e)
+            if self._host_source is not None and self._due("host", cfg.host, now):
+                try:
+                    self._host = HostRecord(time.time_ns(), self._host_source.collect())
+                except Exception as e:  # noqa: BLE001
+                    self._log_once("host", e)
+            if self._event_source is not None:
+                self._event_source.drain(self.devices, events)
+            snap = self._snapshot(events)
+            self._pending_events = []
+            self._nvml_source.events = self._pending_events
+            self.ticks += 1
+            self.tick_seconds.append(time.perf_counter() - t0)
+            self.cpu_seconds += time.thread_time() - c0
+        for fn in self._subscribers:
+            try:
+                fn(snap)
+            except Exception as e:  # noqa: BLE001 - a consumer's bug must not stop the sampler
+                self._log_once(f"subscriber {fn!r}", e)
+        return snap
+
+    def _guard(self, fn: Callable[[str, Device, float], None], group: str, dev: Device, now: float) -> None:
+        try:
+            fn(group, dev, now)
+        except GpuLost:
+            raise
+        except Exception as e:  # noqa: BLE001 - a source bug must not stop the others
+            self._log_once(f"{group} on GPU {dev.label}", e)
+
+    def _log_once(self, where: str, e: BaseException) -> None:
+        if where not in self._errors_logged:
+            self._errors_logged.add(where)
+            log.warning("sampling %s failed: %s: %s (logged once)", where, type(e).__name__, e, exc_info=True)
+
+    def _snapshot(self, events: list[Event]) -> Snapshot:
+        now_ns = time.time_ns()
+        gpus = []
+        for dev in self.devices:
+            mask = dev.values.get("gpu_clock_event_reasons")
+            reasons = decode_clock_event_reasons(int(mask)) if mask is not None and dev.healthy else []
+            gpus.append(GpuRecord(dev.identity, now_ns, dict(dev.values), dev.healthy, reasons))
+        snap = Snapshot(now_ns, gpus, list(self._processes), self._host, list(events), self.simulated, self.hostname)
+        self.events_history.extend(events)
+        self.history.append(snap)
+        self._latest = snap
+        return snap
+
+    def _run(self) -> None:
+        interval = self.config.interval
+        t0 = time.monotonic()
+        k = 0
+        while not self._stop.is_set():
+            due = t0 + k * interval
+            now = time.monotonic()
+            if now < due:
+                if self._stop.wait(due - now):
+                    break
+                now = time.monotonic()
+            late = now - due
+            if late > interval:
+                skipped = int(late // interval)
+                self.missed_ticks += skipped
+                k += skipped
+            try:
+                self._tick(now)
+            except Exception as e:  # noqa: BLE001 - the sampler thread must never die
+                self._log_once("tick", e)
+            k += 1

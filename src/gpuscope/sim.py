@@ -1,0 +1,287 @@
+"""The simulated node: named scenarios whose coupled metrics follow the signatures measured on an H200
+(../shared/workloads/METRICS.md), for demos, CI and trying gpuscope without a GPU.
+
+It is a `FakeNVML` whose GPUs change with time, so the real sampler, sources and every consumer run
+unchanged; everything it produces is labelled simulated (Snapshot.simulated holds the scenario).
+
+    >>> from gpuscope.sim import SimulatedNode, SCENARIOS
+    >>> node = SimulatedNode("launch_bound")
+    >>> sorted(SCENARIOS)[:3]
+    ['compute_bound', 'gpu_lost', 'h2d_pinned']
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import pynvml as _nv
+
+from ._hostproc import HostProcInfo
+from .catalog import series_key
+from .testing import FakeGPU, FakeNVML, FakeProcess
+
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One steady state, in the units of METRICS.md: percents, MiB/s, watts, MiB, CPU % (100 = a core)."""
+
+    nvml_util: float
+    sm: float
+    occ: float
+    tensor: float
+    fp32: float
+    dram: float
+    pcie_rx: float
+    power: float
+    clock_events: int
+    cpu: float
+    mem_mib: float
+    hmma: float | None = None
+    fp16: float = 0.0
+    pcie_tx: float = 10.0
+    temp: float = 55.0
+    sm_clock: float = 1980.0
+    thread_cpu: float | None = None  # busiest thread, % of a core
+
+
+# Medians measured on one H200 (METRICS.md); throttled and memory_leak are built on them.
+PROFILES: dict[str, Profile] = {
+    "compute_bound": Profile(100, 96.4, 14.2, 93.6, 0.0, 17.4, 15, 691, 0x4, 100, 2777, temp=72, sm_clock=1755),
+    "memory_bound": Profile(100, 99.6, 85.0, 0.0, 1.6, 88.3, 28, 571, 0x0, 100, 5329, temp=66),
+    "transfer_bound": Profile(16, 0.4, 0.3, 0.0, 0.0, 0.5, 7579, 125, 0x0, 100, 1361, temp=36),
+    "h2d_pinned": Profile(100, 0.0, 0.0, 0.0, 0.0, 0.4, 53_400, 140, 0x0, 100, 1400, temp=38),
+    "launch_bound": Profile(23, 0.1, 0.0, 0.0, 0.0, 0.0, 155, 123, 0x0, 100, 1333, temp=35),
+    "input_starved": Profile(5, 4.0, 2.3, 0.5, 0.2, 2.1, 131, 153, 0x0, 100, 3707, temp=40),
+    "sync_bound": Profile(25, 20.5, 1.6, 0.0, 11.7, 0.0, 27, 220, 0x0, 100, 1353, temp=42),
+    "idle_allocated": Profile(0, 0.0, 0.0, 0.0, 0.0, 0.0, 1, 121, 0x1, 0, 42193, temp=31, sm_clock=345),
+    "healthy": Profile(100, 89.5, 39.4, 32.1, 3.4, 37.7, 51, 687, 0x0, 100, 6099, temp=70),
+    "throttled": Profile(100, 95.0, 14.0, 90.0, 0.0, 16.0, 15, 560, 0x60, 100, 2777, temp=89, sm_clock=1110),
+}
+
+DESCRIPTIONS = {
+    "compute_bound": "bf16 matmuls: SMs and tensor cores busy, clocks capped by the power limit",
+    "memory_bound": "elementwise ops over huge tensors: DRAM bandwidth near its ceiling, tensor pipes idle",
+    "transfer_bound": "host->device copies from pageable memory: SMs idle, PCIe busy, one CPU core saturated",
+    "h2d_pinned": "pinned host->device copies: NVML 'utilization' 100 % with SMs 0 % busy",
+    "launch_bound": "tiny kernels from a Python loop: SMs nearly idle, the launching thread at 100 % CPU",
+    "input_starved": "a data loader too slow for the GPU: utilization oscillates, CPU saturated",
+    "sync_bound": "frequent device->host synchronisations (.item()) stall the pipeline",
+    "idle_allocated": "42 GiB held, nothing running: a reserved but wasted GPU",
+    "healthy": "well-used training: no bottleneck to report",
+    "throttled": "compute-bound but thermally throttled: 89 C, SM clock down to 1110 MHz",
+    "memory_leak": "GPU memory grows steadily until the process runs out of memory and restarts",
+    "gpu_lost": "two GPUs training; GPU 1 falls off the bus after 10 s (XID 79)",
+    "xid_storm": "GPU 0 reports bursts of XID 13/31/43 errors and corrected ECC errors",
+    "mixed": "an 8-GPU node with a different behaviour on each GPU",
+}
+SCENARIOS = sorted(DESCRIPTIONS)
+_DEFAULT_GPUS = {"gpu_lost": 2, "mixed": 8}
+_MIXED = ["healthy", "compute_bound", "memory_bound", "launch_bound", "input_starved", "idle_allocated",
+          "throttled", "transfer_bound"]
+
+_BASE_PID = 4_000_000  # above Linux's default pid_max: never a real process
+
+
+class UnknownScenario(ValueError):
+    pass
+
+
+def _pct(rng: random.Random, v: float, rel: float = 0.03) -> float:
+    return min(100.0, max(0.0, v * (1 + rel * rng.gauss(0, 1)) + 0.05 * abs(rng.gauss(0, 1)) * (v > 0)))
+
+
+class _GpuDriver:
+    """Moves one FakeGPU through a profile with time; also the state its process reports to the host."""
+
+    def __init__(self, profile_name: str, index: int, seed: int) -> None:
+        self.name = profile_name
+        self.base = PROFILES.get(profile_name, PROFILES["healthy"])
+        self.rng = random.Random(seed)
+        self.last_t: float | None = None
+        self.cpu = self.base.cpu / 100.0
+        self.thread_cpu = (self.base.thread_cpu if self.base.thread_cpu is not None else min(100.0, self.base.cpu)) / 100
+        self.index = index
+        self.leak_mib = 0.0
+        self.restarts = 0
+
+    def profile_at(self, t: float) -> Profile:
+        p = self.base
+        if self.name == "input_starved":
+            # Bursts of real work while a batch is ready, then waiting on the loader: ~8 % duty in 2.5 s.
+            busy = (t % 2.5) < 0.2
+            if busy:
+                return replace(p, nvml_util=100, sm=80, occ=40, tensor=30, dram=35, power=450)
+            return replace(p, nvml_util=0, sm=0.2, occ=0.1, tensor=0, dram=0.1, power=130)
+        return p
+
+    def __call__(self, gpu: FakeGPU, t: float) -> None:
+        dt = 0.0 if self.last_t is None else max(0.0, t - self.last_t)
+        if self.last_t is not None and dt < 0.002:
+            return  # one state per 2 ms is plenty; keeps the fake cheap
+        self.last_t = t
+        p = self.profile_at(t)
+        r = self.rng
+        sm = _pct(r, p.sm)
+        gpu.util_gpu = int(round(_pct(r, p.nvml_util, 0.02)))
+        gpu.util_mem = int(round(_pct(r, p.dram * 0.9)))
+        gpu.power_w = max(60.0, p.power * (1 + 0.02 * r.gauss(0, 1)))
+        gpu.temperature_c = int(round(p.temp + r.gauss(0, 0.5)))
+        gpu.memory_temperature_c = gpu.temperature_c + 4
+        gpu.sm_clock_mhz = gpu.graphics_clock_mhz = int(p.sm_clock)
+        gpu.clock_event_reasons = p.clock_events if sm > 1 or p.clock_events else 0x1
+        gpu.pstate = 0
+        tensor = _pct(r, p.tensor)
+        gpu.gpm = {
+            1: _pct(r, max(p.nvml_util * 0.98, sm)), 2: sm, 3: _pct(r, p.occ), 4: _pct(r, p.fp32 * 0.3),
+            5: tensor, 7: tensor if p.hmma is None else _pct(r, p.hmma), 9: 0.0, 6: 0.0,
+            10: _pct(r, p.dram), 11: 0.0, 12: _pct(r, p.fp32), 13: _pct(r, p.fp16),
+            20: max(0.0, p.pcie_tx * (1 + 0.05 * r.gauss(0, 1))), 21: max(0.0, p.pcie_rx * (1 + 0.03 * r.gauss(0, 1))),
+            60: 0.0, 61: 0.0,
+        }
+        gpu.energy_mj += int(gpu.power_w * dt * 1000)
+        gpu.pcie_rx_bytes += int(gpu.gpm[21] * MIB * dt)
+        gpu.pcie_tx_bytes += int(gpu.gpm[20] * MIB * dt)
+        mem = p.mem_mib
+        if self.name == "memory_leak":
+            self.leak_mib += 900.0 * dt  # ~0.9 GiB/s: runs out of 140 GiB in about 2.5 minutes
+            if mem + self.leak_mib > gpu.memory_total_bytes / MIB - 1024:
+                self.leak_mib = 0.0  # out of memory: the process dies and restarts
+                self.restarts += 1
+                for proc in gpu.processes:
+                    proc.pid += 1
+            mem += self.leak_mib
+        gpu.memory_used_bytes = int((mem + 520) * MIB)
+        self.cpu = max(0.0, p.cpu / 100.0 * (1 + 0.02 * r.gauss(0, 1)))
+        self.thread_cpu = min(1.0, self.cpu)
+        for proc in gpu.processes:
+            proc.used_memory_bytes = int(mem * MIB)
+            proc.sm_percent = int(round(sm))
+            proc.mem_percent = int(round(gpu.util_mem))
+
+
+class _SimHostReader:
+    """What the host would say about the simulated processes."""
+
+    def __init__(self, node: SimulatedNode) -> None:
+        self.node = node
+
+    def read(self, pid: int) -> HostProcInfo | None:
+        for drv, gpu in zip(self.node.drivers, self.node.nvml.gpus, strict=False):
+            for proc in gpu.processes:
+                if proc.pid == pid:
+                    cmd = {"idle_allocated": "jupyter-kernel --notebook analysis.ipynb",
+                           "launch_bound": "python serve.py --batch-size 1"}.get(drv.name, "python train.py --batch-size 64")
+                    return HostProcInfo(
+                        pid=pid, name="python", user="sim", cmdline=f"{cmd} --gpu {drv.index}",
+                        cpu_ratio=drv.cpu, thread_cpu_max_ratio=drv.thread_cpu, rss_bytes=float(8 << 30),
+                        threads=24, started_at=self.node.started_at, pod="", namespace="",
+                        container="", pod_uid="", slurm_job="",
+                    )
+        return None
+
+    def forget(self, alive: set[int]) -> None:
+        return None
+
+
+class _SimHostSource:
+    name = "host"
+
+    def __init__(self, node: SimulatedNode, cores: int = 32) -> None:
+        self.node = node
+        self.cores = cores
+        self.t0 = time.monotonic()
+        self.rng = random.Random(7)
+
+    def collect(self) -> dict[str, float]:
+        busy = sum(d.cpu for d in self.node.drivers)
+        t = time.monotonic() - self.t0
+        out = {
+            "host_cpu_ratio": min(1.0, (busy + 0.5) / self.cores),
+            "host_load1": busy + 0.4, "host_load5": busy + 0.3, "host_load15": busy + 0.2,
+            "host_memory_total_bytes": float(512 << 30), "host_memory_used_bytes": float(96 << 30),
+            "host_memory_available_bytes": float(416 << 30), "host_swap_used_bytes": 0.0,
+            "host_disk_read_bytes_total": 50e6 * t, "host_disk_write_bytes_total": 5e6 * t,
+            "host_network_receive_bytes_total": 20e6 * t, "host_network_transmit_bytes_total": 2e6 * t,
+        }
+        for c in range(self.cores):
+            out[series_key("host_cpu_core_ratio", cpu=c)] = 1.0 if c < round(busy) else 0.02
+        return out
+
+
+class SimulatedNode:
+    """A named scenario on `gpus` simulated H200s. `nvml`, `host_reader`, `host_source` plug into Sampler."""
+
+    def __init__(self, scenario: str, gpus: int | None = None, seed: int = 1) -> None:
+        scenario = scenario.replace("-", "_")
+        if scenario not in DESCRIPTIONS:
+            raise UnknownScenario(
+                f"Unknown scenario {scenario!r}; choose one of: {', '.join(SCENARIOS)}.")
+        n = gpus if gpus is not None else _DEFAULT_GPUS.get(scenario, 1)
+        if not 1 <= n <= 64:
+            raise UnknownScenario(f"A simulated node has 1 to 64 GPUs, not {n}.")
+        self.scenario = scenario
+        self.started_at = time.time()
+        self.drivers: list[_GpuDriver] = []
+        fake_gpus = []
+        for i in range(n):
+            prof = _MIXED[i % len(_MIXED)] if scenario == "mixed" else scenario
+            if scenario in ("gpu_lost", "xid_storm"):
+                prof = "healthy"
+            drv = _GpuDriver(prof, i, seed * 1000 + i)
+            g = FakeGPU(index=i, uuid=f"GPU-5171a7ed-0000-4000-8000-{i:012d}", name="NVIDIA H200 (simulated)",
+                        processes=[FakeProcess(pid=_BASE_PID + 100 * i)], dynamics=drv)
+            self.drivers.append(drv)
+            fake_gpus.append(g)
+        self.nvml = FakeNVML(fake_gpus)
+        self.host_reader = _SimHostReader(self)
+        self.host_source = _SimHostSource(self)
+        self._timers: list[Callable[[float], None]] = []
+        if scenario == "gpu_lost":
+            self._arm_gpu_lost(fake_gpus[min(1, n - 1)], after=10.0)
+        if scenario == "xid_storm":
+            self._arm_xid_storm(fake_gpus[0])
+
+    def _arm_gpu_lost(self, gpu: FakeGPU, after: float) -> None:
+        inner = gpu.dynamics
+        nvml = self.nvml
+
+        def dyn(g: FakeGPU, t: float) -> None:
+            if inner is not None:
+                inner(g, t)
+            if t >= after and not g.lost:
+                nvml.inject_event(g, _nv.nvmlEventTypeXidCriticalError, 79)
+                g.lost = True
+
+        gpu.dynamics = dyn
+
+    def _arm_xid_storm(self, gpu: FakeGPU) -> None:
+        inner = gpu.dynamics
+        nvml = self.nvml
+        state = {"next": 2.0}
+        codes = (13, 31, 43)
+
+        def dyn(g: FakeGPU, t: float) -> None:
+            if inner is not None:
+                inner(g, t)
+            # A burst of 5 XIDs every 3 s, and a steady trickle of corrected ECC errors.
+            while t >= state["next"]:
+                k = int(state["next"])
+                for j in range(5):
+                    nvml.inject_event(g, _nv.nvmlEventTypeXidCriticalError, codes[(k + j) % 3])
+                nvml.inject_event(g, _nv.nvmlEventTypeSingleBitEccError, 0)
+                g.ecc_corrected += 3
+                state["next"] += 3.0
+
+        gpu.dynamics = dyn
+
+
+def describe(scenario: str) -> str:
+    return DESCRIPTIONS[scenario]
+
+
+__all__ = ["PROFILES", "SCENARIOS", "SimulatedNode", "UnknownScenario", "describe"]

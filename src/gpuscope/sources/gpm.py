@@ -1,0 +1,161 @@
+"""GPM (GPU Performance Monitoring, Hopper and newer): what the SMs, pipes and memory really did.
+
+NVML computes GPM metrics between two samples that must be more than 100 ms apart ("due to the
+internal sample refresh rate"). We keep two samples per device and ping-pong them: each read takes a
+new sample and computes the metrics over [previous, new] only when the two are at least
+`min_window` apart; otherwise the new sample is dropped and the previous one kept, so the next read
+spans a longer window. One metrics structure per device is allocated once and reused.
+
+MIG GPU instances are sampled with nvmlGpmMigSampleGet on the parent GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from .._nvml import Nvml, Unavailable
+from .device import Device
+
+log = logging.getLogger("gpuscope.gpm")
+
+PCT = 0.01
+MIB = 1024.0 * 1024.0
+
+#: (series, GPM metric id, scale to base units)
+GPM_METRICS: list[tuple[str, int, float]] = [
+    ("gpu_graphics_active_ratio", 1, PCT),
+    ("gpu_sm_active_ratio", 2, PCT),
+    ("gpu_sm_occupancy_ratio", 3, PCT),
+    ("gpu_integer_active_ratio", 4, PCT),
+    ("gpu_tensor_active_ratio", 5, PCT),
+    ("gpu_tensor_dfma_active_ratio", 6, PCT),
+    ("gpu_tensor_hmma_active_ratio", 7, PCT),
+    ("gpu_tensor_imma_active_ratio", 9, PCT),
+    ("gpu_dram_active_ratio", 10, PCT),
+    ("gpu_fp64_active_ratio", 11, PCT),
+    ("gpu_fp32_active_ratio", 12, PCT),
+    ("gpu_fp16_active_ratio", 13, PCT),
+    ("gpu_pcie_tx_bytes_per_second", 20, MIB),
+    ("gpu_pcie_rx_bytes_per_second", 21, MIB),
+    ("gpu_nvlink_rx_bytes_per_second", 60, MIB),
+    ("gpu_nvlink_tx_bytes_per_second", 61, MIB),
+]
+GPM_SERIES = [m[0] for m in GPM_METRICS]
+
+# Rates that also feed byte counters when NVML's own field counters are unavailable.
+_COUNTERS = {
+    "gpu_pcie_tx_bytes_per_second": "gpu_pcie_tx_bytes_total",
+    "gpu_pcie_rx_bytes_per_second": "gpu_pcie_rx_bytes_total",
+    "gpu_nvlink_tx_bytes_per_second": "gpu_nvlink_tx_bytes_total",
+    "gpu_nvlink_rx_bytes_per_second": "gpu_nvlink_rx_bytes_total",
+}
+
+MIN_WINDOW_S = 0.1
+
+
+class _GpmState:
+    __slots__ = ("prev", "cur", "prev_t", "query", "active")
+
+    def __init__(self, nvml: Nvml) -> None:
+        lib = nvml.lib
+        self.prev: Any = None
+        self.cur: Any = lib.nvmlGpmSampleAlloc()
+        self.prev_t = 0.0
+        q = lib.c_nvmlGpmMetricsGet_t()
+        q.version = lib.NVML_GPM_METRICS_GET_VERSION
+        self.query = q
+        self.active = list(GPM_METRICS)
+        self._load(q)
+
+    def _load(self, q: Any) -> None:
+        q.numMetrics = len(self.active)
+        for i, (_, mid, _) in enumerate(self.active):
+            q.metrics[i].metricId = mid
+
+
+class GpmSource:
+    name = "gpm"
+    groups = ("gpm",)
+
+    def __init__(self, nvml: Nvml, min_window: float = MIN_WINDOW_S) -> None:
+        if min_window < MIN_WINDOW_S:
+            raise ValueError(f"the GPM window must be at least {MIN_WINDOW_S * 1000:.0f} ms, got {min_window * 1000:g} ms")
+        self.nvml = nvml
+        self.min_window = min_window
+
+    def _state(self, dev: Device) -> _GpmState | None:
+        st = dev.state.get("gpm")
+        if st is not None:
+            return st if st is not False else None
+        handle = dev.parent_handle if dev.is_mig else dev.handle
+        sup = self.nvml.call("nvmlGpmQueryDeviceSupport", handle)
+        reason = ""
+        if isinstance(sup, Unavailable):
+            reason = f"GPM unavailable: {sup.reason}"
+        elif not sup.isSupportedDevice:
+            arch = dev.identity.architecture or "this"
+            reason = f"GPM needs a Hopper or newer data-center GPU ({arch} GPU); DCGM's profiling module is the only path here"
+        if reason:
+            for series in GPM_SERIES:
+                dev.unsupported(series, reason)
+            dev.state["gpm"] = False
+            return None
+        try:
+            st = _GpmState(self.nvml)
+        except Exception as e:  # noqa: BLE001 - allocation failure: report, never raise into the sampler
+            for series in GPM_SERIES:
+                dev.unsupported(series, f"GPM sample allocation failed: {e}")
+            dev.state["gpm"] = False
+            return None
+        dev.state["gpm"] = st
+        return st
+
+    def collect(self, group: str, dev: Device, now: float) -> None:
+        st = self._state(dev)
+        if st is None:
+            return
+        if dev.is_mig:
+            r = self.nvml.call("nvmlGpmMigSampleGet", dev.parent_handle, dev.identity.gpu_instance_id, st.cur)
+        else:
+            r = self.nvml.call("nvmlGpmSampleGet", dev.handle, st.cur)
+        if isinstance(r, Unavailable):
+            for series in GPM_SERIES:
+                dev.unsupported(series, f"GPM sampling failed: {r.reason}")
+            return
+        if st.prev is None:
+            st.prev, st.prev_t = st.cur, now
+            st.cur = self.nvml.lib.nvmlGpmSampleAlloc()
+            return
+        window = now - st.prev_t
+        if window < self.min_window:
+            return  # keep prev; the next read spans a longer window
+        q = st.query
+        q.sample1, q.sample2 = st.prev, st.cur
+        res = self.nvml.call("nvmlGpmMetricsGet", q)
+        st.prev, st.cur, st.prev_t = st.cur, st.prev, now
+        if isinstance(res, Unavailable):
+            for series in GPM_SERIES:
+                dev.unsupported(series, f"GPM metrics read failed: {res.reason}")
+            return
+        values, dropped = dev.values, False
+        keep = []
+        for i, (series, mid, scale) in enumerate(st.active):
+            m = q.metrics[i]
+            if m.nvmlReturn != 0:
+                dev.unsupported(series, "this GPM metric is not supported on this GPU")
+                dropped = True
+                continue
+            keep.append((series, mid, scale))
+            v = m.value * scale
+            values[series] = v
+            dev.supported(series)
+            counter = _COUNTERS.get(series)
+            if counter is not None and dev.state.get(f"{counter}:from_gpm", dev.is_mig or counter not in values):
+                # NVML's byte counter is unavailable: integrate the rate over the window.
+                values[counter] = values.get(counter, 0.0) + v * window
+                dev.supported(counter)
+        if dropped:
+            st.active = keep
+            st._load(q)
+        dev.state["gpm_window_s"] = window

@@ -1,0 +1,173 @@
+"""Processes on each GPU, their GPU memory and per-process SM / memory utilization, joined with what the
+host knows (user, redacted command line, CPU and busiest-thread CPU, RSS, threads, container / pod /
+Slurm job).
+
+Per-process utilization: NVML keeps a buffer of samples, one per process with non-zero use in each of
+its sample periods. We ask for samples newer than the last time stamp we saw on that GPU and
+average what comes back; a process with no new sample was idle (NVML_ERROR_NOT_FOUND means none at
+all). NVML gives host PIDs even inside a container; a pid we cannot see is reported as such.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from .._nvml import GpuLost, Nvml, Unavailable
+from .._records import Event, ProcessRecord
+from .device import Device, mark_lost
+
+
+class HostProcessInfo(Protocol):
+    pid: int
+    name: str
+    user: str
+    cmdline: str
+    cpu_ratio: float | None
+    thread_cpu_max_ratio: float | None
+    rss_bytes: float | None
+    threads: int | None
+    started_at: float | None
+    container: str
+    pod_uid: str
+    pod: str
+    namespace: str
+    slurm_job: str
+
+
+class HostReader(Protocol):
+    def read(self, pid: int) -> HostProcessInfo | None: ...
+    def forget(self, alive: set[int]) -> None: ...
+
+
+class ProcessSource:
+    name = "processes"
+
+    def __init__(self, nvml: Nvml, host: HostReader | None = None,
+                 wall_clock_us: Callable[[], int] = lambda: int(time.time() * 1e6)) -> None:
+        self.nvml = nvml
+        if host is None:
+            from .._hostproc import HostProcessReader
+
+            host = HostProcessReader()
+        self.host = host
+        self.wall_clock_us = wall_clock_us
+        self._seen: dict[str, set[int]] = {}  # gpu label -> pids at the last read
+
+    def collect(self, devices: list[Device], events: list[Event]) -> list[ProcessRecord]:
+        records: list[ProcessRecord] = []
+        infos: dict[int, HostProcessInfo | None] = {}
+        mig_children: dict[int, dict[int, Device]] = {}
+        for d in devices:
+            if d.is_mig and d.identity.parent_index is not None and d.identity.gpu_instance_id is not None:
+                mig_children.setdefault(d.identity.parent_index, {})[d.identity.gpu_instance_id] = d
+        for dev in devices:
+            if dev.is_mig or not dev.healthy:
+                continue
+            try:
+                found = self._device_processes(dev)
+            except GpuLost:
+                mark_lost(dev, events)
+                continue
+            if found is None:
+                continue
+            util = None if dev.identity.mig_mode else self._utilization(dev)
+            children = mig_children.get(dev.identity.index, {})
+            for pid, (kinds, mem, gi) in found.items():
+                target = children.get(gi, dev) if children else dev
+                if pid not in infos:
+                    infos[pid] = self.host.read(pid)
+                info = infos[pid]
+                sm, mu = util.get(pid, (0.0, 0.0)) if util is not None else (None, None)
+                rec = ProcessRecord(
+                    pid=pid, gpu=target.label, gpu_uuid=target.identity.uuid, type="+".join(sorted(kinds)),
+                    gpu_memory_bytes=mem, sm_ratio=sm, memory_ratio=mu, host_visible=info is not None,
+                )
+                if info is not None:
+                    rec.name, rec.user, rec.cmdline = info.name, info.user, info.cmdline
+                    rec.cpu_ratio, rec.thread_cpu_max_ratio = info.cpu_ratio, info.thread_cpu_max_ratio
+                    rec.rss_bytes, rec.threads, rec.started_at = info.rss_bytes, info.threads, info.started_at
+                    rec.container, rec.pod_uid, rec.pod = info.container, info.pod_uid, info.pod
+                    rec.namespace, rec.slurm_job = info.namespace, info.slurm_job
+                records.append(rec)
+        self._diff(records, devices, events)
+        self.host.forget(set(infos))
+        return records
+
+    def _device_processes(self, dev: Device) -> dict[int, tuple[set[str], float | None, int]] | None:
+        """pid -> (kinds, GPU memory bytes or None, GPU instance id)."""
+        out: dict[int, tuple[set[str], float | None, int]] = {}
+        ok = False
+        for call, kind in (("nvmlDeviceGetComputeRunningProcesses", "compute"),
+                           ("nvmlDeviceGetGraphicsRunningProcesses", "graphics")):
+            procs = self.nvml.call(call, dev.handle)
+            if isinstance(procs, Unavailable):
+                continue
+            ok = True
+            for p in procs:
+                mem = getattr(p, "usedGpuMemory", None)
+                mem_f = float(mem) if isinstance(mem, int) and mem < (1 << 62) else None  # N/A on MIG
+                gi = int(getattr(p, "gpuInstanceId", 0xFFFFFFFF))
+                prev = out.get(p.pid)
+                if prev is None:
+                    out[p.pid] = ({kind}, mem_f, gi)
+                else:
+                    prev[0].add(kind)
+        if not ok:
+            dev.unsupported("gpu_process_memory_used_bytes", "NVML cannot list this GPU's processes")
+            return None
+        dev.supported("gpu_process_memory_used_bytes")
+        return out
+
+    def _utilization(self, dev: Device) -> dict[int, tuple[float, float]] | None:
+        last = dev.state.get("proc_util_ts")
+        if last is None:
+            last = self.wall_clock_us() - 1_000_000
+        samples = self.nvml.call("nvmlDeviceGetProcessUtilization", dev.handle, last)
+        if isinstance(samples, Unavailable):
+            if samples.code in (6, 21, 0):  # nothing new: every process was idle
+                dev.state["proc_util_ts"] = last
+                dev.supported("gpu_process_sm_active_ratio")
+                return {}
+            dev.unsupported("gpu_process_sm_active_ratio", samples.reason)
+            dev.unsupported("gpu_process_memory_utilization_ratio", samples.reason)
+            return None
+        acc: dict[int, list[float]] = {}
+        newest = last
+        for s in samples:
+            ts = int(s.timeStamp)
+            if ts <= last:
+                continue
+            newest = max(newest, ts)
+            a = acc.setdefault(int(s.pid), [0.0, 0.0, 0.0])
+            a[0] += s.smUtil
+            a[1] += s.memUtil
+            a[2] += 1
+        dev.state["proc_util_ts"] = newest
+        dev.supported("gpu_process_sm_active_ratio")
+        dev.supported("gpu_process_memory_utilization_ratio")
+        return {pid: (a[0] / a[2] / 100.0, a[1] / a[2] / 100.0) for pid, a in acc.items()}
+
+    def _diff(self, records: list[ProcessRecord], devices: list[Device], events: list[Event]) -> None:
+        now = time.time_ns()
+        current: dict[str, dict[int, ProcessRecord]] = {}
+        for r in records:
+            current.setdefault(r.gpu, {})[r.pid] = r
+        for dev in devices:
+            label = dev.label
+            if not dev.healthy:
+                continue
+            cur = current.get(label, {})
+            before = self._seen.get(label)
+            if before is not None:
+                for pid in cur.keys() - before:
+                    r = cur[pid]
+                    events.append(Event(now, "process_start", label,
+                                        f"process {pid} ({r.name or '?'}) started using GPU {label}",
+                                        {"pid": pid, "name": r.name, "user": r.user}))
+                for pid in before - cur.keys():
+                    events.append(Event(now, "process_stop", label, f"process {pid} stopped using GPU {label}",
+                                        {"pid": pid}))
+            self._seen[label] = set(cur)
+
