@@ -124,7 +124,7 @@ class HostProcessReader:
         with proc.oneshot():
             name = _get(proc.name, "")
             user = _get(proc.username, "")
-            cmdline = _get(proc.cmdline, [])
+            cmdline: list[str] = _get(proc.cmdline, [])
             started_at = _get(proc.create_time, None)
         att: Attribution = read_attribution(pid, self._proc_root)
         static = HostProcInfo(

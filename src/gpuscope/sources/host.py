@@ -102,7 +102,7 @@ class HostSource:
             return
         if len(self._cpu_keys) != len(cur):
             self._cpu_keys = [series_key("host_cpu_core_ratio", cpu=i) for i in range(len(cur))]
-        for key, c, p in zip(self._cpu_keys, cur, prev):
+        for key, c, p in zip(self._cpu_keys, cur, prev, strict=True):
             r = _ratio(c, p)
             if r is not None:
                 out[key] = r
@@ -167,6 +167,8 @@ def numa_node_of_pci(bus_id: str, sys_root: str = "/sys") -> int | None:
     True
     """
     try:
+        if isinstance(bus_id, bytes):  # old pynvml bindings return bytes
+            bus_id = bus_id.decode("ascii", "replace")
         text = bus_id.strip().strip("\x00").lower()
         parts = text.split(":")
         if len(parts) == 2:  # no domain: "3b:00.0"
@@ -178,5 +180,5 @@ def numa_node_of_pci(bus_id: str, sys_root: str = "/sys") -> int | None:
         with open(os.path.join(sys_root, "bus", "pci", "devices", norm, "numa_node")) as f:
             node = int(f.read().strip())
         return node if node >= 0 else None
-    except (OSError, ValueError, AttributeError):
+    except Exception:  # unreadable sysfs or a malformed id: the node is unknown
         return None

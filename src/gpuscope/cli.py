@@ -1,0 +1,211 @@
+"""`gpuscope <verb>`. Every error a user can cause ends in one sentence and a non-zero exit.
+
+Exit codes: 0 ok, 1 the machine cannot do it (no driver, no GPU), 2 bad usage or input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Any
+
+from . import __version__
+from ._nvml import NvmlUnavailable
+from .sampler import ConfigError, Sampler, SamplerConfig
+
+EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one sentence, exit 2, no usage dump
+        raise UsageError(f"{message[0].upper()}{message[1:]} (see 'gpuscope {self.prog.split()[-1]} --help').")
+
+
+def _interval(text: str) -> float:
+    """Seconds, or a duration with a unit: 100ms, 0.5s, 2s, 1m."""
+    t = text.strip().lower()
+    units = (("ms", 1e-3), ("us", 1e-6), ("s", 1.0), ("m", 60.0))
+    try:
+        for suffix, scale in units:
+            if t.endswith(suffix):
+                return float(t[: -len(suffix)]) * scale
+        return float(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a duration such as 100ms, 0.5s or 2") from None
+
+
+def _add_source_args(p: argparse.ArgumentParser) -> None:
+    from .sim import SCENARIOS
+
+    p.add_argument("--simulate", metavar="SCENARIO",
+                   help=f"use a simulated node instead of the real GPUs; one of: {', '.join(SCENARIOS)}")
+    p.add_argument("--gpus", type=int, metavar="N", help="number of simulated GPUs (with --simulate)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="gpuscope", description="The truth about how well NVIDIA GPUs are used.")
+    p.add_argument("--version", action="version", version=f"gpuscope {__version__}")
+    p.add_argument("-v", "--verbose", action="store_true", help="log what the sampler does")
+    sub = p.add_subparsers(dest="verb", metavar="VERB", parser_class=_Parser)
+
+    d = sub.add_parser("doctor", help="what this machine supports, per GPU and metric, and why not",
+                       description="Checks the driver, NVML, GPM, permissions and processes, and lists for "
+                                   "every metric whether this machine supports it and, if not, why.")
+    _add_source_args(d)
+    d.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    s = sub.add_parser("sample", help="print snapshots: per GPU the true SM activity beside NVML utilization",
+                       description="Samples the GPUs and prints one line per GPU per snapshot "
+                                   "(or JSON lines with --json). Ctrl-C stops.")
+    _add_source_args(s)
+    s.add_argument("--interval", type=_interval, default=0.1, help="sampling interval (default 100ms)")
+    s.add_argument("--every", type=_interval, default=1.0, help="print every this often (default 1s)")
+    s.add_argument("--count", type=int, default=0, help="stop after this many prints (default: run until Ctrl-C)")
+    s.add_argument("--json", action="store_true", help="JSON lines: one snapshot per line")
+
+    sc = sub.add_parser("scenarios", help="list the simulated scenarios")
+    del sc
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except UsageError as e:
+        print(f"gpuscope: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.verb is None:
+        parser.print_help()
+        return EXIT_USAGE
+    try:
+        return _VERBS[args.verb](args)
+    except UsageError as e:
+        print(f"gpuscope: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except ConfigError as e:
+        print(f"gpuscope: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except NvmlUnavailable as e:
+        print(f"gpuscope: {e}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return EXIT_OK
+
+
+def _check_sim(args: argparse.Namespace) -> None:
+    from .sim import SCENARIOS, UnknownScenario
+
+    if args.gpus is not None and args.simulate is None:
+        raise UsageError("--gpus only applies to a simulated node; add --simulate SCENARIO.")
+    if args.simulate is not None and args.simulate.replace("-", "_") not in SCENARIOS:
+        raise UsageError(str(UnknownScenario(
+            f"Unknown scenario '{args.simulate}'; choose one of: {', '.join(SCENARIOS)}")))
+    if args.gpus is not None and not 1 <= args.gpus <= 64:
+        raise UsageError(f"--gpus must be between 1 and 64, not {args.gpus}.")
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from . import doctor
+
+    _check_sim(args)
+    report = doctor.run(args.simulate, args.gpus)
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        print(doctor.render(report))
+    return EXIT_OK
+
+
+def _fmt(v: float | None, scale: float = 100.0, width: int = 5, unit: str = "%") -> str:
+    return f"{'-':>{width}}{' ' * len(unit)}" if v is None else f"{v * scale:>{width}.1f}{unit}"
+
+
+def _line(snap: Any) -> list[str]:
+    out = []
+    for g in snap.gpus:
+        if not g.healthy:
+            out.append(f"GPU {g.identity.label:<4} LOST")
+            continue
+        mem = g.get("gpu_memory_used_bytes")
+        out.append(
+            f"GPU {g.identity.label:<4} SM active {_fmt(g.sm_active_ratio)}  tensor {_fmt(g.get('gpu_tensor_active_ratio'))}"
+            f"  DRAM {_fmt(g.get('gpu_dram_active_ratio'))}  PCIe rx {_fmt(g.get('gpu_pcie_rx_bytes_per_second'), 1e-9, 6, 'GB/s')}"
+            f"  | NVML util {_fmt(g.utilization_ratio)}  mem {_fmt(mem, 2**-30, 6, 'GiB')}"
+            f"  {_fmt(g.power_watts, 1, 5, 'W')}  {','.join(r for r in g.throttle_reasons if r != 'gpu_idle')}"
+        )
+    return out
+
+
+def _sample(args: argparse.Namespace) -> int:
+    _check_sim(args)
+    if args.count < 0:
+        raise UsageError(f"--count must be 0 (no limit) or more, not {args.count}.")
+    if args.every < args.interval:
+        raise UsageError("--every must not be shorter than --interval.")
+    sampler = Sampler(SamplerConfig(interval=args.interval), simulate=args.simulate, gpus=args.gpus)
+    stop = {"now": False}
+
+    def _term(*_: object) -> None:
+        stop["now"] = True
+
+    signal.signal(signal.SIGTERM, _term)
+    events: list[Any] = []
+    sampler.subscribe(lambda snap: events.extend(snap.events))
+    sampler.start()
+    if sampler.simulated and not args.json:
+        print(f"SIMULATED node — scenario '{sampler.simulated}' (not real GPUs)", flush=True)
+    n = 0
+    try:
+        while not stop["now"]:
+            time.sleep(args.every)
+            snap = sampler.latest()
+            if snap is None:
+                continue
+            if args.json:
+                print(json.dumps(asdict(snap), default=str), flush=True)
+            else:
+                print(time.strftime("%H:%M:%S"), flush=False)
+                for line in _line(snap):
+                    print("  " + line)
+                pending, events[:] = events[:], []
+                for e in pending:
+                    print(f"  event: {e.message}" + (f" (x{e.count})" if e.count > 1 else ""))
+                sys.stdout.flush()
+            n += 1
+            if args.count and n >= args.count:
+                break
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sampler.stop()
+    return EXIT_OK
+
+
+def _scenarios(args: argparse.Namespace) -> int:
+    from .sim import SCENARIOS, describe
+
+    for s in SCENARIOS:
+        print(f"{s:<16} {describe(s)}")
+    return EXIT_OK
+
+
+_VERBS = {"doctor": _doctor, "sample": _sample, "scenarios": _scenarios}
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
