@@ -22,6 +22,7 @@ class GpuIdentity:
     power_limit_watts: float | None = None
     sm_clock_max_hertz: float | None = None
     mig_mode: bool = False
+    gpm_supported: bool = False
     numa_node: int | None = None
     cpu_affinity: list[int] = field(default_factory=list)
     parent_index: int | None = None  # set for a MIG instance

@@ -24,10 +24,11 @@ class Kind(str, Enum):
 class Cost(str, Enum):
     """How often a field is read. The sampler maps each class to a period (see SamplerConfig)."""
 
-    FAST = "fast"  # about 1-6 us per call: read every tick
+    FAST = "fast"  # ~1-8 us per call and changes quickly (memory, throttle reasons, SM clock): every tick
+    MEDIUM = "medium"  # the driver refreshes it every 1/6-1 s (utilization, 1 s-averaged power): every 200 ms
     GPM = "gpm"  # GPM window, >= 100 ms between its two samples
-    SLOW = "slow"  # per-process data, ECC, encoder: every second
-    ENERGY = "energy"  # the total-energy read costs ~2.4 ms on an H200: every few seconds
+    SLOW = "slow"  # temperatures, other clocks, ECC, encoder, per-process data: every second
+    ENERGY = "energy"  # the total-energy read costs ~3 ms of CPU on an H200: every 10 s, power integrated between
     RARE = "rare"  # link state, remapped rows, limits: every 30 s
     EVENT = "event"  # pushed by NVML event sets, never polled
     DERIVED = "derived"  # computed by the sampler from other reads
@@ -54,11 +55,11 @@ _MIB = 1.0 / (1024 * 1024)
 
 _METRICS = [
     # ---- NVML device source: the numbers nvidia-smi shows, each labelled for what it is ----
-    Metric("gpu_utilization_ratio", "ratio", G, "nvml", Cost.FAST,
+    Metric("gpu_utilization_ratio", "ratio", G, "nvml", Cost.MEDIUM,
            "NVML utilization.gpu: share of time any kernel or copy ran. NOT how busy the SMs were; "
            "see gpu_sm_active_ratio.", "nvmlDeviceGetUtilizationRates", "DCGM_FI_DEV_GPU_UTIL", 100.0,
            "hw.gpu.utilization", needs="no-mig"),
-    Metric("gpu_memory_utilization_ratio", "ratio", G, "nvml", Cost.FAST,
+    Metric("gpu_memory_utilization_ratio", "ratio", G, "nvml", Cost.MEDIUM,
            "NVML utilization.memory: share of time device memory was read or written.",
            "nvmlDeviceGetUtilizationRates", "DCGM_FI_DEV_MEM_COPY_UTIL", 100.0, needs="no-mig"),
     Metric("gpu_encoder_utilization_ratio", "ratio", G, "nvml", Cost.SLOW, "Video encoder utilization.",
@@ -74,7 +75,7 @@ _METRICS = [
            "DCGM_FI_DEV_FB_RESERVED", _MIB),
     Metric("gpu_memory_total_bytes", "bytes", G, "nvml", Cost.RARE, "Device memory installed.",
            "nvmlDeviceGetMemoryInfo", "DCGM_FI_DEV_FB_TOTAL", _MIB, "hw.gpu.memory.limit"),
-    Metric("gpu_power_watts", "watts", G, "nvml", Cost.FAST,
+    Metric("gpu_power_watts", "watts", G, "nvml", Cost.MEDIUM,
            "Board power draw (averaged over 1 s by the driver on Ampere and newer).",
            "nvmlDeviceGetPowerUsage", "DCGM_FI_DEV_POWER_USAGE", 1.0, "hw.gpu.power"),
     Metric("gpu_power_limit_watts", "watts", G, "nvml", Cost.RARE, "Enforced power limit.",
@@ -83,19 +84,19 @@ _METRICS = [
            "Energy used since the driver loaded: the hardware counter, advanced between its (costly) "
            "reads by integrating power.", "nvmlDeviceGetTotalEnergyConsumption",
            "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", 1000.0, "hw.gpu.energy"),
-    Metric("gpu_temperature_celsius", "celsius", G, "nvml", Cost.FAST, "GPU die temperature.",
+    Metric("gpu_temperature_celsius", "celsius", G, "nvml", Cost.SLOW, "GPU die temperature.",
            "nvmlDeviceGetTemperature", "DCGM_FI_DEV_GPU_TEMP", 1.0, "hw.gpu.temperature"),
-    Metric("gpu_memory_temperature_celsius", "celsius", G, "nvml", Cost.FAST, "HBM temperature.",
+    Metric("gpu_memory_temperature_celsius", "celsius", G, "nvml", Cost.SLOW, "HBM temperature.",
            "nvmlDeviceGetFieldValues(NVML_FI_DEV_MEMORY_TEMP)", "DCGM_FI_DEV_MEMORY_TEMP"),
     Metric("gpu_sm_clock_hertz", "hertz", G, "nvml", Cost.FAST, "SM clock.",
            "nvmlDeviceGetClockInfo(SM)", "DCGM_FI_DEV_SM_CLOCK", 1e-6),
-    Metric("gpu_memory_clock_hertz", "hertz", G, "nvml", Cost.FAST, "Memory clock.",
+    Metric("gpu_memory_clock_hertz", "hertz", G, "nvml", Cost.SLOW, "Memory clock.",
            "nvmlDeviceGetClockInfo(MEM)", "DCGM_FI_DEV_MEM_CLOCK", 1e-6),
-    Metric("gpu_graphics_clock_hertz", "hertz", G, "nvml", Cost.FAST, "Graphics clock.",
+    Metric("gpu_graphics_clock_hertz", "hertz", G, "nvml", Cost.SLOW, "Graphics clock.",
            "nvmlDeviceGetClockInfo(GRAPHICS)", "DCGM_FI_DEV_APP_SM_CLOCK", 1e-6),
     Metric("gpu_sm_clock_max_hertz", "hertz", G, "nvml", Cost.RARE, "Highest SM clock the GPU supports.",
            "nvmlDeviceGetMaxClockInfo(SM)", "DCGM_FI_DEV_MAX_SM_CLOCK", 1e-6),
-    Metric("gpu_performance_state", "", G, "nvml", Cost.FAST, "Performance state: 0 (P0, fastest) to 15.",
+    Metric("gpu_performance_state", "", G, "nvml", Cost.SLOW, "Performance state: 0 (P0, fastest) to 15.",
            "nvmlDeviceGetPerformanceState", "DCGM_FI_DEV_PSTATE"),
     Metric("gpu_clock_event_reasons", "", G, "nvml", Cost.FAST,
            "Raw clock-event (throttle) reason bitmask.", "nvmlDeviceGetCurrentClocksEventReasons",
@@ -107,7 +108,7 @@ _METRICS = [
            "nvmlDeviceGetCurrPcieLinkGeneration", "DCGM_FI_DEV_PCIE_LINK_GEN"),
     Metric("gpu_pcie_link_width", "", G, "nvml", Cost.RARE, "Current PCIe link width (lanes).",
            "nvmlDeviceGetCurrPcieLinkWidth", "DCGM_FI_DEV_PCIE_LINK_WIDTH"),
-    Metric("gpu_pcie_replay_errors_total", "", C, "nvml", Cost.SLOW, "PCIe replay counter.",
+    Metric("gpu_pcie_replay_errors_total", "", C, "nvml", Cost.RARE, "PCIe replay counter.",
            "nvmlDeviceGetPcieReplayCounter", "DCGM_FI_DEV_PCIE_REPLAY_COUNTER"),
     Metric("gpu_pcie_tx_bytes_total", "bytes", C, "nvml", Cost.DERIVED,
            "Bytes sent over PCIe by the GPU (NVML field counter, else the GPM rate integrated).",
@@ -145,7 +146,8 @@ _METRICS = [
            "1 while NVML answers for the GPU, 0 after it fell off the bus (GPU is lost).", ""),
     # ---- GPM (Hopper and newer): what the SMs, pipes and memory really did ----
     Metric("gpu_graphics_active_ratio", "ratio", G, "gpm", Cost.GPM,
-           "Share of time the graphics/compute engine was active (GPM; like NVML utilization).",
+           "Share of time the graphics/compute engine was active (GPM; like NVML utilization). Off by default: "
+           "this one GPM metric costs ~1.4 ms of CPU per read on an H200, the others ~1 us.",
            "NVML_GPM_METRIC_GRAPHICS_UTIL", "DCGM_FI_PROF_GR_ENGINE_ACTIVE", needs="hopper"),
     Metric("gpu_sm_active_ratio", "ratio", G, "gpm", Cost.GPM,
            "Share of SMs busy, averaged over time: the truthful 'utilization'.",
@@ -192,8 +194,8 @@ _METRICS = [
            "nvmlEventSetWait(Single/DoubleBitEccError)", labels=("type",)),
     # ---- per process on a GPU ----
     Metric("gpu_process_memory_used_bytes", "bytes", G, "processes", Cost.SLOW,
-           "GPU memory held by the process.", "nvmlDeviceGetComputeRunningProcesses", "DCGM_FI_DEV_FB_USED",
-           _MIB, labels=("pid", "process", "user")),
+           "GPU memory held by the process.", "nvmlDeviceGetComputeRunningProcesses",
+           labels=("pid", "process", "user")),
     Metric("gpu_process_sm_active_ratio", "ratio", G, "processes", Cost.SLOW,
            "NVML per-process SM utilization over the last period.", "nvmlDeviceGetProcessUtilization",
            labels=("pid", "process", "user"), needs="no-mig"),

@@ -105,6 +105,7 @@ def _identify(nvml: Nvml, h: Any, i: int, driver: str, cuda: str, ncpu_words: in
     smax = nvml.call("nvmlDeviceGetMaxClockInfo", h, lib.NVML_CLOCK_SM)
     mig = nvml.call("nvmlDeviceGetMigMode", h)
     aff = nvml.call("nvmlDeviceGetCpuAffinity", h, ncpu_words)
+    gpm = nvml.call("nvmlGpmQueryDeviceSupport", h)
     cpus = []
     if not isinstance(aff, Unavailable):
         for w, word in enumerate(aff):
@@ -125,6 +126,7 @@ def _identify(nvml: Nvml, h: Any, i: int, driver: str, cuda: str, ncpu_words: in
         power_limit_watts=plim / 1000 if not isinstance(plim, Unavailable) else None,
         sm_clock_max_hertz=smax * 1e6 if not isinstance(smax, Unavailable) else None,
         mig_mode=bool(not isinstance(mig, Unavailable) and mig[0]),
+        gpm_supported=bool(not isinstance(gpm, Unavailable) and gpm.isSupportedDevice),
         numa_node=numa_node_of_pci(bus) if bus else None,
         cpu_affinity=cpus,
     )
@@ -150,7 +152,7 @@ def _mig_instances(nvml: Nvml, parent: Device) -> list[Device]:
             architecture=p.architecture, compute_capability=p.compute_capability,
             driver_version=p.driver_version, cuda_version=p.cuda_version,
             memory_total_bytes=int(mem.total) if not isinstance(mem, Unavailable) else 0,
-            mig_mode=True, numa_node=p.numa_node, cpu_affinity=p.cpu_affinity,
+            mig_mode=True, gpm_supported=p.gpm_supported, numa_node=p.numa_node, cpu_affinity=p.cpu_affinity,
             parent_index=p.index, gpu_instance_id=_int(gi),
         )
         dev = Device(ident, mh, parent_handle=parent.handle)

@@ -24,7 +24,6 @@ MIB = 1024.0 * 1024.0
 
 #: (series, GPM metric id, scale to base units)
 GPM_METRICS: list[tuple[str, int, float]] = [
-    ("gpu_graphics_active_ratio", 1, PCT),
     ("gpu_sm_active_ratio", 2, PCT),
     ("gpu_sm_occupancy_ratio", 3, PCT),
     ("gpu_integer_active_ratio", 4, PCT),
@@ -41,7 +40,12 @@ GPM_METRICS: list[tuple[str, int, float]] = [
     ("gpu_nvlink_rx_bytes_per_second", 60, MIB),
     ("gpu_nvlink_tx_bytes_per_second", 61, MIB),
 ]
+#: Measured on an H200 (driver 580): GRAPHICS_UTIL alone makes one nvmlGpmMetricsGet cost ~1.4 ms of
+#: CPU instead of ~1.5 us for all the others together, and NVML utilization says nearly the same.
+EXPENSIVE_METRICS: list[tuple[str, int, float]] = [("gpu_graphics_active_ratio", 1, PCT)]
 GPM_SERIES = [m[0] for m in GPM_METRICS]
+_EXPENSIVE_REASON = ("off by default: this GPM metric costs ~1.4 ms of CPU per read (the others ~1 us); "
+                     "enable with gpm_graphics=True")
 
 # Rates that also feed byte counters when NVML's own field counters are unavailable.
 _COUNTERS = {
@@ -57,7 +61,7 @@ MIN_WINDOW_S = 0.1
 class _GpmState:
     __slots__ = ("prev", "cur", "prev_t", "query", "active")
 
-    def __init__(self, nvml: Nvml) -> None:
+    def __init__(self, nvml: Nvml, metrics: list[tuple[str, int, float]]) -> None:
         lib = nvml.lib
         self.prev: Any = None
         self.cur: Any = lib.nvmlGpmSampleAlloc()
@@ -65,7 +69,7 @@ class _GpmState:
         q = lib.c_nvmlGpmMetricsGet_t()
         q.version = lib.NVML_GPM_METRICS_GET_VERSION
         self.query = q
-        self.active = list(GPM_METRICS)
+        self.active = list(metrics)
         self._load(q)
 
     def _load(self, q: Any) -> None:
@@ -78,11 +82,13 @@ class GpmSource:
     name = "gpm"
     groups = ("gpm",)
 
-    def __init__(self, nvml: Nvml, min_window: float = MIN_WINDOW_S) -> None:
+    def __init__(self, nvml: Nvml, min_window: float = MIN_WINDOW_S, graphics: bool = False) -> None:
         if min_window < MIN_WINDOW_S:
             raise ValueError(f"the GPM window must be at least {MIN_WINDOW_S * 1000:.0f} ms, got {min_window * 1000:g} ms")
         self.nvml = nvml
         self.min_window = min_window
+        self.metrics = GPM_METRICS + (EXPENSIVE_METRICS if graphics else [])
+        self.series = [m[0] for m in self.metrics]
 
     def _state(self, dev: Device) -> _GpmState | None:
         st = dev.state.get("gpm")
@@ -97,18 +103,21 @@ class GpmSource:
             arch = dev.identity.architecture or "this"
             reason = f"GPM needs a Hopper or newer data-center GPU ({arch} GPU); DCGM's profiling module is the only path here"
         if reason:
-            for series in GPM_SERIES:
+            for series in self.series + [e[0] for e in EXPENSIVE_METRICS]:
                 dev.unsupported(series, reason)
             dev.state["gpm"] = False
             return None
         try:
-            st = _GpmState(self.nvml)
+            st = _GpmState(self.nvml, self.metrics)
         except Exception as e:  # noqa: BLE001 - allocation failure: report, never raise into the sampler
-            for series in GPM_SERIES:
+            for series in self.series:
                 dev.unsupported(series, f"GPM sample allocation failed: {e}")
             dev.state["gpm"] = False
             return None
         dev.state["gpm"] = st
+        if len(self.metrics) == len(GPM_METRICS):
+            for series, _, _ in EXPENSIVE_METRICS:
+                dev.unsupported(series, _EXPENSIVE_REASON)
         return st
 
     def collect(self, group: str, dev: Device, now: float) -> None:
@@ -120,7 +129,7 @@ class GpmSource:
         else:
             r = self.nvml.call("nvmlGpmSampleGet", dev.handle, st.cur)
         if isinstance(r, Unavailable):
-            for series in GPM_SERIES:
+            for series in self.series:
                 dev.unsupported(series, f"GPM sampling failed: {r.reason}")
             return
         if st.prev is None:
@@ -135,7 +144,7 @@ class GpmSource:
         res = self.nvml.call("nvmlGpmMetricsGet", q)
         st.prev, st.cur, st.prev_t = st.cur, st.prev, now
         if isinstance(res, Unavailable):
-            for series in GPM_SERIES:
+            for series in self.series:
                 dev.unsupported(series, f"GPM metrics read failed: {res.reason}")
             return
         values, dropped = dev.values, False
@@ -151,8 +160,8 @@ class GpmSource:
             values[series] = v
             dev.supported(series)
             counter = _COUNTERS.get(series)
-            if counter is not None and dev.state.get(f"{counter}:from_gpm", dev.is_mig or counter not in values):
-                # NVML's byte counter is unavailable: integrate the rate over the window.
+            if counter is not None and not dev.state.get("counters_from_nvml"):
+                # GPM's rate is an average over the window, so rate x window is exact.
                 values[counter] = values.get(counter, 0.0) + v * window
                 dev.supported(counter)
         if dropped:

@@ -1,9 +1,16 @@
 """NVML device fields: utilization (labelled for what it is), memory, power, energy, temperature,
 clocks, throttle reasons, PCIe/NVLink byte counters, ECC, remapped rows.
 
-Cadence groups: 'fast' (about 1-6 us per call: every tick), 'slow' (every second), 'energy' (the
-total-energy read costs ~2.4 ms on an H200: every few seconds, integrated from power between
-reads), 'rare' (link state, remapped rows, limits: every 30 s).
+Each field's cadence fits its cost and its meaning (costs measured on an H200, see BENCHMARKS.md):
+- 'fast', every tick: memory used/free, clock-event (throttle) reasons, SM clock (~1-8 us each);
+- 'medium', every 200 ms: NVML utilization and power, which the driver itself refreshes only every
+  1/6-1 s (power is a 1 s average on Ampere and newer), so reading them faster buys nothing;
+- 'slow', every second: temperatures, other clocks, P-state, encoder/decoder, ECC, field values;
+- 'energy', every 10 s: the hardware energy counter (~3 ms of CPU per read), integrated from power
+  between reads;
+- 'rare', every 30 s: PCIe link and replay counter (~170 us), limits, remapped rows.
+PCIe/NVLink byte counters come from integrating GPM's rates where the GPU has GPM; NVML's own
+counters (~150 us per read) are read every second only on GPUs without it.
 """
 
 from __future__ import annotations
@@ -23,19 +30,18 @@ _IDLE_BIT = 0x1
 
 class NvmlSource:
     name = "nvml"
-    groups = ("fast", "slow", "energy", "rare")
+    groups = ("fast", "medium", "slow", "energy", "rare")
 
     def __init__(self, nvml: Nvml, events: list[Event]) -> None:
         self.nvml = nvml
         self.lib = nvml.lib
         self.events = events
         lib = self.lib
-        self._fast_fields = [
-            ("gpu_memory_temperature_celsius", lib.NVML_FI_DEV_MEMORY_TEMP, 1.0),
+        self._slow_fields = [("gpu_memory_temperature_celsius", lib.NVML_FI_DEV_MEMORY_TEMP, 1.0)]
+        # Only where GPM is missing (with GPM, its rates are integrated instead: far cheaper).
+        self._counter_fields = [
             ("gpu_pcie_tx_bytes_total", lib.NVML_FI_DEV_PCIE_COUNT_TX_BYTES, 1.0),
             ("gpu_pcie_rx_bytes_total", lib.NVML_FI_DEV_PCIE_COUNT_RX_BYTES, 1.0),
-        ]
-        self._slow_fields = [
             ("gpu_nvlink_tx_bytes_total", lib.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, 1024.0),
             ("gpu_nvlink_rx_bytes_total", lib.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX, 1024.0),
         ]
@@ -52,6 +58,8 @@ class NvmlSource:
             return
         if group == "fast":
             self._fast(dev, now)
+        elif group == "medium":
+            self._medium(dev, now)
         elif group == "slow":
             self._slow(dev)
         elif group == "energy":
@@ -86,13 +94,7 @@ class NvmlSource:
         keep = []
         for (metric, fid, scale), fv in zip(active, res, strict=False):
             if fv.nvmlReturn != 0:
-                if metric in ("gpu_pcie_tx_bytes_total", "gpu_pcie_rx_bytes_total",
-                              "gpu_nvlink_tx_bytes_total", "gpu_nvlink_rx_bytes_total"):
-                    # The GPM source integrates its rate instead, where the GPU has GPM.
-                    dev.state[f"{metric}:from_gpm"] = True
-                    dev.unsupported(metric, "NVML's byte counter is unavailable and GPM is needed to integrate the rate")
-                else:
-                    dev.unsupported(metric, "not supported by this GPU or driver")
+                dev.unsupported(metric, "not supported by this GPU or driver")
                 continue
             keep.append((metric, fid, scale))
             dev.values[metric] = _field_value(fv) * scale
@@ -122,6 +124,17 @@ class NvmlSource:
             dev.supported(m)
 
     def _fast(self, dev: Device, now: float) -> None:
+        call, h = self.nvml.call, dev.handle
+        self._memory(dev)
+        reasons = call("nvmlDeviceGetCurrentClocksEventReasons", h)
+        if isinstance(reasons, Unavailable):
+            dev.unsupported("gpu_clock_event_reasons", reasons.reason)
+            dev.unsupported("gpu_throttle_seconds_total", reasons.reason)
+        else:
+            self._throttle(dev, int(reasons), now)
+        self._put(dev, "gpu_sm_clock_hertz", call("nvmlDeviceGetClockInfo", h, self._clock_sm), 1e6)
+
+    def _medium(self, dev: Device, now: float) -> None:
         call, h, put = self.nvml.call, dev.handle, self._put
         util = call("nvmlDeviceGetUtilizationRates", h)
         if isinstance(util, Unavailable):
@@ -132,22 +145,9 @@ class NvmlSource:
             dev.values["gpu_memory_utilization_ratio"] = util.memory / 100.0
             dev.supported("gpu_utilization_ratio")
             dev.supported("gpu_memory_utilization_ratio")
-        self._memory(dev)
         power = call("nvmlDeviceGetPowerUsage", h)
         if put(dev, "gpu_power_watts", power, 1e-3):
             self._integrate_power(dev, power / 1000.0, now)
-        put(dev, "gpu_temperature_celsius", call("nvmlDeviceGetTemperature", h, self._temp_gpu))
-        put(dev, "gpu_sm_clock_hertz", call("nvmlDeviceGetClockInfo", h, self._clock_sm), 1e6)
-        put(dev, "gpu_memory_clock_hertz", call("nvmlDeviceGetClockInfo", h, self._clock_mem), 1e6)
-        put(dev, "gpu_graphics_clock_hertz", call("nvmlDeviceGetClockInfo", h, self._clock_gfx), 1e6)
-        put(dev, "gpu_performance_state", call("nvmlDeviceGetPerformanceState", h))
-        reasons = call("nvmlDeviceGetCurrentClocksEventReasons", h)
-        if isinstance(reasons, Unavailable):
-            dev.unsupported("gpu_clock_event_reasons", reasons.reason)
-            dev.unsupported("gpu_throttle_seconds_total", reasons.reason)
-        else:
-            self._throttle(dev, int(reasons), now)
-        self._fields(dev, "fast_fields", self._fast_fields)
 
     def _integrate_power(self, dev: Device, watts: float, now: float) -> None:
         """Advance the energy counter between hardware reads by integrating power (trapezoid)."""
@@ -205,6 +205,10 @@ class NvmlSource:
 
     def _slow(self, dev: Device) -> None:
         call, h, put = self.nvml.call, dev.handle, self._put
+        put(dev, "gpu_temperature_celsius", call("nvmlDeviceGetTemperature", h, self._temp_gpu))
+        put(dev, "gpu_memory_clock_hertz", call("nvmlDeviceGetClockInfo", h, self._clock_mem), 1e6)
+        put(dev, "gpu_graphics_clock_hertz", call("nvmlDeviceGetClockInfo", h, self._clock_gfx), 1e6)
+        put(dev, "gpu_performance_state", call("nvmlDeviceGetPerformanceState", h))
         enc = call("nvmlDeviceGetEncoderUtilization", h)
         put(dev, "gpu_encoder_utilization_ratio", enc if isinstance(enc, Unavailable) else enc[0], 0.01)
         dec = call("nvmlDeviceGetDecoderUtilization", h)
@@ -214,13 +218,16 @@ class NvmlSource:
             call("nvmlDeviceGetTotalEccErrors", h, lib.NVML_MEMORY_ERROR_TYPE_CORRECTED, lib.NVML_VOLATILE_ECC))
         put(dev, "gpu_ecc_uncorrected_errors_total",
             call("nvmlDeviceGetTotalEccErrors", h, lib.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, lib.NVML_VOLATILE_ECC))
-        put(dev, "gpu_pcie_replay_errors_total", call("nvmlDeviceGetPcieReplayCounter", h))
         self._fields(dev, "slow_fields", self._slow_fields)
+        if not dev.identity.gpm_supported:
+            dev.state["counters_from_nvml"] = True
+            self._fields(dev, "counter_fields", self._counter_fields)
 
     def _rare(self, dev: Device) -> None:
         call, h, put = self.nvml.call, dev.handle, self._put
         put(dev, "gpu_pcie_link_generation", call("nvmlDeviceGetCurrPcieLinkGeneration", h))
         put(dev, "gpu_pcie_link_width", call("nvmlDeviceGetCurrPcieLinkWidth", h))
+        put(dev, "gpu_pcie_replay_errors_total", call("nvmlDeviceGetPcieReplayCounter", h))
         put(dev, "gpu_power_limit_watts", call("nvmlDeviceGetEnforcedPowerLimit", h), 1e-3)
         put(dev, "gpu_sm_clock_max_hertz", call("nvmlDeviceGetMaxClockInfo", h, self._clock_sm), 1e6)
         rows = call("nvmlDeviceGetRemappedRows", h)

@@ -55,7 +55,10 @@ class ProcessSource:
         self.wall_clock_us = wall_clock_us
         self._seen: dict[str, set[int]] = {}  # gpu label -> pids at the last read
 
-    def collect(self, devices: list[Device], events: list[Event]) -> list[ProcessRecord]:
+    def collect(self, devices: list[Device], events: list[Event], utilization: bool = True) -> list[ProcessRecord]:
+        """All GPU processes now. Per-process utilization is read only when `utilization` is true
+        (it is NVML's costliest call) and only on GPUs with processes; between reads each process
+        keeps its last value."""
         records: list[ProcessRecord] = []
         infos: dict[int, HostProcessInfo | None] = {}
         mig_children: dict[int, dict[int, Device]] = {}
@@ -72,7 +75,16 @@ class ProcessSource:
                 continue
             if found is None:
                 continue
-            util = None if dev.identity.mig_mode else self._utilization(dev)
+            if dev.identity.mig_mode:
+                util = None
+                dev.unsupported("gpu_process_sm_active_ratio", "NVML has no per-process utilization with MIG enabled")
+            elif not found:
+                util = {}
+            elif utilization or "proc_util" not in dev.state:
+                util = self._utilization(dev)
+                dev.state["proc_util"] = util
+            else:
+                util = dev.state["proc_util"]
             children = mig_children.get(dev.identity.index, {})
             for pid, (kinds, mem, gi) in found.items():
                 target = children.get(gi, dev) if children else dev
