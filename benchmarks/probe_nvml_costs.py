@@ -4,7 +4,6 @@
 Prints latency (wall) and CPU (process time) per call; GPM metrics-get by number and kind of metric;
 the CPU an idle NVML event-set wait burns.
 """
-import ctypes
 import resource
 import sys
 import threading

@@ -56,11 +56,11 @@ def test_spinning_thread_gives_cpu_and_busiest_thread_ratios(child):
     reader = HostProcessReader()
     first = reader.read(p.pid)
     assert first is not None
-    assert first.cpu_ratio is None and first.thread_cpu_max_ratio is None  # first read: baseline only
+    assert first.cpu_cores is None and first.thread_cpu_max_ratio is None  # first read: baseline only
     time.sleep(0.5)
     info = reader.read(p.pid)
     assert info is not None
-    assert info.cpu_ratio is not None and info.cpu_ratio > 0.5
+    assert info.cpu_cores is not None and info.cpu_cores > 0.5
     assert info.thread_cpu_max_ratio is not None and 0.5 < info.thread_cpu_max_ratio <= 1.0
     assert info.threads is not None and info.threads >= 2
     assert info.rss_bytes is not None and info.rss_bytes > 1_000_000
@@ -77,8 +77,8 @@ def test_process_ratio_counts_all_threads_and_thread_ratio_the_busiest(child):
     reader.read(p.pid)
     time.sleep(0.5)
     info = reader.read(p.pid)
-    assert info is not None and info.cpu_ratio is not None and info.thread_cpu_max_ratio is not None
-    assert info.cpu_ratio > 1.3
+    assert info is not None and info.cpu_cores is not None and info.thread_cpu_max_ratio is not None
+    assert info.cpu_cores > 1.3
     assert 0.5 < info.thread_cpu_max_ratio <= 1.0
 
 
@@ -88,7 +88,7 @@ def test_idle_process_has_low_ratios(child):
     reader.read(p.pid)
     time.sleep(0.2)
     info = reader.read(p.pid)
-    assert info is not None and info.cpu_ratio is not None and info.cpu_ratio < 0.2
+    assert info is not None and info.cpu_cores is not None and info.cpu_cores < 0.2
     assert info.thread_cpu_max_ratio is not None and info.thread_cpu_max_ratio < 0.2
 
 
@@ -145,7 +145,7 @@ def test_access_denied_fields_stay_empty_and_the_rest_is_read(child, monkeypatch
     info = reader.read(p.pid)
     assert info is not None
     assert info.cmdline == "" and info.threads is None and info.thread_cpu_max_ratio is None
-    assert info.rss_bytes is not None and info.cpu_ratio is not None and info.name
+    assert info.rss_bytes is not None and info.cpu_cores is not None and info.name
 
 
 def test_forget_resets_the_baseline(child):
@@ -155,8 +155,8 @@ def test_forget_resets_the_baseline(child):
     time.sleep(0.1)
     reader.forget({a.pid})
     info_a, info_b = reader.read(a.pid), reader.read(b.pid)
-    assert info_a is not None and info_a.cpu_ratio is not None  # kept: has a window
-    assert info_b is not None and info_b.cpu_ratio is None  # forgotten: first read again
+    assert info_a is not None and info_a.cpu_cores is not None  # kept: has a window
+    assert info_b is not None and info_b.cpu_cores is None  # forgotten: first read again
 
 
 def test_reads_closer_than_the_minimum_window_keep_the_last_ratio():
@@ -166,9 +166,9 @@ def test_reads_closer_than_the_minimum_window_keep_the_last_ratio():
     reader.read(pid)
     t[0] += 1.0
     r1 = reader.read(pid)
-    assert r1 is not None and r1.cpu_ratio is not None
+    assert r1 is not None and r1.cpu_cores is not None
     r2 = reader.read(pid)  # no time has passed on the injected clock
-    assert r2 is not None and (r2.cpu_ratio, r2.thread_cpu_max_ratio) == (r1.cpu_ratio, r1.thread_cpu_max_ratio)
+    assert r2 is not None and (r2.cpu_cores, r2.thread_cpu_max_ratio) == (r1.cpu_cores, r1.thread_cpu_max_ratio)
 
 
 def test_pid_reuse_starts_over(child, monkeypatch):
@@ -179,10 +179,10 @@ def test_pid_reuse_starts_over(child, monkeypatch):
     # The kept Process object no longer matches what holds the pid (as after pid reuse).
     monkeypatch.setattr(psutil.Process, "is_running", lambda self: False)
     info = reader.read(p.pid)
-    assert info is not None and info.cpu_ratio is None
+    assert info is not None and info.cpu_cores is None
 
 
 def test_info_is_a_slots_dataclass():
     info = HostProcInfo(pid=1)
     assert not hasattr(info, "__dict__")
-    assert (info.cpu_ratio, info.cmdline, info.container) == (None, "", "")
+    assert (info.cpu_cores, info.cmdline, info.container) == (None, "", "")

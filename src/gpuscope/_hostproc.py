@@ -7,7 +7,7 @@ loop): the process as a whole may use 1.3 cores on a 64-core host, yet one threa
 
     >>> import os
     >>> reader = HostProcessReader()
-    >>> reader.read(os.getpid()).cpu_ratio is None  # the first read only sets the baseline
+    >>> reader.read(os.getpid()).cpu_cores is None  # the first read only sets the baseline
     True
 """
 
@@ -42,7 +42,7 @@ class HostProcInfo:
     name: str = ""
     user: str = ""
     cmdline: str = ""  # redacted, shell-quoted
-    cpu_ratio: float | None = None  # cores: 1.0 = one core saturated; None on the first read
+    cpu_cores: float | None = None  # cores: 1.0 = one core saturated; None on the first read
     thread_cpu_max_ratio: float | None = None  # busiest thread, 0..1 of one core
     rss_bytes: float | None = None
     threads: int | None = None
@@ -57,7 +57,7 @@ class HostProcInfo:
 class _Entry:
     """What is kept between two reads of one process."""
 
-    __slots__ = ("proc", "static", "t", "cpu", "thread_cpu", "cpu_ratio", "thread_ratio")
+    __slots__ = ("proc", "static", "t", "cpu", "thread_cpu", "cpu_cores", "thread_ratio")
 
     def __init__(self, proc: psutil.Process, static: HostProcInfo) -> None:
         self.proc = proc
@@ -65,7 +65,7 @@ class _Entry:
         self.t: float | None = None
         self.cpu: float | None = None
         self.thread_cpu: dict[int, float] | None = None
-        self.cpu_ratio: float | None = None
+        self.cpu_cores: float | None = None
         self.thread_ratio: float | None = None
 
 
@@ -154,16 +154,16 @@ class HostProcessReader:
 
         dt = now - entry.t if entry.t is not None else None
         if dt is not None and dt < _MIN_WINDOW_S:
-            info.cpu_ratio, info.thread_cpu_max_ratio = entry.cpu_ratio, entry.thread_ratio
+            info.cpu_cores, info.thread_cpu_max_ratio = entry.cpu_cores, entry.thread_ratio
             return info
-        entry.cpu_ratio = entry.thread_ratio = None
+        entry.cpu_cores = entry.thread_ratio = None
         if dt is not None and cpu is not None and entry.cpu is not None:
-            entry.cpu_ratio = max(0.0, cpu - entry.cpu) / dt
+            entry.cpu_cores = max(0.0, cpu - entry.cpu) / dt
         if dt is not None and thread_cpu is not None and entry.thread_cpu is not None:
             prev = entry.thread_cpu
             # A thread new since the last read started after it: its whole time is in the window.
             busiest = max((c - prev.get(tid, 0.0) for tid, c in thread_cpu.items()), default=0.0)
             entry.thread_ratio = min(1.0, max(0.0, busiest / dt))
         entry.t, entry.cpu, entry.thread_cpu = now, cpu, thread_cpu
-        info.cpu_ratio, info.thread_cpu_max_ratio = entry.cpu_ratio, entry.thread_ratio
+        info.cpu_cores, info.thread_cpu_max_ratio = entry.cpu_cores, entry.thread_ratio
         return info

@@ -96,7 +96,7 @@ class ProcessRecord:
     gpu_memory_bytes: float | None = None
     sm_ratio: float | None = None
     memory_ratio: float | None = None
-    cpu_ratio: float | None = None  # cores: 1.0 = one core saturated
+    cpu_cores: float | None = None  # cores: 1.0 = one core saturated
     thread_cpu_max_ratio: float | None = None
     rss_bytes: float | None = None
     threads: int | None = None

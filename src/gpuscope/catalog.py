@@ -93,7 +93,7 @@ _METRICS = [
     Metric("gpu_memory_clock_hertz", "hertz", G, "nvml", Cost.SLOW, "Memory clock.",
            "nvmlDeviceGetClockInfo(MEM)", "DCGM_FI_DEV_MEM_CLOCK", 1e-6),
     Metric("gpu_graphics_clock_hertz", "hertz", G, "nvml", Cost.SLOW, "Graphics clock.",
-           "nvmlDeviceGetClockInfo(GRAPHICS)", "DCGM_FI_DEV_APP_SM_CLOCK", 1e-6),
+           "nvmlDeviceGetClockInfo(GRAPHICS)"),
     Metric("gpu_sm_clock_max_hertz", "hertz", G, "nvml", Cost.RARE, "Highest SM clock the GPU supports.",
            "nvmlDeviceGetMaxClockInfo(SM)", "DCGM_FI_DEV_MAX_SM_CLOCK", 1e-6),
     Metric("gpu_performance_state", "", G, "nvml", Cost.SLOW, "Performance state: 0 (P0, fastest) to 15.",
@@ -202,7 +202,7 @@ _METRICS = [
     Metric("gpu_process_memory_utilization_ratio", "ratio", G, "processes", Cost.SLOW,
            "NVML per-process memory-controller utilization.", "nvmlDeviceGetProcessUtilization",
            labels=("pid", "process", "user"), needs="no-mig"),
-    Metric("process_cpu_ratio", "ratio", G, "processes", Cost.SLOW,
+    Metric("process_cpu_cores", "cores", G, "processes", Cost.SLOW,
            "CPU used by the process, in cores (1.0 = one core saturated).", "",
            labels=("pid", "process", "user")),
     Metric("process_thread_cpu_max_ratio", "ratio", G, "processes", Cost.SLOW,
@@ -252,6 +252,8 @@ CLOCK_EVENT_REASONS: dict[int, str] = {
     0x40: "hw_thermal",
     0x80: "hw_power_brake",
     0x100: "display_clock",
+    0x200: "board_limit",
+    0x400: "reliability",
 }
 
 
@@ -268,8 +270,13 @@ def series_key(name: str, **labels: object) -> str:
     """
     if not labels:
         return name
-    inner = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    inner = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
     return f"{name}{{{inner}}}"
+
+
+def _escape(v: object) -> str:
+    """Label values escaped as in Prometheus's text format."""
+    return str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def split_series_key(key: str) -> tuple[str, dict[str, str]]:
@@ -277,8 +284,18 @@ def split_series_key(key: str) -> tuple[str, dict[str, str]]:
     brace = key.find("{")
     if brace < 0:
         return key, {}
-    labels = {}
-    for part in key[brace + 1 : -1].split(","):
-        k, _, v = part.partition("=")
-        labels[k] = v.strip('"')
+    labels: dict[str, str] = {}
+    body, i = key[brace + 1 : -1], 0
+    while i < len(body):
+        eq = body.index("=", i)
+        j, out = eq + 2, []
+        while body[j] != '"':
+            if body[j] == "\\":
+                j += 1
+                out.append("\n" if body[j] == "n" else body[j])
+            else:
+                out.append(body[j])
+            j += 1
+        labels[body[i:eq]] = "".join(out)
+        i = j + 2
     return key[:brace], labels

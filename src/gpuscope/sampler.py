@@ -141,7 +141,7 @@ class Sampler:
         self.nvml.init()
         self.devices = discover(self.nvml, self._pending_events)
         self._nvml_source = NvmlSource(self.nvml, self._pending_events)
-        self._gpm_source = GpmSource(self.nvml, MIN_WINDOW_S, self.config.gpm_graphics) if self.config.gpm else None
+        self._gpm_source = GpmSource(self.nvml, self.config.gpm_window, self.config.gpm_graphics) if self.config.gpm else None
         self._proc_source = None
         if self.config.collect_processes:
             from .sources.procs import ProcessSource
@@ -257,7 +257,7 @@ class Sampler:
             for g, p in (("medium", cfg.medium), ("slow", cfg.slow), ("energy", cfg.energy), ("rare", cfg.rare)):
                 if self._due(g, p, now):
                     groups.append(g)
-            gpm_due = self._gpm_source is not None and self._due("gpm", cfg.gpm_window, now)
+            gpm_due = self._gpm_source is not None  # the source keeps its own window
             for dev in self.devices:
                 if not dev.healthy:
                     continue

@@ -133,7 +133,7 @@ class _GpuDriver:
         gpu.temperature_c = int(round(p.temp + r.gauss(0, 0.5)))
         gpu.memory_temperature_c = gpu.temperature_c + 4
         gpu.sm_clock_mhz = gpu.graphics_clock_mhz = int(p.sm_clock)
-        gpu.clock_event_reasons = p.clock_events if sm > 1 or p.clock_events else 0x1
+        gpu.clock_event_reasons = p.clock_events if p.clock_events or p.nvml_util > 0 else 0x1
         gpu.pstate = 0
         tensor = _pct(r, p.tensor)
         gpu.gpm = {
@@ -178,7 +178,7 @@ class _SimHostReader:
                            "launch_bound": "python serve.py --batch-size 1"}.get(drv.name, "python train.py --batch-size 64")
                     return HostProcInfo(
                         pid=pid, name="python", user="sim", cmdline=f"{cmd} --gpu {drv.index}",
-                        cpu_ratio=drv.cpu, thread_cpu_max_ratio=drv.thread_cpu, rss_bytes=float(8 << 30),
+                        cpu_cores=drv.cpu, thread_cpu_max_ratio=drv.thread_cpu, rss_bytes=float(8 << 30),
                         threads=24, started_at=self.node.started_at, pod="", namespace="",
                         container="", pod_uid="", slurm_job="",
                     )

@@ -106,7 +106,7 @@ def _workload(name: str, seconds: float, sampler: Sampler) -> tuple[dict[str, fl
     procs = [p for s in snaps for p in s.processes if p.pid == proc.pid]
     if RECORD_DIR:
         rec = {"workload": name, "medians": med, "gpu": snaps[0].gpus[0].identity.name,
-               "process_cpu_ratio": statistics.median([p.cpu_ratio for p in procs if p.cpu_ratio is not None] or [0]),
+               "process_cpu_cores": statistics.median([p.cpu_cores for p in procs if p.cpu_cores is not None] or [0]),
                "series": [{"t": s.time_ns, **{k: s.gpus[0].get(k) for k in keys}} for s in snaps]}
         Path(RECORD_DIR).mkdir(parents=True, exist_ok=True)
         (Path(RECORD_DIR) / f"{name}.json").write_text(json.dumps(rec))
@@ -121,7 +121,7 @@ def test_compute_bound_signature(sampler):
     assert med["gpu_utilization_ratio"] > 0.9
     # Attributed to the workload's process, with its CPU use joined from the host.
     assert procs, "the workload's process was not attributed"
-    assert any(p.cpu_ratio is not None and p.cpu_ratio > 0.3 for p in procs)
+    assert any(p.cpu_cores is not None and p.cpu_cores > 0.3 for p in procs)
     assert all(p.gpu_memory_bytes and p.gpu_memory_bytes > 100 << 20 for p in procs)
     assert "python" in procs[-1].cmdline and "compute_bound" in procs[-1].cmdline
 
@@ -140,7 +140,7 @@ def test_h2d_pageable_signature(sampler):
     assert med["gpu_utilization_ratio"] >= 0.05
     assert med["gpu_utilization_ratio"] > 3 * med["gpu_sm_active_ratio"]
     assert med["gpu_pcie_rx_bytes_per_second"] > 1e9
-    assert any(p.cpu_ratio is not None and p.cpu_ratio > 0.5 for p in procs)
+    assert any(p.cpu_cores is not None and p.cpu_cores > 0.5 for p in procs)
 
 
 def test_energy_counter_tracks_power(sampler):

@@ -85,6 +85,8 @@ def discover(nvml: Nvml, events: list[Event] | None = None) -> list[Device]:
             dev = Device(ident, None, healthy=False)
             dev.values["gpu_healthy"] = 0.0
             devices.append(dev)
+            if events is not None:
+                events.append(Event(time.time_ns(), "gpu_lost", str(i), f"GPU {i} is lost (NVML cannot reach it)"))
             continue
         devices.append(dev)
         if dev.identity.mig_mode:
@@ -167,8 +169,11 @@ def mark_lost(dev: Device, events: list[Event]) -> None:
         return
     dev.healthy = False
     for k in list(dev.values):
-        if CATALOG.get(k.split("{", 1)[0]) is not None and CATALOG[k.split("{", 1)[0]].kind.value == "gauge":
+        base = k.split("{", 1)[0]
+        m = CATALOG.get(base)
+        if m is not None and m.kind.value == "gauge" and base != "gpu_healthy":
             dev.values.pop(k)
+            dev.caps[base] = Capability(False, "the GPU is lost")
     dev.values["gpu_healthy"] = 0.0
     events.append(Event(time.time_ns(), "gpu_lost", dev.label,
                         f"GPU {dev.label} ({dev.identity.uuid}) fell off the bus: NVML says the GPU is lost. "

@@ -12,6 +12,8 @@ MIG GPU instances are sampled with nvmlGpmMigSampleGet on the parent GPU.
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from typing import Any
 
 from .._nvml import Nvml, Unavailable
@@ -82,11 +84,13 @@ class GpmSource:
     name = "gpm"
     groups = ("gpm",)
 
-    def __init__(self, nvml: Nvml, min_window: float = MIN_WINDOW_S, graphics: bool = False) -> None:
+    def __init__(self, nvml: Nvml, min_window: float = MIN_WINDOW_S, graphics: bool = False,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if min_window < MIN_WINDOW_S:
             raise ValueError(f"the GPM window must be at least {MIN_WINDOW_S * 1000:.0f} ms, got {min_window * 1000:g} ms")
         self.nvml = nvml
         self.min_window = min_window
+        self.clock = clock  # the source times its own samples: the tick's start is not when they are taken
         self.metrics = GPM_METRICS + (EXPENSIVE_METRICS if graphics else [])
         self.series = [m[0] for m in self.metrics]
 
@@ -124,6 +128,9 @@ class GpmSource:
         st = self._state(dev)
         if st is None:
             return
+        if st.prev is not None and self.clock() - st.prev_t < self.min_window:
+            return
+        before = self.clock()
         if dev.is_mig:
             r = self.nvml.call("nvmlGpmMigSampleGet", dev.parent_handle, dev.identity.gpu_instance_id, st.cur)
         else:
@@ -132,17 +139,16 @@ class GpmSource:
             for series in self.series:
                 dev.unsupported(series, f"GPM sampling failed: {r.reason}")
             return
+        after = self.clock()
         if st.prev is None:
-            st.prev, st.prev_t = st.cur, now
+            st.prev, st.prev_t = st.cur, after
             st.cur = self.nvml.lib.nvmlGpmSampleAlloc()
             return
-        window = now - st.prev_t
-        if window < self.min_window:
-            return  # keep prev; the next read spans a longer window
+        window = before - st.prev_t  # a lower bound of the gap NVML sees between the two samples
         q = st.query
         q.sample1, q.sample2 = st.prev, st.cur
         res = self.nvml.call("nvmlGpmMetricsGet", q)
-        st.prev, st.cur, st.prev_t = st.cur, st.prev, now
+        st.prev, st.cur, st.prev_t = st.cur, st.prev, after
         if isinstance(res, Unavailable):
             for series in self.series:
                 dev.unsupported(series, f"GPM metrics read failed: {res.reason}")

@@ -24,7 +24,7 @@ class HostProcessInfo(Protocol):
     name: str
     user: str
     cmdline: str
-    cpu_ratio: float | None
+    cpu_cores: float | None
     thread_cpu_max_ratio: float | None
     rss_bytes: float | None
     threads: int | None
@@ -77,7 +77,9 @@ class ProcessSource:
                 continue
             if dev.identity.mig_mode:
                 util = None
-                dev.unsupported("gpu_process_sm_active_ratio", "NVML has no per-process utilization with MIG enabled")
+                for d in (dev, *mig_children.get(dev.identity.index, {}).values()):
+                    for m in ("gpu_process_sm_active_ratio", "gpu_process_memory_utilization_ratio"):
+                        d.unsupported(m, "NVML has no per-process utilization with MIG enabled")
             elif not found:
                 util = {}
             elif utilization or "proc_util" not in dev.state:
@@ -98,7 +100,7 @@ class ProcessSource:
                 )
                 if info is not None:
                     rec.name, rec.user, rec.cmdline = info.name, info.user, info.cmdline
-                    rec.cpu_ratio, rec.thread_cpu_max_ratio = info.cpu_ratio, info.thread_cpu_max_ratio
+                    rec.cpu_cores, rec.thread_cpu_max_ratio = info.cpu_cores, info.thread_cpu_max_ratio
                     rec.rss_bytes, rec.threads, rec.started_at = info.rss_bytes, info.threads, info.started_at
                     rec.container, rec.pod_uid, rec.pod = info.container, info.pod_uid, info.pod
                     rec.namespace, rec.slurm_job = info.namespace, info.slurm_job
@@ -141,6 +143,7 @@ class ProcessSource:
             if samples.code in (6, 21, 0):  # nothing new: every process was idle
                 dev.state["proc_util_ts"] = last
                 dev.supported("gpu_process_sm_active_ratio")
+                dev.supported("gpu_process_memory_utilization_ratio")
                 return {}
             dev.unsupported("gpu_process_sm_active_ratio", samples.reason)
             dev.unsupported("gpu_process_memory_utilization_ratio", samples.reason)

@@ -1,0 +1,87 @@
+"""Shared doubles for the telemetry-core tests: a settable clock, a host-process reader that knows only
+the pids it is given, and a sampler factory that always stops what it started."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from gpuscope import Sampler, SamplerConfig
+from gpuscope._hostproc import HostProcInfo
+from gpuscope._nvml import Nvml
+from gpuscope.sources.device import Device, discover
+
+
+class FakeClock:
+    """A monotonic clock a test moves by hand (seconds)."""
+
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, dt: float) -> float:
+        self.t += dt
+        return self.t
+
+
+class FakeHostReader:
+    """The HostReader protocol: pids in `infos` are visible on the host, every other pid is not."""
+
+    def __init__(self, infos: dict[int, HostProcInfo] | None = None) -> None:
+        self.infos = dict(infos or {})
+        self.reads: list[int] = []
+        self.forgotten: list[set[int]] = []
+
+    def read(self, pid: int) -> HostProcInfo | None:
+        self.reads.append(pid)
+        return self.infos.get(pid)
+
+    def forget(self, alive: set[int]) -> None:
+        self.forgotten.append(set(alive))
+
+
+@pytest.fixture
+def fake_clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def host_reader() -> FakeHostReader:
+    return FakeHostReader()
+
+
+@pytest.fixture
+def make_sampler() -> Iterator[Callable[..., Sampler]]:
+    """make_sampler(fake_nvml, host_reader=..., **config) -> Sampler, stopped at teardown.
+
+    Defaults keep tests fast and hermetic: 10 ms interval, no host source (psutil), no event thread
+    (its 500 ms wait makes stop() slow); a test that needs one turns it on."""
+    made: list[Sampler] = []
+
+    def make(fake: Any, *, host_reader: Any = None, host_source: Any = None, **config: Any) -> Sampler:
+        cfg = {"interval": 0.01, "collect_host": False, "events": False}
+        cfg.update(config)
+        s = Sampler(SamplerConfig(**cfg), nvml=fake, host_reader=host_reader or FakeHostReader(),
+                    host_source=host_source)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.stop()
+
+
+@pytest.fixture
+def open_devices() -> Callable[[Any], tuple[Nvml, list[Device]]]:
+    """open_devices(fake_nvml) -> (initialised Nvml wrapper, discovered devices), for source-level tests."""
+
+    def open_(fake: Any) -> tuple[Nvml, list[Device]]:
+        nv = Nvml(fake)
+        nv.init()
+        return nv, discover(nv)
+
+    return open_

@@ -1,0 +1,231 @@
+"""The simulated node: every scenario runs through the real sampler, carries the signature measured on an
+H200 (shared/workloads/METRICS.md), and says it is simulated. Scenarios that unfold over seconds are
+driven by a hand-moved clock, not by sleeping."""
+
+import time
+
+import pytest
+
+from gpuscope import Sampler, SamplerConfig
+from gpuscope.sim import DESCRIPTIONS, SCENARIOS, SimulatedNode, UnknownScenario, describe
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+
+def run(name, gpus=None, **cfg):
+    """Two ticks of Sampler(simulate=name), far enough apart for GPM; returns (sampler, snapshot)."""
+    config = SamplerConfig(**{"interval": 0.05, "gpm_window": 0.1, "events": False, **cfg})
+    s = Sampler(config, simulate=name, gpus=gpus)
+    try:
+        s.sample_once()
+        time.sleep(0.12)
+        return s, s.sample_once()
+    finally:
+        s.stop()
+
+
+def on_fake_clock(name, clock, **cfg):
+    """A sampler on SimulatedNode(name) whose scenario time is `clock` (FakeNVML keeps t0 from its own
+    construction, so both the clock and t0 are replaced)."""
+    node = SimulatedNode(name)
+    node.nvml.clock = clock
+    node.nvml.t0 = clock()
+    config = SamplerConfig(**{"interval": 0.05, "events": False, **cfg})
+    return node, Sampler(config, nvml=node.nvml, host_reader=node.host_reader, host_source=node.host_source)
+
+
+class Clock:
+    def __init__(self):
+        self.t = 500.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_scenario_list():
+    assert SCENARIOS == sorted(DESCRIPTIONS)
+    assert {"compute_bound", "h2d_pinned", "launch_bound", "idle_allocated", "throttled", "memory_leak",
+            "gpu_lost", "xid_storm", "mixed"} <= set(SCENARIOS)
+    assert all(describe(s) for s in SCENARIOS)
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_every_scenario_builds_and_samples(name):
+    s, snap = run(name)
+    assert snap.simulated == name
+    assert s.simulated == name
+    expected_gpus = {"gpu_lost": 2, "mixed": 8}.get(name, 1)
+    assert len(snap.gpus) == expected_gpus
+    for g in snap.gpus:
+        assert g.healthy
+        assert g.sm_active_ratio is not None and 0.0 <= g.sm_active_ratio <= 1.0
+        assert g.utilization_ratio is not None and 0.0 <= g.utilization_ratio <= 1.0
+        assert 0 < g.memory_used_bytes < g.values["gpu_memory_total_bytes"]
+        assert g.power_watts > 0
+        assert "simulated" in g.identity.name
+    assert len(snap.processes) == expected_gpus
+    assert all(p.host_visible and p.name for p in snap.processes)
+    assert snap.host is not None and 0.0 <= snap.host.values["host_cpu_ratio"] <= 1.0
+
+
+def test_unknown_scenario_lists_the_choices():
+    with pytest.raises(UnknownScenario) as exc:
+        SimulatedNode("warp_drive")
+    msg = str(exc.value)
+    assert "warp_drive" in msg
+    for name in SCENARIOS:
+        assert name in msg
+    assert isinstance(exc.value, ValueError)
+    with pytest.raises(UnknownScenario):
+        Sampler(SamplerConfig(events=False), simulate="warp_drive")
+
+
+def test_scenario_names_accept_dashes():
+    assert SimulatedNode("compute-bound").scenario == "compute_bound"
+
+
+@pytest.mark.parametrize("n", [0, 65])
+def test_gpu_count_is_bounded(n):
+    with pytest.raises(UnknownScenario, match="1 to 64"):
+        SimulatedNode("healthy", gpus=n)
+
+
+def test_gpu_count_can_be_chosen():
+    s, snap = run("healthy", gpus=3)
+    assert [g.identity.label for g in snap.gpus] == ["0", "1", "2"]
+
+
+# ---- signatures ---------------------------------------------------------------------------------------
+
+
+def test_compute_bound_signature():
+    _, snap = run("compute_bound")
+    g = snap.gpus[0]
+    assert g.values["gpu_tensor_active_ratio"] > 0.5
+    assert g.sm_active_ratio > 0.9
+    assert "sw_power_cap" in g.throttle_reasons
+
+
+def test_h2d_pinned_signature():
+    # the headline lie: NVML utilization ~100 % while the SMs do nothing
+    _, snap = run("h2d_pinned")
+    g = snap.gpus[0]
+    assert g.utilization_ratio >= 0.9
+    assert g.sm_active_ratio < 0.05
+    assert g.values["gpu_pcie_rx_bytes_per_second"] > 40e9
+
+
+def test_launch_bound_signature():
+    _, snap = run("launch_bound")
+    g = snap.gpus[0]
+    assert g.sm_active_ratio < 0.05
+    (p,) = snap.processes
+    assert p.thread_cpu_max_ratio >= 0.9
+    assert "serve.py" in p.cmdline
+
+
+def test_idle_allocated_signature():
+    _, snap = run("idle_allocated")
+    g = snap.gpus[0]
+    assert g.memory_used_bytes > 40 * GIB
+    assert g.sm_active_ratio == 0.0
+    assert g.utilization_ratio == 0.0
+
+
+def test_throttled_signature():
+    _, snap = run("throttled")
+    g = snap.gpus[0]
+    assert {"hw_thermal", "sw_thermal"} & set(g.throttle_reasons)
+    assert g.values["gpu_temperature_celsius"] >= 85
+
+
+def test_mixed_node_has_a_different_behaviour_per_gpu():
+    _, snap = run("mixed")
+    assert snap.gpu(1).values["gpu_tensor_active_ratio"] > 0.5  # compute_bound
+    assert snap.gpu(5).memory_used_bytes > 40 * GIB and snap.gpu(5).sm_active_ratio == 0.0  # idle_allocated
+    assert snap.gpu(3).sm_active_ratio < 0.05  # launch_bound
+
+
+def test_memory_leak_grows():
+    clock = Clock()
+    node, s = on_fake_clock("memory_leak", clock)
+    try:
+        first = s.sample_once().gpus[0].memory_used_bytes
+        for _ in range(10):
+            clock.t += 0.1
+            snap = s.sample_once()
+        grown = snap.gpus[0].memory_used_bytes - first
+        assert grown == pytest.approx(900 * MIB, rel=0.05)  # ~0.9 GiB/s
+        (p,) = snap.processes
+        assert p.gpu_memory_bytes is not None
+    finally:
+        s.stop()
+
+
+def test_gpu_lost_after_ten_seconds():
+    clock = Clock()
+    node, s = on_fake_clock("gpu_lost", clock, events=True)
+    try:
+        for _ in range(3):
+            clock.t += 3.0  # 9 s of scenario time
+            snap = s.sample_once()
+            assert all(g.healthy for g in snap.gpus)
+        clock.t += 1.5  # 10.5 s: GPU 1 falls off the bus
+        snaps = []
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            snaps.append(s.sample_once())
+            xid79 = [e for sn in snaps for e in sn.events if e.kind == "xid" and e.data.get("xid") == 79]
+            if not snaps[-1].gpu(1).healthy and xid79:
+                break
+            time.sleep(0.02)
+        last = snaps[-1]
+        assert last.gpu(0).healthy and not last.gpu(1).healthy
+        assert last.gpu(1).values["gpu_healthy"] == 0.0
+        events = [e for sn in snaps for e in sn.events]
+        assert [e.gpu for e in events if e.kind == "gpu_lost"] == ["1"]
+        assert [e.gpu for e in events if e.kind == "xid" and e.data["xid"] == 79] == ["1"]
+        assert last.gpu(1).values['gpu_xid_events_total{xid="79"}'] == 1
+    finally:
+        s.stop()
+
+
+def test_xid_storm_bursts():
+    clock = Clock()
+    node, s = on_fake_clock("xid_storm", clock, events=True)
+    try:
+        clock.t += 1.0
+        snap = s.sample_once()
+        assert not [e for e in snap.events if e.kind == "xid"]  # nothing before 2 s
+        clock.t += 1.5  # 2.5 s: the first burst of five
+        snaps = []
+        deadline = time.monotonic() + 2.0
+        key = 'gpu_xid_events_total{{xid="{}"}}'
+        while time.monotonic() < deadline:
+            snaps.append(s.sample_once())
+            v = snaps[-1].gpus[0].values
+            if sum(v.get(key.format(c), 0) for c in (13, 31, 43)) == 5 and any(
+                    e.kind == "ecc" for sn in snaps for e in sn.events):
+                break
+            time.sleep(0.02)
+        v = snaps[-1].gpus[0].values
+        counts = {c: v.get(key.format(c), 0) for c in (13, 31, 43)}
+        assert sum(counts.values()) == 5 and all(n >= 1 for n in counts.values())
+        assert v['gpu_ecc_events_total{type="corrected"}'] == 1
+        xids = [e for sn in snaps for e in sn.events if e.kind == "xid"]
+        assert sum(e.count for e in xids) == 5
+        assert snaps[-1].gpus[0].healthy
+        # the next burst, 3 s later, counts again
+        clock.t += 3.0
+        s.sample_once()
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            time.sleep(0.02)
+            v = s.sample_once().gpus[0].values
+            if sum(v.get(key.format(c), 0) for c in (13, 31, 43)) == 10:
+                break
+        assert sum(v.get(key.format(c), 0) for c in (13, 31, 43)) == 10
+    finally:
+        s.stop()
+
