@@ -48,6 +48,7 @@ def bench_gpuscope(rate: float, seconds: float, simulate: str | None, flat: bool
     return {"tool": "gpuscope-flat" if flat else "gpuscope", "rate_hz": rate, "wall_s": wall, "cpu_s": cpu, "ticks": ticks,
             "cpu_per_wall": cpu / wall, "cpu_per_sample_us": cpu / max(ticks, 1) * 1e6,
             "sampler_thread_cpu_s": ov["cpu_seconds"], "missed_ticks": ov["missed_ticks"],
+            "group_cpu_s": ov["group_cpu_seconds"], "event_thread_cpu_s": ov["event_thread_cpu_seconds"],
             "tick_median_us": ov["tick_median_us"], "nvml_calls": ov["nvml_calls"],
             "gpus": len(s.devices)}
 
@@ -157,6 +158,12 @@ def main() -> int:
             line += (f"\n        gpuscope with utilization and power read every tick too: {f['cpu_per_wall'] * 100:6.3f} % "
                      f"of a core, {f['cpu_per_sample_us']:8.1f} us CPU/sample, ratio {f['ratio_vs_nvitop']:.2f}")
         print(line, flush=True)
+    for r in results["runs"]:
+        if "group_cpu_s" in r:
+            parts = ", ".join(f"{g} {v / r['wall_s'] * 1e3:.2f}" for g, v in sorted(r["group_cpu_s"].items()))
+            print(f"{r['tool']} {r['rate_hz']:.0f} Hz CPU ms per wall second: sampler thread "
+                  f"{r['sampler_thread_cpu_s'] / r['wall_s'] * 1e3:.2f} ({parts}); event thread "
+                  f"{r['event_thread_cpu_s'] / r['wall_s'] * 1e3:.2f}; whole process {r['cpu_s'] / r['wall_s'] * 1e3:.2f}")
     last = results["runs"][0]
     print("\nper-call NVML latency from the sampler's own accounting (10 Hz run), median / max us:")
     for c in last["nvml_calls"]:

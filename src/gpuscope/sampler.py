@@ -132,6 +132,7 @@ class Sampler:
         self.ticks = 0
         self.missed_ticks = 0
         self.tick_seconds: deque[float] = deque(maxlen=1000)
+        self.group_cpu_seconds: dict[str, float] = {}  # CPU per cadence group, this thread
 
     # -- lifecycle -----------------------------------------------------------------------------
     def open(self) -> None:
@@ -222,6 +223,8 @@ class Sampler:
             "missed_ticks": self.missed_ticks,
             "tick_median_us": ts[len(ts) // 2] * 1e6 if ts else 0.0,
             "tick_max_us": ts[-1] * 1e6 if ts else 0.0,
+            "group_cpu_seconds": dict(self.group_cpu_seconds),
+            "event_thread_cpu_seconds": self._event_source.cpu_seconds if self._event_source else 0.0,
             "nvml_calls": self.nvml.latency_table(),
         }
 
@@ -257,28 +260,34 @@ class Sampler:
             for g, p in (("medium", cfg.medium), ("slow", cfg.slow), ("energy", cfg.energy), ("rare", cfg.rare)):
                 if self._due(g, p, now):
                     groups.append(g)
-            gpm_due = self._gpm_source is not None  # the source keeps its own window
-            for dev in self.devices:
-                if not dev.healthy:
-                    continue
-                try:
-                    for g in groups:
-                        self._guard(self._nvml_source.collect, g, dev, now)
-                    if gpm_due:
-                        self._guard(self._gpm_source.collect, "gpm", dev, now)  # type: ignore[union-attr]
-                except GpuLost:
-                    mark_lost(dev, events)
+            if self._gpm_source is not None:
+                groups.append("gpm")  # the source keeps its own window
+            cpu = self.group_cpu_seconds
+            for g in groups:
+                c = time.thread_time()
+                collect = self._gpm_source.collect if g == "gpm" else self._nvml_source.collect  # type: ignore[union-attr]
+                for dev in self.devices:
+                    if dev.healthy:
+                        try:
+                            self._guard(collect, g, dev, now)
+                        except GpuLost:
+                            mark_lost(dev, events)
+                cpu[g] = cpu.get(g, 0.0) + time.thread_time() - c
             if self._proc_source is not None and self._due("processes", cfg.processes, now):
+                c = time.thread_time()
                 util_due = self._due("process_utilization", cfg.process_utilization, now)
                 try:
                     self._processes = self._proc_source.collect(self.devices, events, util_due)
                 except Exception as e:  # noqa: BLE001 - never stop sampling
                     self._log_once("processes", e)
+                cpu["processes"] = cpu.get("processes", 0.0) + time.thread_time() - c
             if self._host_source is not None and self._due("host", cfg.host, now):
+                c = time.thread_time()
                 try:
                     self._host = HostRecord(time.time_ns(), self._host_source.collect())
                 except Exception as e:  # noqa: BLE001
                     self._log_once("host", e)
+                cpu["host"] = cpu.get("host", 0.0) + time.thread_time() - c
             if self._event_source is not None:
                 self._event_source.drain(self.devices, events)
             snap = self._snapshot(events)

@@ -27,7 +27,7 @@ RECORD_DIR = os.environ.get("GPUSCOPE_RECORD_DIR")
 
 PLAUSIBLE = {
     "gpu_utilization_ratio": (0, 1), "gpu_memory_utilization_ratio": (0, 1),
-    "gpu_memory_used_bytes": (1 << 20, 1 << 41), "gpu_memory_total_bytes": (1 << 30, 1 << 41),
+    "gpu_memory_used_bytes": (0, 1 << 41), "gpu_memory_total_bytes": (1 << 30, 1 << 41),
     "gpu_power_watts": (10, 1500), "gpu_power_limit_watts": (50, 1500),
     "gpu_temperature_celsius": (5, 110), "gpu_memory_temperature_celsius": (5, 120),
     "gpu_sm_clock_hertz": (100e6, 3.5e9), "gpu_memory_clock_hertz": (100e6, 20e9),

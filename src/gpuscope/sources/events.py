@@ -63,6 +63,7 @@ class EventSource:
         self._lock = threading.Lock()
         self.registered: dict[str, int] = {}  # gpu label -> mask registered
         self._devices = [d for d in devices if not d.is_mig and d.healthy]
+        self.cpu_seconds = 0.0  # this thread's own CPU, for the sampler's self-accounting
 
     def start(self) -> None:
         lib = self.lib
@@ -71,8 +72,10 @@ class EventSource:
             log.info("NVML event sets unavailable: %s", es.reason)
             return
         self._set = es
+        # Not nvmlEventTypeClock: an idle GPU changes clocks many times a second (each a wake-up here),
+        # and throttle-reason changes are already seen by the sampler's cheap poll.
         want = (lib.nvmlEventTypeXidCriticalError | lib.nvmlEventTypeSingleBitEccError
-                | lib.nvmlEventTypeDoubleBitEccError | lib.nvmlEventTypeClock)
+                | lib.nvmlEventTypeDoubleBitEccError)
         for dev in self._devices:
             try:
                 sup = self.nvml.call("nvmlDeviceGetSupportedEventTypes", dev.handle)
@@ -111,7 +114,9 @@ class EventSource:
         lib = self.lib
         wait = getattr(lib, "nvmlEventSetWait_v2", None) or lib.nvmlEventSetWait
         err = self.nvml._nvml_error
+        c0 = time.thread_time()
         while not self._stop.is_set():
+            self.cpu_seconds = time.thread_time() - c0
             try:
                 data = wait(self._set, self.wait_ms)
             except err as e:
@@ -140,8 +145,6 @@ class EventSource:
             kind = "uncorrected" if etype & lib.nvmlEventTypeDoubleBitEccError else "corrected"
             ev = Event(now, "ecc", label, f"{kind} ECC error on GPU {label}", {"type": kind})
             self._count(label, series_key("gpu_ecc_events_total", type=kind))
-        elif etype & lib.nvmlEventTypeClock:
-            ev = Event(now, "clock_change", label, f"clock change on GPU {label}", {"data": edata})
         else:
             ev = Event(now, "nvml_event", label, f"NVML event 0x{etype:x} on GPU {label}",
                        {"type": etype, "data": edata})
