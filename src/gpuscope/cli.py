@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -75,6 +76,46 @@ def build_parser() -> argparse.ArgumentParser:
 
     sc = sub.add_parser("scenarios", help="list the simulated scenarios")
     del sc
+
+    a = sub.add_parser("agent", help="run the agent: sampler, on-disk history, /metrics and the query API",
+                       description="The main job on a GPU node: samples every GPU, keeps the history on disk "
+                                   "(no database needed), serves Prometheus /metrics and a JSON query API. "
+                                   "Binds to 127.0.0.1 unless told otherwise. SIGTERM or Ctrl-C stops it cleanly.")
+    a.add_argument("--config", metavar="FILE", help="TOML config file (see the README for every key)")
+    a.add_argument("--port", type=int, help="TCP port (default 9471)")
+    a.add_argument("--bind", help="address to listen on (default 127.0.0.1; anything else requires the token)")
+    a.add_argument("--data-dir", help="where the history and the token live")
+    a.add_argument("--interval", type=_interval, help="sampling interval (default 100ms)")
+    a.add_argument("--naming", choices=("canonical", "dcgm"), help="metric names on /metrics")
+    a.add_argument("--log-format", choices=("text", "json"), help="log lines as text or JSON")
+    _add_source_args(a)
+
+    q = sub.add_parser("query", help="query a running agent's history",
+                       description="Reads a metric's history from a running agent (--url, default the local "
+                                   "agent). Times: now, -1h, unix seconds or RFC 3339.")
+    q.add_argument("metric", help="metric name, e.g. gpu_sm_active_ratio (see /api/v1/series)")
+    q.add_argument("--since", default="1h", help="how far back (default 1h); or use --start/--end")
+    q.add_argument("--start", help="start time")
+    q.add_argument("--end", default="now", help="end time (default now)")
+    q.add_argument("--step", default="", help="resolution (default: about 60 points)")
+    q.add_argument("--agg", default="mean", help="mean, max, min, last, count, sum or pXX")
+    q.add_argument("--gpu", help="only this GPU (label, e.g. 0)")
+    q.add_argument("--label", action="append", default=[], metavar="K=V", help="label filter, repeatable")
+    q.add_argument("--format", choices=("table", "json", "csv"), default="table")
+    q.add_argument("--url", default=None, help="the agent (default $GPUSCOPE_URL or http://127.0.0.1:9471)")
+    q.add_argument("--token", default=None, help="bearer token (default $GPUSCOPE_TOKEN or the data dir's token)")
+    q.add_argument("--data-dir", default=None, help="where to look for the token")
+
+    e = sub.add_parser("export", help="export a time range of the history to Parquet, CSV or JSONL",
+                       description="Reads the on-disk store directly (also while the agent runs) and writes "
+                                   "one row per sample.")
+    e.add_argument("--out", required=True, help="output file")
+    e.add_argument("--format", choices=("parquet", "csv", "jsonl"), help="default: from the file extension")
+    e.add_argument("--since", default="1h", help="how far back (default 1h); or use --start/--end")
+    e.add_argument("--start")
+    e.add_argument("--end", default="now")
+    e.add_argument("--metric", action="append", default=None, help="only these metrics (repeatable)")
+    e.add_argument("--data-dir", default=None, help="the agent's data directory")
     return p
 
 
@@ -204,7 +245,109 @@ def _scenarios(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-_VERBS = {"doctor": _doctor, "sample": _sample, "scenarios": _scenarios}
+def _agent(args: argparse.Namespace) -> int:
+    from .agent import Agent, AgentError, setup_logging
+    from .agent import config as agent_config
+
+    _check_sim(args)
+    try:
+        cfg = agent_config.load(args.config)
+        if args.port is not None:
+            cfg.agent.port = args.port
+        if args.bind is not None:
+            cfg.agent.bind = args.bind
+        if args.data_dir is not None:
+            cfg.agent.data_dir = args.data_dir
+        if args.interval is not None:
+            cfg.sampler.interval = args.interval
+        if args.naming is not None:
+            cfg.prometheus.naming = args.naming
+        if args.log_format is not None:
+            cfg.agent.log_format = args.log_format
+        agent_config.validate(cfg)
+    except agent_config.ConfigError as e:
+        raise UsageError(str(e)) from None
+    setup_logging(cfg.agent.log_format, "debug" if args.verbose else cfg.agent.log_level)
+    try:
+        return Agent(cfg, simulate=args.simulate, gpus=args.gpus).run()
+    except AgentError as e:
+        print(f"gpuscope: {e}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+
+
+def _query(args: argparse.Namespace) -> int:
+    from .agent.client import ClientError, default_url, find_token, format_range, get_json
+    from .agent.timeparse import TimeError, parse_duration, parse_time
+
+    try:
+        now = time.time()
+        start = args.start or f"-{args.since}"
+        start_ns, end_ns = parse_time(start, now, "--start"), parse_time(args.end, now, "--end")
+        if end_ns <= start_ns:
+            raise UsageError("--end must be after --start.")
+        step = args.step or f"{max(1.0, (end_ns - start_ns) / 1e9 / 60):.3f}s"
+        parse_duration(step, "--step")
+    except TimeError as e:
+        raise UsageError(str(e)) from None
+    params = {"metric": args.metric, "start": f"{start_ns / 1e9:.3f}", "end": f"{end_ns / 1e9:.3f}",
+              "step": step, "agg": args.agg}
+    if args.gpu is not None:
+        params["gpu"] = args.gpu
+    for kv in args.label:
+        k, sep, v = kv.partition("=")
+        if not sep or not k:
+            raise UsageError(f"--label takes K=V, not {kv!r}.")
+        params[k] = v
+    url = args.url or default_url()
+    try:
+        data = get_json(url, "/api/v1/query_range", params, find_token(args.token, args.data_dir))
+    except ClientError as e:
+        print(f"gpuscope: {e}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    if data.get("simulated") and args.format == "table":
+        print(f"(SIMULATED node, scenario '{data['simulated']}')")
+    print(format_range(data, args.format))
+    return EXIT_OK
+
+
+def _export(args: argparse.Namespace) -> int:
+    from .agent.config import default_data_dir
+    from .agent.timeparse import TimeError, parse_time
+
+    fmt = args.format or {".parquet": "parquet", ".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl"}.get(
+        os.path.splitext(args.out)[1].lower())
+    if fmt is None:
+        raise UsageError("Cannot tell the format from the file name; add --format parquet, csv or jsonl.")
+    try:
+        now = time.time()
+        start_ns = parse_time(args.start or f"-{args.since}", now, "--start")
+        end_ns = parse_time(args.end, now, "--end")
+    except TimeError as e:
+        raise UsageError(str(e)) from None
+    if end_ns <= start_ns:
+        raise UsageError("--end must be after --start.")
+    from .store import Store, StoreError
+
+    path = os.path.join(os.path.expanduser(args.data_dir) if args.data_dir else str(default_data_dir()), "store")
+    if not os.path.isdir(path):
+        print(f"gpuscope: No gpuscope store at {path}; point --data-dir at the agent's data directory.",
+              file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    try:
+        store = Store(path, readonly=True)
+        try:
+            n = store.export(start_ns, end_ns, args.out, fmt=fmt, metrics=args.metric)
+        finally:
+            store.close()
+    except StoreError as e:
+        print(f"gpuscope: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"wrote {n} rows to {args.out}")
+    return EXIT_OK
+
+
+_VERBS = {"doctor": _doctor, "sample": _sample, "scenarios": _scenarios, "agent": _agent, "query": _query,
+          "export": _export}
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,0 +1,242 @@
+"""`gpuscope agent`: the one sampler of a node, its history on disk, served to people and to Prometheus.
+
+    from gpuscope.agent import Agent, config
+    Agent(config.load("gpuscope.toml"), simulate="healthy").run()   # blocks until SIGTERM / SIGINT
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+import logging
+import os
+import secrets
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from .. import __version__
+from ..sampler import Sampler, SamplerConfig
+from .config import Config, ConfigError
+
+log = logging.getLogger("gpuscope.agent")
+
+__all__ = ["Agent", "AgentError", "Config", "ConfigError"]
+
+
+class AgentError(RuntimeError):
+    """The agent cannot start; the message is one sentence for the user."""
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"ts": round(record.created, 3), "level": record.levelname.lower(), "logger": record.name,
+               "msg": record.getMessage()}
+        for k, v in record.__dict__.items():
+            if k.startswith("f_"):
+                out[k[2:]] = v
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def setup_logging(fmt: str, level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+def load_or_create_token(path: Path) -> str:
+    """The bearer token, created on first start with 0600 permissions."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        try:
+            mode = path.stat().st_mode & 0o777
+            if mode & 0o077:
+                os.chmod(path, 0o600)
+                log.warning("token file %s was readable by others (mode %o); made it 0600", path, mode)
+            token = path.read_text().strip()
+        except OSError as e:
+            raise AgentError(f"The token file {path} cannot be read: {e.strerror}.") from None
+        if len(token) < 16:
+            raise AgentError(f"The token file {path} holds no usable token; delete it to make a new one.") from None
+        return token
+    token = secrets.token_urlsafe(32)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token
+
+
+class Agent:
+    def __init__(self, cfg: Config, simulate: str | None = None, gpus: int | None = None,
+                 announce: Any = print) -> None:
+        self.cfg = cfg
+        self.simulate = simulate
+        self.gpus = gpus
+        self.announce = announce
+        self.naming = cfg.prometheus.naming
+        self.top_processes = cfg.prometheus.top_processes
+        self.loopback_only = cfg.loopback_only
+        self.started = time.time()
+        self.store: Any = None
+        self.sampler: Any = None
+        self.remote: Any = None
+        self._render_cache: dict[str, tuple[int, bytes]] = {}
+        self._render_lock = threading.Lock()
+        self._stop: asyncio.Event | None = None
+        self.port: int | None = None
+
+    # -- what the HTTP side calls --------------------------------------------------------------
+    def render_metrics(self, mode: str) -> bytes:
+        from ..export.exposition import render
+
+        snap = self.sampler.latest()
+        if snap is None:
+            return b""
+        with self._render_lock:
+            cached = self._render_cache.get(mode)
+            if cached is not None and cached[0] == snap.time_ns:
+                return cached[1]
+            extra = self.sampler.self_metrics()
+            extra["gpuscope_agent_uptime_seconds"] = time.time() - self.started
+            body = render(snap, mode=mode, top_processes=self.top_processes, extra=extra)
+            self._render_cache[mode] = (snap.time_ns, body)
+            return body
+
+    def status(self) -> dict[str, Any]:
+        ov = self.sampler.overhead()
+        ov.pop("nvml_calls", None)
+        return {
+            "version": __version__, "uptime_s": time.time() - self.started, "simulated": self.sampler.simulated,
+            "hostname": self.sampler.hostname, "gpus": [d.label for d in self.sampler.devices],
+            "healthy_gpus": sum(1 for d in self.sampler.devices if d.healthy),
+            "sampler": {"interval_s": self.sampler.config.interval, **ov},
+            "store": self.store.stats(), "data_dir": str(self.cfg.data_path),
+            "remote_write": self.remote.stats() if self.remote is not None and hasattr(self.remote, "stats") else None,
+            "bind": f"{self.cfg.agent.bind}:{self.port}", "auth": "token for every request" if not self.loopback_only
+            else "token for changes only (loopback)",
+        }
+
+    @property
+    def token_path(self) -> Path:
+        return self.cfg.data_path / "token"
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def _open_data_dir(self) -> None:
+        path = self.cfg.data_path
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            probe = path / ".write-test"
+            probe.write_text("")
+            probe.unlink()
+        except OSError as e:
+            raise AgentError(f"The data directory {path} is not writable: {e.strerror}; "
+                             "choose another with --data-dir.") from None
+        self.token = load_or_create_token(self.token_path)
+
+    def _open_store(self) -> None:
+        from ..store import Retention, Store, StoreError, StoreLocked
+
+        s = self.cfg.store
+        try:
+            self.store = Store(self.cfg.data_path / "store", flush_interval=s.flush_interval,
+                               retention=Retention(raw_s=s.raw, rollup_1s_s=s.rollup_1s, rollup_1m_s=s.rollup_1m,
+                                                   rollup_1h_s=s.rollup_1h, max_bytes=s.max_size))
+        except StoreLocked as e:
+            raise AgentError(f"Another agent already uses {self.cfg.data_path}: {e}") from None
+        except StoreError as e:
+            raise AgentError(str(e)) from None
+
+    def _start_sampler(self) -> None:
+        sc = self.cfg.sampler
+        cfg = SamplerConfig(interval=sc.interval, gpm_window=sc.gpm_window, slow=max(sc.slow, sc.interval),
+                            collect_processes=sc.processes, collect_host=sc.host)
+        self.sampler = Sampler(cfg, simulate=self.simulate, gpus=self.gpus)
+        self.sampler.open()  # raises NvmlUnavailable with its sentence
+        self.sampler.subscribe(self.store.append)
+        if self.cfg.remote_write.url:
+            from ..export.remote_write import RemoteWriter
+
+            rw = self.cfg.remote_write
+            self.remote = RemoteWriter(rw.url, interval=rw.interval, headers=rw.headers or None)
+            self.sampler.subscribe(self.remote.add)
+        self.sampler.start()
+
+    def run(self) -> int:
+        self._open_data_dir()
+        self._open_store()
+        try:
+            self._start_sampler()
+            return asyncio.run(self._serve())
+        finally:
+            self.shutdown()
+
+    def shutdown(self) -> None:
+        if self.sampler is not None:
+            self.sampler.stop()
+        if self.remote is not None:
+            self.remote.stop()
+            self.remote = None
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+        log.info("agent stopped", extra={"f_event": "stop"})
+
+    async def _serve(self) -> int:
+        from aiohttp import web
+
+        from .server import make_app
+
+        self._stop = asyncio.Event()
+        loop = self._loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                loop.add_signal_handler(sig, self._stop.set)
+            except (NotImplementedError, RuntimeError):  # pragma: no cover - not the main thread
+                pass
+        app = make_app(self, self.cfg.agent.max_request_bytes)
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await runner.setup()
+        site = web.TCPSite(runner, self.cfg.agent.bind, self.cfg.agent.port, reuse_address=True)
+        try:
+            await site.start()
+        except OSError as e:
+            await runner.cleanup()
+            if e.errno == errno.EADDRINUSE:
+                raise AgentError(f"Port {self.cfg.agent.port} on {self.cfg.agent.bind} is already in use; "
+                                 "choose another with --port.") from None
+            raise AgentError(f"Cannot listen on {self.cfg.agent.bind}:{self.cfg.agent.port}: {e.strerror}.") from None
+        sockets = getattr(site._server, "sockets", None) or []
+        self.port = sockets[0].getsockname()[1] if sockets else self.cfg.agent.port
+        host = self.cfg.agent.bind if ":" not in self.cfg.agent.bind else f"[{self.cfg.agent.bind}]"
+        what = (f"SIMULATED node, scenario '{self.sampler.simulated}'" if self.sampler.simulated
+                else f"{len(self.sampler.devices)} GPU(s)")
+        self.announce(f"gpuscope agent {__version__}: sampling {what} every "
+                      f"{self.cfg.sampler.interval * 1000:g} ms\n"
+                      f"  API and status:  http://{host}:{self.port}/api/v1/status\n"
+                      f"  Prometheus:      http://{host}:{self.port}/metrics\n"
+                      f"  data:            {self.cfg.data_path}\n"
+                      + ("" if self.loopback_only else f"  token:           {self.token_path} (needed for every request)\n")
+                      + "  stop with Ctrl-C")
+        log.info("agent started", extra={"f_event": "start", "f_port": self.port, "f_bind": self.cfg.agent.bind})
+        await self._stop.wait()
+        log.info("stopping: flushing the store", extra={"f_event": "stopping"})
+        await runner.cleanup()
+        return 0
+
+    def request_stop(self) -> None:
+        """Stop from another thread (tests, embedding)."""
+        loop = getattr(self, "_loop", None)
+        if self._stop is not None and loop is not None:
+            loop.call_soon_threadsafe(self._stop.set)

@@ -1,0 +1,85 @@
+"""`gpuscope query` and `gpuscope export`: the agent's data on the command line."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import urllib.error
+import urllib.parse
+import urllib.request
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from .config import DEFAULT_PORT, default_data_dir
+
+
+class ClientError(RuntimeError):
+    """One sentence for the user."""
+
+
+def default_url() -> str:
+    return os.environ.get("GPUSCOPE_URL", f"http://127.0.0.1:{DEFAULT_PORT}")
+
+
+def find_token(explicit: str | None, data_dir: str | None) -> str | None:
+    if explicit:
+        return explicit
+    env = os.environ.get("GPUSCOPE_TOKEN")
+    if env:
+        return env
+    path = Path(data_dir).expanduser() / "token" if data_dir else default_data_dir() / "token"
+    try:
+        return path.read_text().strip() or None
+    except OSError:
+        return None
+
+
+def get_json(url: str, path: str, params: dict[str, str], token: str | None, timeout: float = 30.0) -> Any:
+    if not url.startswith(("http://", "https://")):
+        raise ClientError(f"--url must start with http:// or https://, not {url!r}.")
+    full = url.rstrip("/") + path + ("?" + urllib.parse.urlencode(params) if params else "")
+    req = urllib.request.Request(full, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        try:
+            msg = json.loads(e.read()).get("error", e.reason)
+        except (ValueError, AttributeError):
+            msg = e.reason
+        raise ClientError(f"The agent at {url} answered {e.code}: {msg}") from None
+    except urllib.error.URLError as e:
+        raise ClientError(f"No gpuscope agent answers at {url} ({e.reason}); start one with 'gpuscope agent'.") from None
+    except (TimeoutError, OSError) as e:
+        raise ClientError(f"The agent at {url} did not answer: {e}.") from None
+    except ValueError:
+        raise ClientError(f"{url} answered with something that is not JSON; is it a gpuscope agent?") from None
+
+
+def _ts(ns: int) -> str:
+    return datetime.fromtimestamp(ns / 1e9, tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")[:-4] + "Z"
+
+
+def format_range(data: dict[str, Any], fmt: str) -> str:
+    series = data["series"]
+    if fmt == "json":
+        return json.dumps(data, indent=1)
+    rows: list[list[str]] = []
+    for s in series:
+        lab = ",".join(f"{k}={v}" for k, v in sorted(s["labels"].items()))
+        for t, v in zip(s["timestamps_ns"], s["values"], strict=False):
+            rows.append([_ts(t), lab, "" if v is None else f"{v:.6g}"])
+    if fmt == "csv":
+        buf = io.StringIO()
+        w = csv.writer(buf)
+        w.writerow(["time", "labels", data["metric"]])
+        w.writerows(rows)
+        return buf.getvalue()
+    if not rows:
+        return f"no data for {data['metric']} in that range"
+    width = max(len(r[1]) for r in rows)
+    head = f"{'time':<24} {'labels':<{width}} {data['metric']}"
+    return "\n".join([head] + [f"{r[0]:<24} {r[1]:<{width}} {r[2]}" for r in rows])

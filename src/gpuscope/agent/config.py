@@ -1,0 +1,239 @@
+"""The agent's configuration: a TOML file, validated with exact messages, overridden by CLI flags.
+
+    [agent]
+    bind = "127.0.0.1"          # loopback by default; anything else requires the token for every request
+    port = 9471                 # dcgm-exporter uses 9400
+    data_dir = "/var/lib/gpuscope"   # default: /var/lib/gpuscope as root, else ~/.local/share/gpuscope
+    log_format = "text"         # or "json" (one JSON object per line)
+    log_level = "info"
+    max_request_bytes = 65536
+
+    [sampler]
+    interval = "100ms"          # durations: "250ms", "1s", "5m", "2h", "7d", or a number of seconds
+    gpm_window = "200ms"
+    slow = "1s"
+    processes = true
+    host = true
+
+    [store]
+    flush_interval = "1s"
+    raw = "24h"                 # retention per tier
+    rollup_1s = "7d"
+    rollup_1m = "90d"
+    rollup_1h = "730d"
+    max_size = "10GiB"
+
+    [prometheus]
+    naming = "canonical"        # or "dcgm": DCGM_FI_* names so DCGM dashboards work unchanged
+    top_processes = 16          # per GPU; the rest are summed as process="other"
+
+    [remote_write]
+    url = ""                    # e.g. "http://victoria:8428/api/v1/write"; empty = off
+    interval = "10s"
+    headers = {}
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+DEFAULT_PORT = 9471
+
+
+class ConfigError(ValueError):
+    """One sentence saying what is wrong and where."""
+
+
+_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(us|ms|s|m|h|d)?\s*$")
+_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)?\s*$")
+_SIZE_UNITS = {None: 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def parse_duration(v: Any, where: str) -> float:
+    if isinstance(v, bool):
+        raise ConfigError(f"{where} must be a duration such as \"250ms\" or \"1s\", not {v!r}.")
+    if isinstance(v, int | float):
+        s = float(v)
+    elif isinstance(v, str) and (m := _DURATION.match(v)):
+        s = float(m.group(1)) * _UNITS[m.group(2)]
+    else:
+        raise ConfigError(f"{where} must be a duration such as \"250ms\" or \"1s\", not {v!r}.")
+    if not s > 0 or s != s or s == float("inf"):
+        raise ConfigError(f"{where} must be a positive duration, not {v!r}.")
+    return s
+
+
+def parse_size(v: Any, where: str) -> int:
+    if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+        return v
+    if isinstance(v, str) and (m := _SIZE.match(v)):
+        n = int(float(m.group(1)) * _SIZE_UNITS[m.group(2)])
+        if n > 0:
+            return n
+    raise ConfigError(f"{where} must be a size such as \"10GiB\" or a number of bytes, not {v!r}.")
+
+
+def default_data_dir() -> Path:
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        return Path("/var/lib/gpuscope")
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return Path(base) / "gpuscope"
+
+
+@dataclass
+class AgentSection:
+    bind: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    data_dir: str = ""
+    log_format: str = "text"
+    log_level: str = "info"
+    max_request_bytes: int = 65536
+
+
+@dataclass
+class SamplerSection:
+    interval: float = 0.1
+    gpm_window: float = 0.2
+    slow: float = 1.0
+    processes: bool = True
+    host: bool = True
+
+
+@dataclass
+class StoreSection:
+    flush_interval: float = 1.0
+    raw: float = 86400.0
+    rollup_1s: float = 7 * 86400.0
+    rollup_1m: float = 90 * 86400.0
+    rollup_1h: float = 730 * 86400.0
+    max_size: int = 10 * 2**30
+
+
+@dataclass
+class PrometheusSection:
+    naming: str = "canonical"
+    top_processes: int = 16
+
+
+@dataclass
+class RemoteWriteSection:
+    url: str = ""
+    interval: float = 10.0
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Config:
+    agent: AgentSection = field(default_factory=AgentSection)
+    sampler: SamplerSection = field(default_factory=SamplerSection)
+    store: StoreSection = field(default_factory=StoreSection)
+    prometheus: PrometheusSection = field(default_factory=PrometheusSection)
+    remote_write: RemoteWriteSection = field(default_factory=RemoteWriteSection)
+    source: str = "defaults"
+
+    @property
+    def data_path(self) -> Path:
+        return Path(os.path.expanduser(self.agent.data_dir)) if self.agent.data_dir else default_data_dir()
+
+    @property
+    def loopback_only(self) -> bool:
+        return self.agent.bind in ("127.0.0.1", "localhost", "::1") or self.agent.bind.startswith("127.")
+
+
+_DURATIONS = {("sampler", "interval"), ("sampler", "gpm_window"), ("sampler", "slow"), ("store", "flush_interval"),
+              ("store", "raw"), ("store", "rollup_1s"), ("store", "rollup_1m"), ("store", "rollup_1h"),
+              ("remote_write", "interval")}
+_SIZES = {("store", "max_size")}
+_CHOICES = {("agent", "log_format"): ("text", "json"),
+            ("agent", "log_level"): ("debug", "info", "warning", "error"),
+            ("prometheus", "naming"): ("canonical", "dcgm")}
+
+
+def _coerce(section: str, key: str, value: Any, default: Any, where: str) -> Any:
+    if (section, key) in _DURATIONS:
+        return parse_duration(value, where)
+    if (section, key) in _SIZES:
+        return parse_size(value, where)
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} must be true or false, not {value!r}.")
+        return value
+    if isinstance(default, int):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where} must be a whole number, not {value!r}.")
+        return value
+    if isinstance(default, str):
+        if not isinstance(value, str):
+            raise ConfigError(f"{where} must be a string, not {value!r}.")
+        choices = _CHOICES.get((section, key))
+        if choices and value not in choices:
+            raise ConfigError(f"{where} must be one of {', '.join(choices)}, not {value!r}.")
+        return value
+    if isinstance(default, dict):
+        if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+            raise ConfigError(f"{where} must be a table of strings, such as {{ Authorization = \"Bearer x\" }}.")
+        return dict(value)
+    return value
+
+
+def from_dict(data: dict[str, Any], source: str = "<dict>") -> Config:
+    cfg = Config(source=source)
+    for section, table in data.items():
+        if section not in {f.name for f in fields(Config)} - {"source"}:
+            known = ", ".join(f"[{f.name}]" for f in fields(Config) if f.name != "source")
+            raise ConfigError(f"{source}: unknown section [{section}]; the sections are {known}.")
+        if not isinstance(table, dict):
+            raise ConfigError(f"{source}: {section} must be a table ([{section}]), not a value.")
+        target = getattr(cfg, section)
+        names = {f.name: f for f in fields(target)}
+        for key, value in table.items():
+            if key not in names:
+                raise ConfigError(f"{source}: unknown key {key!r} in [{section}]; known keys: {', '.join(names)}.")
+            where = f"{source}: [{section}] {key}"
+            setattr(target, key, _coerce(section, key, value, getattr(target, key), where))
+    validate(cfg)
+    return cfg
+
+
+def load(path: str | os.PathLike[str] | None) -> Config:
+    if path is None:
+        return Config()
+    p = Path(path)
+    try:
+        text = p.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"The config file {p} does not exist.") from None
+    except OSError as e:
+        raise ConfigError(f"The config file {p} cannot be read: {e.strerror}.") from None
+    try:
+        data = tomllib.loads(text.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError(f"The config file {p} is not UTF-8 text.") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"The config file {p} is not valid TOML: {e}.") from None
+    return from_dict(data, str(p))
+
+
+def validate(cfg: Config) -> None:
+    a = cfg.agent
+    if not 0 < a.port < 65536:
+        raise ConfigError(f"{cfg.source}: [agent] port must be between 1 and 65535, not {a.port}.")
+    if a.max_request_bytes < 1024:
+        raise ConfigError(f"{cfg.source}: [agent] max_request_bytes must be at least 1024.")
+    if cfg.prometheus.top_processes < 0:
+        raise ConfigError(f"{cfg.source}: [prometheus] top_processes must be 0 or more.")
+    url = cfg.remote_write.url
+    if url and not re.match(r"^https?://[^/\s]+", url):
+        raise ConfigError(f"{cfg.source}: [remote_write] url must be an http:// or https:// URL, not {url!r}.")

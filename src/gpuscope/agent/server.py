@@ -1,0 +1,215 @@
+"""The agent's HTTP surface: /metrics for Prometheus and /api/v1/* for people and tools.
+
+Scrapes and API reads never call NVML: they read the sampler's latest snapshot or the store.
+Bound to loopback, reads are open; bound beyond it, every request needs the bearer token. Nothing
+here changes state yet; anything that will (traces on demand) requires the token wherever bound.
+Every bad request ends in a 4xx with a JSON body {"error": "one sentence"}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import math
+import time
+from dataclasses import asdict
+from typing import Any
+
+from aiohttp import web
+
+from .. import __version__
+from .timeparse import TimeError, parse_duration, parse_time
+
+log = logging.getLogger("gpuscope.agent.http")
+
+MAX_POINTS = 100_000  # per series in one range query
+AGGS = ("mean", "max", "min", "last", "count", "sum")
+
+
+class BadRequest(Exception):
+    pass
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(text=json.dumps(data, default=_default, allow_nan=False), status=status,
+                        content_type="application/json")
+
+
+def _default(o: Any) -> Any:
+    if hasattr(o, "tolist"):
+        return o.tolist()
+    if isinstance(o, float) and not math.isfinite(o):
+        return None
+    return str(o)
+
+
+def _error(status: int, message: str) -> web.Response:
+    return _json({"error": message}, status)
+
+
+def _clean(values: Any) -> list[float | None]:
+    return [None if (v is None or v != v or v in (math.inf, -math.inf)) else float(v) for v in values]
+
+
+class Api:
+    """Handlers. `agent` provides: sampler, store, token, loopback_only, naming, top_processes,
+    render_metrics(mode) -> bytes, status() -> dict."""
+
+    def __init__(self, agent: Any) -> None:
+        self.agent = agent
+
+    # -- middleware ----------------------------------------------------------------------------
+    @web.middleware
+    async def guard(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        needs_token = (not self.agent.loopback_only) or request.method not in ("GET", "HEAD", "OPTIONS")
+        if needs_token and not self._authorized(request):
+            return _error(401, "This request needs the agent's token: send 'Authorization: Bearer <token>' "
+                               f"(the token is in {self.agent.token_path}).")
+        try:
+            return await handler(request)
+        except BadRequest as e:
+            return _error(400, str(e))
+        except TimeError as e:
+            return _error(400, str(e))
+        except web.HTTPException as e:
+            if e.status >= 400:
+                reason = {404: f"No such endpoint: {request.path}; see /api/v1/ for the list.",
+                          405: f"{request.method} is not allowed on {request.path}.",
+                          413: "The request body is too large."}.get(e.status, e.reason)
+                return _error(e.status, reason)
+            raise
+        except Exception as e:  # noqa: BLE001 - the agent keeps serving
+            from ..store import StoreError  # late: the store imports numpy
+
+            if isinstance(e, StoreError):
+                return _error(400, str(e))
+            log.exception("request %s failed", request.path)
+            return _error(500, f"The agent failed to answer: {type(e).__name__}.")
+
+    def _authorized(self, request: web.Request) -> bool:
+        header = request.headers.get("Authorization", "")
+        if not header.startswith("Bearer "):
+            return False
+        return hmac.compare_digest(header[7:].strip().encode(), self.agent.token.encode())
+
+    # -- routes --------------------------------------------------------------------------------
+    def routes(self, app: web.Application) -> None:
+        r = app.router
+        r.add_get("/", self.index)
+        r.add_get("/metrics", self.metrics)
+        r.add_get("/api/v1/", self.index)
+        r.add_get("/api/v1/status", self.status)
+        r.add_get("/api/v1/latest", self.latest)
+        r.add_get("/api/v1/capabilities", self.capabilities)
+        r.add_get("/api/v1/series", self.series)
+        r.add_get("/api/v1/labels", self.labels)
+        r.add_get("/api/v1/query_range", self.query_range)
+        r.add_get("/api/v1/events", self.events)
+
+    async def index(self, request: web.Request) -> web.Response:
+        return _json({
+            "gpuscope": __version__,
+            "simulated": self.agent.sampler.simulated,
+            "endpoints": {
+                "/metrics": "Prometheus exposition (?naming=canonical|dcgm)",
+                "/api/v1/status": "agent status, sampler overhead, store statistics",
+                "/api/v1/latest": "the latest snapshot: GPUs, processes, host, events",
+                "/api/v1/capabilities": "per GPU and metric: supported, and why not",
+                "/api/v1/series": "stored series (?metric=NAME&LABEL=VALUE)",
+                "/api/v1/labels": "label names and their values",
+                "/api/v1/query_range": "?metric=NAME&start=-1h&end=now&step=1s&agg=mean|max|min|last|count|sum|p50|p99"
+                                       "&LABEL=VALUE",
+                "/api/v1/events": "?start=-1h&end=now&kind=xid&gpu=0",
+            },
+        })
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        mode = request.query.get("naming", self.agent.naming)
+        if mode not in ("canonical", "dcgm"):
+            raise BadRequest(f"naming must be canonical or dcgm, not {mode!r}.")
+        body = self.agent.render_metrics(mode)
+        return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    async def status(self, request: web.Request) -> web.Response:
+        return _json(await asyncio.get_running_loop().run_in_executor(None, self.agent.status))
+
+    async def latest(self, request: web.Request) -> web.Response:
+        snap = self.agent.sampler.latest()
+        if snap is None:
+            return _error(503, "The sampler has not produced a snapshot yet; try again in a second.")
+        return _json(asdict(snap))
+
+    async def capabilities(self, request: web.Request) -> web.Response:
+        caps = self.agent.sampler.capabilities()
+        return _json({gpu: {m: {"supported": c.supported, "reason": c.reason} for m, c in per.items()}
+                      for gpu, per in caps.items()})
+
+    async def series(self, request: web.Request) -> web.Response:
+        q = dict(request.query)
+        metric = q.pop("metric", None)
+        self._check_labels(q)
+        store = self.agent.store
+        res = await asyncio.get_running_loop().run_in_executor(None, lambda: store.series(metric, **q))
+        return _json({"series": res})
+
+    async def labels(self, request: web.Request) -> web.Response:
+        return _json({"labels": await asyncio.get_running_loop().run_in_executor(None, self.agent.store.labels)})
+
+    def _check_labels(self, q: dict[str, str]) -> None:
+        for k in q:
+            if not k.replace("_", "").isalnum():
+                raise BadRequest(f"{k!r} is not a label name.")
+
+    async def query_range(self, request: web.Request) -> web.Response:
+        q = dict(request.query)
+        metric = q.pop("metric", None)
+        if not metric:
+            raise BadRequest("metric is required, e.g. /api/v1/query_range?metric=gpu_sm_active_ratio&start=-1h.")
+        now = time.time()
+        start = parse_time(q.pop("start", "-1h"), now, "start")
+        end = parse_time(q.pop("end", "now"), now, "end")
+        step = parse_duration(q.pop("step", "1s"), "step")
+        agg = q.pop("agg", "mean")
+        q.pop("format", None)
+        if end <= start:
+            raise BadRequest("end must be after start.")
+        if agg not in AGGS and not (agg.startswith("p") and agg[1:].replace(".", "", 1).isdigit()
+                                    and 0 < float(agg[1:]) < 100):
+            raise BadRequest(f"agg must be one of {', '.join(AGGS)} or a percentile such as p99, not {agg!r}.")
+        points = (end - start) / 1e9 / step
+        if points > MAX_POINTS:
+            raise BadRequest(f"{points:.0f} points per series is too many (at most {MAX_POINTS}); use a larger step.")
+        self._check_labels(q)
+        store = self.agent.store
+
+        def run() -> list[Any]:
+            return store.query(metric, start, end, step, agg, labels=q or None)
+
+        results = await asyncio.get_running_loop().run_in_executor(None, run)
+        return _json({
+            "metric": metric, "start_ns": start, "end_ns": end, "step_s": step, "agg": agg,
+            "simulated": self.agent.sampler.simulated,
+            "series": [{"labels": r.labels, "timestamps_ns": [int(t) for t in r.timestamps_ns],
+                        "values": _clean(r.values)} for r in results],
+        })
+
+    async def events(self, request: web.Request) -> web.Response:
+        q = request.query
+        now = time.time()
+        start = parse_time(q.get("start", "-1h"), now, "start")
+        end = parse_time(q.get("end", "now"), now, "end")
+        if end <= start:
+            raise BadRequest("end must be after start.")
+        store = self.agent.store
+        evs = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: store.events(start, end, kind=q.get("kind"), gpu=q.get("gpu")))
+        return _json({"events": [asdict(e) for e in evs]})
+
+
+def make_app(agent: Any, max_request_bytes: int = 65536) -> web.Application:
+    api = Api(agent)
+    app = web.Application(middlewares=[api.guard], client_max_size=max_request_bytes)
+    api.routes(app)
+    return app

@@ -1,0 +1,52 @@
+"""Times and durations as users write them: 'now', '-1h', 'now-15m', unix seconds, RFC 3339."""
+
+from __future__ import annotations
+
+import re
+import time
+from datetime import datetime, timezone
+
+_REL = re.compile(r"^\s*(?:now)?\s*-\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|h|d|w)\s*$")
+_DUR = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|h|d|w)?\s*$")
+_UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0, None: 1.0}
+
+
+class TimeError(ValueError):
+    pass
+
+
+def parse_duration(text: str, what: str = "duration") -> float:
+    m = _DUR.match(text or "")
+    if not m:
+        raise TimeError(f"{what} {text!r} is not a duration such as 1s, 30s, 5m or 1h.")
+    v = float(m.group(1)) * _UNITS[m.group(2)]
+    if v <= 0:
+        raise TimeError(f"{what} must be positive, not {text!r}.")
+    return v
+
+
+def parse_time(text: str, now_s: float | None = None, what: str = "time") -> int:
+    """Nanoseconds since the epoch."""
+    now_s = time.time() if now_s is None else now_s
+    t = (text or "").strip()
+    if t in ("", "now"):
+        return int(now_s * 1e9)
+    m = _REL.match(t)
+    if m:
+        return int((now_s - float(m.group(1)) * _UNITS[m.group(2)]) * 1e9)
+    try:
+        v = float(t)
+    except ValueError:
+        pass
+    else:
+        if not 0 <= v < 1e11:
+            raise TimeError(f"{what} {text!r} is not a plausible unix time in seconds.")
+        return int(v * 1e9)
+    try:
+        dt = datetime.fromisoformat(t.replace("Z", "+00:00"))
+    except ValueError:
+        raise TimeError(f"{what} {text!r} is not a time: use now, -1h, unix seconds or RFC 3339 "
+                        "(2026-11-29T10:00:00Z).") from None
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=timezone.utc)
+    return int(dt.timestamp() * 1e9)
