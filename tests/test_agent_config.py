@@ -1,0 +1,98 @@
+"""The agent's config file: every mistake a user can make ends in one sentence naming the place."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpuscope.agent import config
+from gpuscope.agent.timeparse import TimeError, parse_duration, parse_time
+
+
+def write(tmp_path, text: str):
+    p = tmp_path / "gpuscope.toml"
+    p.write_text(text)
+    return p
+
+
+def test_defaults_bind_loopback_and_avoid_dcgm_port():
+    cfg = config.load(None)
+    assert cfg.agent.bind == "127.0.0.1" and cfg.loopback_only
+    assert cfg.agent.port == config.DEFAULT_PORT != 9400
+
+
+def test_full_file_is_read_with_units(tmp_path):
+    cfg = config.load(write(tmp_path, """
+[agent]
+bind = "0.0.0.0"
+port = 9999
+log_format = "json"
+[sampler]
+interval = "250ms"
+gpm_window = 0.5
+[store]
+raw = "2h"
+max_size = "512MiB"
+[prometheus]
+naming = "dcgm"
+top_processes = 4
+[remote_write]
+url = "http://127.0.0.1:8428/api/v1/write"
+headers = { X-Scope-OrgID = "gpu" }
+"""))
+    assert cfg.agent.port == 9999 and not cfg.loopback_only
+    assert cfg.sampler.interval == pytest.approx(0.25) and cfg.sampler.gpm_window == 0.5
+    assert cfg.store.raw == 7200 and cfg.store.max_size == 512 * 2**20
+    assert cfg.prometheus.naming == "dcgm" and cfg.remote_write.headers == {"X-Scope-OrgID": "gpu"}
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("[agent]\nprot = 1\n", "unknown key 'prot' in [agent]"),
+    ("[agnet]\nport = 1\n", "unknown section [agnet]"),
+    ("[agent]\nport = \"nine\"\n", "[agent] port must be a whole number"),
+    ("[agent]\nport = 70000\n", "port must be between 1 and 65535"),
+    ("[sampler]\ninterval = \"fast\"\n", "[sampler] interval must be a duration"),
+    ("[sampler]\ninterval = \"-1s\"\n", "[sampler] interval must be a duration"),
+    ("[sampler]\ninterval = 0\n", "must be a positive duration"),
+    ("[sampler]\nprocesses = \"yes\"\n", "must be true or false"),
+    ("[store]\nmax_size = \"lots\"\n", "must be a size"),
+    ("[prometheus]\nnaming = \"otel\"\n", "must be one of canonical, dcgm"),
+    ("[remote_write]\nurl = \"victoria:8428\"\n", "must be an http:// or https:// URL"),
+    ("[remote_write]\nheaders = { a = 1 }\n", "must be a table of strings"),
+    ("agent = 3\n", "must be a table"),
+    ("[agent\n", "is not valid TOML"),
+])
+def test_bad_config_is_one_clear_sentence(tmp_path, text, needle):
+    with pytest.raises(config.ConfigError) as e:
+        config.load(write(tmp_path, text))
+    msg = str(e.value)
+    assert needle in msg
+    assert "\n" not in msg and msg.endswith(".")
+
+
+def test_missing_and_binary_files(tmp_path):
+    with pytest.raises(config.ConfigError, match="does not exist"):
+        config.load(tmp_path / "nope.toml")
+    p = tmp_path / "bin.toml"
+    p.write_bytes(b"\xff\xfe\x00bad")
+    with pytest.raises(config.ConfigError, match="not UTF-8"):
+        config.load(p)
+
+
+@pytest.mark.parametrize("text, seconds", [("250ms", 0.25), ("2", 2.0), ("1.5m", 90.0), ("1h", 3600.0), ("7d", 604800.0)])
+def test_durations(text, seconds):
+    assert config.parse_duration(text, "x") == pytest.approx(seconds)
+    assert parse_duration(text) == pytest.approx(seconds)
+
+
+def test_times():
+    now = 1_800_000_000.0
+    assert parse_time("now", now) == int(now * 1e9)
+    assert parse_time("-1h", now) == int((now - 3600) * 1e9)
+    assert parse_time("now-15m", now) == int((now - 900) * 1e9)
+    assert parse_time("1700000000", now) == 1_700_000_000 * 10**9
+    assert parse_time("2026-11-29T10:00:00Z", now) == parse_time("2026-11-29T10:00:00+00:00", now)
+    for bad in ("yesterday", "-1parsec", "1e20"):
+        with pytest.raises(TimeError):
+            parse_time(bad, now)
+    with pytest.raises(TimeError):
+        parse_duration("0s")
