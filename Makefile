@@ -7,7 +7,7 @@ install:
 	$(PYTHON) -m pip install --quiet .
 
 run: install
-	gpuscope sample
+	gpuscope agent
 
 # Installs everything the tests need, then runs them (GPU tests are deselected; see `make test-gpu`).
 test:

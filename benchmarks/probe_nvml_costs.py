@@ -70,6 +70,23 @@ def main():
             q.metrics[i].metricId = m
         measure(f"nvmlGpmMetricsGet {nm}", lambda q=q: N.nvmlGpmMetricsGet(q), 50)
         print("   values:", [(q.metrics[i].metricId, round(q.metrics[i].value, 2), q.metrics[i].nvmlReturn) for i in range(len(ids))])
+    # The floor of a periodic sampler: CPU per wake-up at 10 Hz, with nothing, one call, three calls.
+    def wake(calls, n=30):
+        c0 = time.thread_time()
+        for _ in range(n):
+            time.sleep(0.1)
+            for c in calls:
+                c()
+        return (time.thread_time() - c0) / n * 1e6
+
+    mem = lambda: N.nvmlDeviceGetMemoryInfo(h)  # noqa: E731
+    rsn = lambda: N.nvmlDeviceGetCurrentClocksEventReasons(h)  # noqa: E731
+    clk = lambda: N.nvmlDeviceGetClockInfo(h, N.NVML_CLOCK_SM)  # noqa: E731
+    print(f"10 Hz wake, no call:            {wake([]):8.1f} us CPU per wake-up")
+    print(f"10 Hz wake, pstate only:        {wake([lambda: N.nvmlDeviceGetPerformanceState(h)]):8.1f} us")
+    print(f"10 Hz wake, memory info only:   {wake([mem]):8.1f} us")
+    print(f"10 Hz wake, memory+reasons+clk: {wake([mem, rsn, clk]):8.1f} us")
+    print(f"10 Hz wake, reasons+clk:        {wake([rsn, clk]):8.1f} us")
     # Event-set wait: CPU of an idle wait
     es = N.nvmlEventSetCreate()
     N.nvmlDeviceRegisterEvents(h, N.nvmlEventTypeXidCriticalError, es)

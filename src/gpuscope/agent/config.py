@@ -227,13 +227,19 @@ def load(path: str | os.PathLike[str] | None) -> Config:
 
 
 def validate(cfg: Config) -> None:
+    """Checks that span keys or come from CLI flags after the file was read."""
+    src = "" if cfg.source == "defaults" else f"{cfg.source}: "
     a = cfg.agent
     if not 0 < a.port < 65536:
-        raise ConfigError(f"{cfg.source}: [agent] port must be between 1 and 65535, not {a.port}.")
+        raise ConfigError(f"{src}[agent] port must be between 1 and 65535, not {a.port}.")
     if a.max_request_bytes < 1024:
-        raise ConfigError(f"{cfg.source}: [agent] max_request_bytes must be at least 1024.")
+        raise ConfigError(f"{src}[agent] max_request_bytes must be at least 1024.")
+    if not a.bind.strip():
+        raise ConfigError(f"{src}[agent] bind must be an address such as 127.0.0.1.")
+    if not cfg.sampler.interval > 0:
+        raise ConfigError(f"{src}[sampler] interval must be a positive duration, not {cfg.sampler.interval:g}.")
     if cfg.prometheus.top_processes < 0:
-        raise ConfigError(f"{cfg.source}: [prometheus] top_processes must be 0 or more.")
+        raise ConfigError(f"{src}[prometheus] top_processes must be 0 or more.")
     url = cfg.remote_write.url
     if url and not re.match(r"^https?://[^/\s]+", url):
-        raise ConfigError(f"{cfg.source}: [remote_write] url must be an http:// or https:// URL, not {url!r}.")
+        raise ConfigError(f"{src}[remote_write] url must be an http:// or https:// URL, not {url!r}.")
