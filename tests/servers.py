@@ -1,0 +1,325 @@
+"""Real servers for integration tests: Prometheus, VictoriaMetrics and a tiny /metrics HTTP server.
+
+Each runs on a free loopback port with its data in a temporary directory, waits until it is ready,
+and is stopped (terminate, then kill) when its `with` block or fixture ends. A test whose binary is
+missing is skipped with the package to install (Debian: `apt-get install prometheus victoria-metrics`).
+Binaries are found on PATH, or named by GPUSCOPE_PROMETHEUS, GPUSCOPE_PROMTOOL, GPUSCOPE_VICTORIA_METRICS.
+
+    from servers import MetricsServer, PrometheusServer
+
+    def test_scrape(tmp_path):
+        with MetricsServer(lambda path: b"up_total 1\\n") as target, \\
+             PrometheusServer(tmp_path, targets=[target.address]) as prom:
+            prom.wait_for("up_total", lambda r: len(r) == 1)
+
+Fixtures (import them into a test module, `from servers import victoria_metrics  # noqa: F401`):
+`victoria_metrics` (a running VictoriaMetricsServer) and `prometheus_factory` (call it with
+PrometheusServer's arguments; every server it made is stopped at teardown).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+__all__ = ["MetricsServer", "PrometheusServer", "VictoriaMetricsServer", "free_port", "need_binary",
+           "prometheus_factory", "victoria_metrics"]
+
+_BINARIES = {
+    "prometheus": ("GPUSCOPE_PROMETHEUS", ("prometheus",), "prometheus"),
+    "promtool": ("GPUSCOPE_PROMTOOL", ("promtool",), "prometheus"),
+    "victoria-metrics": ("GPUSCOPE_VICTORIA_METRICS", ("victoria-metrics", "victoria-metrics-prod"),
+                         "victoria-metrics"),
+}
+
+
+def find_binary(name: str) -> str | None:
+    env, candidates, _ = _BINARIES[name]
+    if os.environ.get(env):
+        return os.environ[env]
+    for c in candidates:
+        path = shutil.which(c)
+        if path:
+            return path
+    return None
+
+
+def need_binary(name: str) -> str:
+    """The binary's path, or skip the test saying what to install."""
+    path = find_binary(name)
+    if path is None:
+        env, _, pkg = _BINARIES[name]
+        pytest.skip(f"{name} is not installed (Debian: apt-get install {pkg}; or set {env})")
+    return path
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+class _Process:
+    """A server subprocess with a log file, a readiness probe and a bounded stop."""
+
+    name = "server"
+    ready_path = "/"
+    start_timeout = 30.0
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path: Path | None = None
+
+    def _command(self) -> list[str]:
+        raise NotImplementedError
+
+    def start(self, workdir: Path) -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.log_path = workdir / f"{self.name}.log"
+        log = open(self.log_path, "wb")  # noqa: SIM115 - handed to the child, closed in stop()
+        self._log = log
+        self.proc = subprocess.Popen(self._command(), stdout=log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, cwd=workdir, start_new_session=True)
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.stop()
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode} at start:\n{self.log_tail()}")
+            try:
+                status, _ = http_get(self.url + self.ready_path, timeout=1.0)
+                if status == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"{self.name} not ready after {self.start_timeout:g} s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        p = self.proc
+        if p is not None and p.poll() is None:
+            p.terminate()
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+        if getattr(self, "_log", None) is not None:
+            self._log.close()
+            self._log = None
+
+    def log_tail(self, n: int = 40) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def get_json(self, path: str, **params: Any) -> Any:
+        qs = urllib.parse.urlencode({k: v for k, v in params.items() if v is not None})
+        status, body = http_get(f"{self.url}{path}?{qs}" if qs else f"{self.url}{path}", timeout=10.0)
+        if status != 200:
+            raise AssertionError(f"{self.name} {path} {params}: HTTP {status}: {body[:500]!r}")
+        return json.loads(body)
+
+    def query(self, promql: str, time_s: float | None = None) -> list[dict[str, Any]]:
+        """An instant query through the Prometheus HTTP API: the `result` list."""
+        doc = self.get_json("/api/v1/query", query=promql, time=time_s)
+        assert doc["status"] == "success", doc
+        return doc["data"]["result"]
+
+    def wait_for(self, promql: str, ok: Callable[[list[dict[str, Any]]], bool], timeout: float = 30.0,
+                 ) -> list[dict[str, Any]]:
+        """Query until `ok(result)` holds; fail with the last result after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        result: list[dict[str, Any]] = []
+        while True:
+            result = self.query(promql)
+            if ok(result):
+                return result
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{promql!r} never satisfied the check in {timeout:g} s; last result: "
+                                     f"{json.dumps(result)[:2000]}\n{self.name} log:\n{self.log_tail()}")
+            self._before_retry()
+            time.sleep(0.25)
+
+    def _before_retry(self) -> None:
+        pass
+
+    def __enter__(self) -> _Process:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class PrometheusServer(_Process):
+    """A real Prometheus scraping `targets` ("host:port") every `scrape_interval`, optionally
+    accepting remote write on /api/v1/write."""
+
+    name = "prometheus"
+    ready_path = "/-/ready"
+
+    def __init__(self, workdir: Path, targets: list[str] | None = None, *, scrape_interval: str = "1s",
+                 metrics_path: str = "/metrics", jobs: dict[str, dict[str, Any]] | None = None,
+                 remote_write_receiver: bool = False) -> None:
+        self.binary = need_binary("prometheus")
+        super().__init__()
+        self.workdir = Path(workdir) / f"prometheus-{self.port}"
+        self.scrape_interval = scrape_interval
+        job_list = []
+        if targets:
+            job_list.append({"job_name": "gpuscope", "metrics_path": metrics_path,
+                             "static_configs": [{"targets": list(targets)}]})
+        for name, cfg in (jobs or {}).items():
+            job_list.append({"job_name": name, **cfg})
+        self.config = {"global": {"scrape_interval": scrape_interval, "scrape_timeout": scrape_interval,
+                                  "evaluation_interval": scrape_interval},
+                       "scrape_configs": job_list}
+        self.remote_write_receiver = remote_write_receiver
+        self.start(self.workdir)
+
+    def _command(self) -> list[str]:
+        cfg = self.workdir / "prometheus.yml"
+        cfg.write_text(json.dumps(self.config))  # JSON is YAML
+        cmd = [self.binary, f"--config.file={cfg}", f"--storage.tsdb.path={self.workdir / 'data'}",
+               f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"]
+        if self.remote_write_receiver:
+            cmd.append("--web.enable-remote-write-receiver")
+        return cmd
+
+    @property
+    def write_url(self) -> str:
+        return self.url + "/api/v1/write"
+
+
+class VictoriaMetricsServer(_Process):
+    """A real single-node VictoriaMetrics; remote write goes to `write_url`. Queries see fresh data
+    at once (-search.latencyOffset=0s, and a forced flush before each retry)."""
+
+    name = "victoria-metrics"
+    ready_path = "/health"
+
+    def __init__(self, workdir: Path) -> None:
+        self.binary = need_binary("victoria-metrics")
+        super().__init__()
+        self.workdir = Path(workdir) / f"victoria-metrics-{self.port}"
+        self.start(self.workdir)
+
+    def _command(self) -> list[str]:
+        return [self.binary, f"-httpListenAddr=127.0.0.1:{self.port}",
+                f"-storageDataPath={self.workdir / 'data'}", "-search.latencyOffset=0s",
+                "-search.disableCache", "-loggerLevel=WARN", "-retentionPeriod=1d"]
+
+    @property
+    def write_url(self) -> str:
+        return self.url + "/api/v1/write"
+
+    def flush(self) -> None:
+        """Make everything received so far searchable."""
+        http_get(self.url + "/internal/force_flush")
+
+    def _before_retry(self) -> None:
+        self.flush()
+
+    def query(self, promql: str, time_s: float | None = None) -> list[dict[str, Any]]:
+        self.flush()
+        return super().query(promql, time_s)
+
+
+class MetricsServer:
+    """The standard library's HTTP server in a thread, answering GET with `body(path)` as the
+    Prometheus text format (None -> 404). `address` is host:port for a scrape config."""
+
+    def __init__(self, body: Callable[[str], bytes | None]) -> None:
+        self.requests = 0
+
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                outer.requests += 1
+                try:
+                    data = body(self.path)
+                except Exception as e:  # noqa: BLE001 - report it to the scraper, keep serving
+                    msg = f"{type(e).__name__}: {e}".encode()
+                    self.send_response(500)
+                    self.send_header("Content-Length", str(len(msg)))
+                    self.end_headers()
+                    self.wfile.write(msg)
+                    return
+                if data is None:
+                    self.send_response(404)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        self.address = f"127.0.0.1:{self.port}"
+        self.url = f"http://{self.address}"
+        self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.1},
+                                        name="metrics-server", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self._thread.join(5)
+
+    def __enter__(self) -> MetricsServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@pytest.fixture
+def victoria_metrics(tmp_path: Path) -> Iterator[VictoriaMetricsServer]:
+    with VictoriaMetricsServer(tmp_path) as vm:
+        yield vm
+
+
+@pytest.fixture
+def prometheus_factory(tmp_path: Path) -> Iterator[Callable[..., PrometheusServer]]:
+    made: list[PrometheusServer] = []
+
+    def make(targets: list[str] | None = None, **kw: Any) -> PrometheusServer:
+        p = PrometheusServer(tmp_path, targets, **kw)
+        made.append(p)
+        return p
+
+    yield make
+    for p in made:
+        p.stop()
