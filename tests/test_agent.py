@@ -227,7 +227,7 @@ def test_query_cli_against_the_agent(agent):
     assert data["series"][0]["labels"]["gpu"] == "1"
     p = subprocess.run([*base, "--format", "csv"], env=env(), capture_output=True, text=True, timeout=30)
     assert p.returncode == 0 and p.stdout.startswith("time,labels,gpu_power_watts")
-    p = subprocess.run([*base[:4], "--url", f"http://127.0.0.1:{free_port()}"], env=env(), capture_output=True,
+    p = subprocess.run([*base[:5], "--url", f"http://127.0.0.1:{free_port()}"], env=env(), capture_output=True,
                        text=True, timeout=30)
     assert p.returncode == 1 and "No gpuscope agent answers" in p.stderr
 
