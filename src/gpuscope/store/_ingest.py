@@ -1,0 +1,349 @@
+"""From snapshots to columns: series identity, layouts, and the in-memory hot window.
+
+A *layout* is an ordered set of series that arrive together with one time stamp (one GPU's values,
+one process's numbers, the host). A snapshot becomes one row per layout, so ingest costs a tuple of
+the keys, a dict lookup and a list of the values per GPU; the split into per-series columns happens
+in bulk with numpy when a block is sealed.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .._records import Event, GpuIdentity, ProcessRecord, Snapshot
+from ..catalog import series_key, split_series_key
+from ._codec import FloatArray, Int64Array, scale_for
+
+# ProcessRecord attribute -> series name (labels gpu, pid, process, user).
+PROCESS_SERIES: tuple[tuple[str, str], ...] = (
+    ("gpu_memory_bytes", "gpu_process_memory_used_bytes"),
+    ("sm_ratio", "gpu_process_sm_active_ratio"),
+    ("memory_ratio", "gpu_process_memory_utilization_ratio"),
+    ("cpu_cores", "process_cpu_cores"),
+    ("thread_cpu_max_ratio", "process_thread_cpu_max_ratio"),
+    ("rss_bytes", "process_resident_memory_bytes"),
+    ("threads", "process_threads"),
+)
+PROCESS_METRICS = {name: attr for attr, name in PROCESS_SERIES}
+
+
+def canonical_key(metric: str, labels: Mapping[str, str]) -> str:
+    """metric{a="1",b="2"} with labels sorted by name: the identity of a series."""
+    return series_key(metric, **{k: labels[k] for k in sorted(labels)})
+
+
+@dataclass
+class Layout:
+    id: int
+    sids: Int64Array
+    col: dict[int, int] = field(default_factory=dict)  # series id -> column
+
+    def __post_init__(self) -> None:
+        self.col = {int(s): j for j, s in enumerate(self.sids)}
+
+
+@dataclass
+class Group:
+    """Rows of one layout: times (n,) and values (n, k)."""
+
+    layout: Layout
+    t: Int64Array
+    v: FloatArray
+
+
+class Registry:
+    """Series and layouts the writer knows; new ones are inserted with the next flush's transaction."""
+
+    def __init__(self) -> None:
+        self.by_key: dict[str, int] = {}
+        self.metric: dict[int, str] = {}
+        self.labels: dict[int, dict[str, str]] = {}
+        self.scale: dict[int, float | None] = {}
+        self.layout_by_sids: dict[tuple[int, ...], Layout] = {}
+        self.layouts: dict[int, Layout] = {}
+        self.new_series: list[tuple[int, str, str, str]] = []
+        self.new_layouts: list[Layout] = []
+        self._next_sid = 1
+        self._next_layout = 1
+
+    def load(self, conn: sqlite3.Connection) -> None:
+        for sid, key, metric, labels in conn.execute("SELECT id, key, metric, labels FROM series"):
+            self._remember(sid, key, metric, json.loads(labels))
+        for lid, blob in conn.execute("SELECT id, sids FROM layouts"):
+            lay = Layout(lid, np.frombuffer(blob, dtype=np.int64).copy())
+            self.layouts[lid] = lay
+            self.layout_by_sids[tuple(int(s) for s in lay.sids)] = lay
+        self._next_sid = max(self.metric, default=0) + 1
+        self._next_layout = max(self.layouts, default=0) + 1
+
+    def _remember(self, sid: int, key: str, metric: str, labels: dict[str, str]) -> None:
+        self.by_key[key] = sid
+        self.metric[sid] = metric
+        self.labels[sid] = labels
+        self.scale[sid] = scale_for(metric)
+
+    def series_id(self, metric: str, labels: Mapping[str, str]) -> int:
+        labels = {str(k): str(v) for k, v in labels.items()}
+        key = canonical_key(metric, labels)
+        sid = self.by_key.get(key)
+        if sid is None:
+            sid = self._next_sid
+            self._next_sid += 1
+            self._remember(sid, key, metric, labels)
+            self.new_series.append((sid, key, metric, json.dumps(labels, sort_keys=True)))
+        return sid
+
+    def layout(self, sids: Sequence[int]) -> Layout:
+        key = tuple(sids)
+        lay = self.layout_by_sids.get(key)
+        if lay is None:
+            lid = self._next_layout
+            self._next_layout += 1
+            lay = Layout(lid, np.array(key, dtype=np.int64))
+            self.layouts[lid] = lay
+            self.layout_by_sids[key] = lay
+            self.new_layouts.append(lay)
+        return lay
+
+    def persist(self, conn: sqlite3.Connection) -> None:
+        """Insert what is new (inside the caller's transaction); call committed() after COMMIT."""
+        if self.new_series:
+            conn.executemany("INSERT OR IGNORE INTO series (id, key, metric, labels) VALUES (?, ?, ?, ?)",
+                             self.new_series)
+        if self.new_layouts:
+            conn.executemany("INSERT OR IGNORE INTO layouts (id, sids) VALUES (?, ?)",
+                             [(lay.id, lay.sids.tobytes()) for lay in self.new_layouts])
+
+    def committed(self) -> None:
+        self.new_series.clear()
+        self.new_layouts.clear()
+
+
+class Decomposer:
+    """Turns snapshots into rows per layout. Runs on the flush thread, never on the sampler's."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.reg = registry
+        self._gpu: dict[tuple[str, str], tuple[tuple[str, ...], Layout]] = {}  # last shape per GPU
+        self._gpu_shapes: dict[tuple[tuple[str, str], tuple[str, ...]], Layout] = {}  # every shape seen
+        self._host: tuple[tuple[str, ...], Layout] | None = None
+        self._proc: dict[tuple[object, ...], Layout] = {}
+        self._last_procs: list[ProcessRecord] = []
+        self._last_host: object = None
+        self._seen_ids: dict[tuple[str, str], GpuIdentity] = {}
+        self.identities: dict[str, GpuIdentity] = {}  # by label, for the node metadata
+        self.node_changed = False
+        self.hostname = ""
+        self.simulated: str | None = None
+
+    def decompose(self, snaps: Iterable[Snapshot], events: list[Event]) -> list[Group]:
+        rows: dict[int, tuple[Layout, list[int], list[list[float]]]] = {}
+        for snap in snaps:
+            if snap.hostname != self.hostname or snap.simulated != self.simulated:
+                self.hostname, self.simulated, self.node_changed = snap.hostname, snap.simulated, True
+            for g in snap.gpus:
+                ident = g.identity
+                ck = (ident.uuid, ident.label)
+                values = g.values
+                keys = tuple(values)
+                ent = self._gpu.get(ck)
+                if ent is None or ent[0] != keys:
+                    lay = self._gpu_shapes.get((ck, keys))
+                    if lay is None:
+                        if len(self._gpu_shapes) > 1000:
+                            self._gpu_shapes.clear()
+                        lay = self._gpu_shapes[(ck, keys)] = self._gpu_layout(ident, keys)
+                    ent = self._gpu[ck] = (keys, lay)
+                if self._seen_ids.get(ck) is not ident:
+                    self._note_identity(ck, ident)
+                lay = ent[1]
+                r = rows.get(lay.id)
+                if r is None:
+                    r = rows[lay.id] = (lay, [], [])
+                r[1].append(g.time_ns)
+                r[2].append(list(values.values()))
+            procs = snap.processes
+            if procs and not (len(procs) == len(self._last_procs)
+                              and all(a is b for a, b in zip(procs, self._last_procs, strict=True))):
+                self._last_procs = procs
+                for p in procs:
+                    self._add_process(p, snap.time_ns, rows)
+            host = snap.host
+            if host is not None and host is not self._last_host and host.values:
+                self._last_host = host
+                keys = tuple(host.values)
+                if self._host is None or self._host[0] != keys:
+                    self._host = (keys, self.reg.layout([self.reg.series_id(*split_series_key(k)) for k in keys]))
+                lay = self._host[1]
+                r = rows.get(lay.id) or rows.setdefault(lay.id, (lay, [], []))
+                r[1].append(host.time_ns)
+                r[2].append(list(host.values.values()))
+            if snap.events:
+                events.extend(snap.events)
+        return [Group(lay, np.array(ts, dtype=np.int64), _matrix(vs, len(lay.sids))) for lay, ts, vs in rows.values()]
+
+    def _gpu_layout(self, ident: GpuIdentity, keys: tuple[str, ...]) -> Layout:
+        sids = []
+        for k in keys:
+            metric, own = split_series_key(k)
+            sids.append(self.reg.series_id(metric, {**own, "gpu": ident.label, "uuid": ident.uuid}))
+        return self.reg.layout(sids)
+
+    def _note_identity(self, ck: tuple[str, str], ident: GpuIdentity) -> None:
+        self._seen_ids[ck] = ident
+        old = self.identities.get(ident.label)
+        if old != ident:
+            self.identities[ident.label] = ident
+            self.node_changed = True
+
+    def _add_process(self, p: ProcessRecord, t: int,
+                     rows: dict[int, tuple[Layout, list[int], list[list[float]]]]) -> None:
+        vals = [getattr(p, attr) for attr, _ in PROCESS_SERIES]
+        mask = tuple(v is not None for v in vals)
+        if not any(mask):
+            return
+        ck = (p.gpu, p.pid, p.name, p.user, mask)
+        lay = self._proc.get(ck)
+        if lay is None:
+            labels = {"gpu": p.gpu, "pid": str(p.pid), "process": p.name, "user": p.user}
+            lay = self.reg.layout([self.reg.series_id(name, labels)
+                                   for (_, name), m in zip(PROCESS_SERIES, mask, strict=True) if m])
+            if len(self._proc) > 10_000:  # pids churn; forget old shapes, they are rebuilt on demand
+                self._proc.clear()
+            self._proc[ck] = lay
+        r = rows.get(lay.id) or rows.setdefault(lay.id, (lay, [], []))
+        r[1].append(t)
+        r[2].append([float(v) for v in vals if v is not None])
+
+
+def _matrix(rows: list[list[float]], k: int) -> FloatArray:
+    try:
+        return np.array(rows, dtype=np.float64).reshape(len(rows), k)
+    except (TypeError, ValueError):  # a None or a string among the values: keep the rest
+        return np.array([[_num(x) for x in r] for r in rows], dtype=np.float64).reshape(len(rows), k)
+
+
+def _num(x: object) -> float:
+    try:
+        return float(x)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return float("nan")
+
+
+class _Buf:
+    """Rows of one layout in a growable array; rows before `lo` are trimmed."""
+
+    __slots__ = ("layout", "t", "v", "lo", "hi", "ordered")
+
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        self.t: Int64Array = np.empty(0, dtype=np.int64)
+        self.v: FloatArray = np.empty((0, len(layout.sids)))
+        self.lo = self.hi = 0
+        self.ordered = True
+
+    def append(self, t: Int64Array, v: FloatArray) -> None:
+        n = len(t)
+        if self.hi + n > len(self.t):
+            live = self.hi - self.lo
+            cap = max(64, 2 * (live + n))
+            nt, nv = np.empty(cap, dtype=np.int64), np.empty((cap, self.v.shape[1]))
+            nt[:live], nv[:live] = self.t[self.lo:self.hi], self.v[self.lo:self.hi]
+            self.t, self.v, self.lo, self.hi = nt, nv, 0, live
+        if self.ordered and n and ((self.hi > self.lo and t[0] < self.t[self.hi - 1]) or bool((np.diff(t) < 0).any())):
+            self.ordered = False
+        self.t[self.hi:self.hi + n] = t
+        self.v[self.hi:self.hi + n] = v
+        self.hi += n
+
+    def rows(self, lo: int, hi: int) -> tuple[Int64Array, FloatArray]:
+        t, v = self.t[self.lo:self.hi], self.v[self.lo:self.hi]
+        if self.ordered:
+            a, b = np.searchsorted(t, [lo, hi])
+            return t[a:b], v[a:b]
+        m = (t >= lo) & (t < hi)
+        return t[m], v[m]
+
+    def trim(self, before: int) -> int:
+        """Drop rows older than `before`; returns how many values went."""
+        t = self.t[self.lo:self.hi]
+        if self.ordered:
+            drop = int(np.searchsorted(t, before))
+            self.lo += drop
+            return drop * int(self.v.shape[1])
+        keep = t >= before
+        drop = int(len(t) - keep.sum())
+        if drop:
+            kt, kv = t[keep], self.v[self.lo:self.hi][keep]
+            self.t, self.v, self.lo, self.hi = kt.copy(), kv.copy(), 0, len(kt)
+            self.ordered = bool((np.diff(self.t) >= 0).all())
+        return drop * int(self.v.shape[1])
+
+    def __len__(self) -> int:
+        return self.hi - self.lo
+
+
+class HotWindow:
+    """The recent samples at full rate, in memory, grouped by layout. Holds at least everything not
+    yet sealed into chunks; older rows go once they are sealed and older than the window."""
+
+    def __init__(self) -> None:
+        self.bufs: dict[int, _Buf] = {}
+        self.values = 0  # samples held
+
+    def add(self, g: Group) -> None:
+        buf = self.bufs.get(g.layout.id)
+        if buf is None:
+            buf = self.bufs[g.layout.id] = _Buf(g.layout)
+        buf.append(g.t, g.v)
+        self.values += g.v.size
+
+    def columns(self, lo: int, hi: int, sids: set[int] | None = None) -> dict[int, tuple[Int64Array, FloatArray]]:
+        """Per series: (times, values) with lo <= t < hi, sorted by time. Copies."""
+        pieces: dict[int, list[tuple[Int64Array, FloatArray]]] = {}
+        for buf in self.bufs.values():
+            if not len(buf):
+                continue
+            cols = buf.layout.col if sids is None else {s: buf.layout.col[s] for s in sids if s in buf.layout.col}
+            if not cols:
+                continue
+            t, v = buf.rows(lo, hi)
+            if not len(t):
+                continue
+            for sid, j in cols.items():
+                pieces.setdefault(sid, []).append((t, v[:, j]))
+        return {sid: merge_pieces(p) for sid, p in pieces.items()}
+
+    def count_since(self, since: int) -> int:
+        """Samples held with t >= since."""
+        return sum(len(buf.rows(since, 2**63 - 1)[0]) * len(buf.layout.sids) for buf in self.bufs.values())
+
+    def oldest(self) -> int | None:
+        ts = [int(b.t[b.lo:b.hi].min()) for b in self.bufs.values() if len(b)]
+        return min(ts) if ts else None
+
+    def trim(self, before: int) -> None:
+        for lid in list(self.bufs):
+            buf = self.bufs[lid]
+            self.values -= buf.trim(before)
+            if not len(buf):
+                del self.bufs[lid]
+
+
+def merge_pieces(pieces: list[tuple[Int64Array, FloatArray]]) -> tuple[Int64Array, FloatArray]:
+    """Concatenate (t, v) pieces into one time-sorted pair (stable: equal stamps keep arrival order)."""
+    if len(pieces) == 1:
+        t, v = pieces[0]
+        t, v = t.copy(), np.ascontiguousarray(v)
+    else:
+        t = np.concatenate([p[0] for p in pieces])
+        v = np.concatenate([p[1] for p in pieces])
+    if len(t) > 1 and (np.diff(t) < 0).any():
+        order = np.argsort(t, kind="stable")
+        t, v = t[order], v[order]
+    return t, v

@@ -1,0 +1,494 @@
+"""The writer: buffers snapshots, and on each flush (its own thread, every `flush_interval`) commits
+them in one SQLite transaction. Rows newer than the seal point go to `staging`, raw and 1 s chunks
+are sealed per 10-minute block once the clock passes its end (plus a grace for late rows), the 1 min
+and 1 h rollups are computed from the tier below when their block completes, and retention runs
+after each seal. Watermarks in `meta` say how far each tier is complete; they move in the same
+transaction as the data, so a crash at any instant leaves a consistent store."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import sqlite3
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .._records import Event, Snapshot
+from ._aggregate import INF, Points, rollup
+from ._codec import FloatArray, Int64Array, decode_staging, encode_chunk, encode_staging
+from ._config import SECOND_NS, TIERS, Retention
+from ._errors import CorruptChunk, StoreError
+from ._ingest import Decomposer, Group, HotWindow, Layout, Registry
+from ._read import ChunkDecoder, Columns, identity_from_dict, oldest, read_meta, watermarks
+
+log = logging.getLogger("gpuscope.store")
+
+
+class Batch:
+    """Rows for several series sharing time stamps, handed over by append_batch()."""
+
+    __slots__ = ("series", "t", "v")
+
+    def __init__(self, series: list[tuple[str, dict[str, str]]], t: Int64Array, v: FloatArray) -> None:
+        self.series, self.t, self.v = series, t, v
+
+
+class Writer:
+    def __init__(self, path: Path, conn: sqlite3.Connection, retention: Retention, *, hot_window_s: float = 600.0,
+                 hot_max_samples: int = 4_000_000, grace_s: float = 2.0, max_pending: int = 20_000) -> None:
+        self.path = path
+        self.conn = conn
+        self.retention = retention
+        self.hot_window_ns = int(hot_window_s * 1e9)
+        self.hot_max = hot_max_samples
+        self.grace_ns = int(grace_s * 1e9)
+        self.reg = Registry()
+        self.reg.load(conn)
+        self.dec = Decomposer(self.reg)
+        self.hot = HotWindow()
+        self.decoder = ChunkDecoder()
+        self.lock = threading.Lock()  # hot window and raw watermark, as queries in this process see them
+        self.flush_lock = threading.Lock()
+        self.pending: deque[Snapshot | Batch] = deque(maxlen=max_pending)
+        self.wake = threading.Event()
+        self.dropped_snapshots = 0
+        self.dropped_late = 0
+        self.dropped_memory = 0
+        self.flushes = 0
+        self.last_flush_s = 0.0
+        self._errors: set[str] = set()
+        self._unstaged: list[Group] = []  # rows whose staging write failed: retried next flush
+        self._unsaved_events: list[Event] = []
+        self._batch_layouts: dict[int, tuple[object, Layout]] = {}  # by id() of the caller's series list
+        self._tl_cache: dict[tuple[int, bytes], int] = {}  # committed time lines
+        self._tl_new: dict[tuple[int, bytes], int] = {}  # inserted by the open transaction
+        self._bytes_new = [0] * len(TIERS)
+        meta = read_meta(conn)
+        self.w = watermarks(meta)
+        self.newest: int | None = int(meta["newest"]) if "newest" in meta else None
+        self.tier_bytes = [0] * len(TIERS)
+        for table in ("chunks", "timelines"):
+            for tier, b in conn.execute(f"SELECT tier, SUM(nbytes) FROM {table} GROUP BY tier"):
+                self.tier_bytes[tier] += int(b or 0)
+        self._load_node(meta)
+        self._load_staging()
+
+    # -- start-up ----------------------------------------------------------------------------------
+    def _load_node(self, meta: dict[str, str]) -> None:
+        if "node" in meta:
+            node = json.loads(meta["node"])
+            self.dec.hostname, self.dec.simulated = node.get("hostname", ""), node.get("simulated")
+            for d in node.get("gpus", []):
+                ident = identity_from_dict(d)
+                self.dec.identities[ident.label] = ident
+
+    def _load_staging(self) -> None:
+        """Rows flushed but not yet sealed (after a restart or a crash) go back into the hot window."""
+        for rid, lid, blob in self.conn.execute(
+                "SELECT id, layout, data FROM staging WHERE t_max >= ? ORDER BY id", (self.w[0],)).fetchall():
+            lay = self.reg.layouts.get(lid)
+            try:
+                t, v = decode_staging(blob)
+            except CorruptChunk as e:
+                self.decoder.bad("staging row", rid, e)
+                continue
+            if lay is None or v.shape[1] != len(lay.sids):
+                continue
+            m = t >= self.w[0]
+            self.hot.add(Group(lay, t[m].copy(), v[m].copy()))
+
+    # -- the hot path ------------------------------------------------------------------------------
+    def append(self, item: Snapshot | Batch) -> None:
+        q = self.pending
+        if len(q) == q.maxlen:
+            self.dropped_snapshots += 1  # the deque drops the oldest; the flush thread is stuck
+        q.append(item)
+        if len(q) >= 512:
+            self.wake.set()
+
+    def tail(self, sids: set[int], lo: int, hi: int) -> tuple[int, Columns]:
+        with self.lock:
+            w0 = self.w[0]
+            return w0, self.hot.columns(max(lo, w0), hi, sids)
+
+    # -- flushing ----------------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Commit everything queued so far (in slices, to bound the memory a burst takes)."""
+        with self.flush_lock:
+            left = len(self.pending)
+            while True:
+                n = min(left, 2048)
+                left -= n
+                self._flush_slice([self.pending.popleft() for _ in range(n)])
+                if left <= 0:
+                    break
+
+    def _flush_slice(self, items: list[Snapshot | Batch]) -> None:
+        t0 = time.perf_counter()
+        events: list[Event] = self._unsaved_events
+        self._unsaved_events = []
+        groups = self._groups(items, events)
+        with self.lock:
+            for g in groups:
+                self.hot.add(g)
+            self._bound_memory()
+        stage = self._unstaged + groups
+        self._unstaged = []
+        nw = list(self.w)
+        target = self._seal_target()
+        conn = self.conn
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            self.reg.persist(conn)
+            self._stage(stage, max(target, nw[0]))
+            if target > nw[0]:
+                self._seal(nw[0], target)
+                nw[0] = nw[1] = target
+                self._cascade(nw)
+            self._events(events)
+            self._meta(groups)
+            conn.execute("COMMIT")
+        except Exception as e:
+            self._rollback()  # never leave the transaction open: the next flush retries
+            self._unstaged = stage[-10_000:]
+            self._unsaved_events = events[-10_000:]
+            self._log_once("flush", e)
+            if not isinstance(e, sqlite3.Error | OSError | StoreError):
+                raise
+            return
+        self._committed()
+        sealed = nw[0] > self.w[0]
+        with self.lock:
+            self.w = nw
+            self._trim()
+        if sealed:
+            self._retain()
+        self.flushes += 1
+        self.last_flush_s = time.perf_counter() - t0
+
+    def _committed(self) -> None:
+        self.reg.committed()
+        if len(self._tl_cache) > 50_000:
+            self._tl_cache.clear()
+        self._tl_cache.update(self._tl_new)
+        self._tl_new = {}
+        for i, b in enumerate(self._bytes_new):
+            self.tier_bytes[i] += b
+        self._bytes_new = [0] * len(TIERS)
+
+    def _rollback(self) -> None:
+        try:
+            self.conn.execute("ROLLBACK")
+        except sqlite3.Error:
+            pass
+        self._tl_new = {}
+        self._bytes_new = [0] * len(TIERS)
+
+    def _groups(self, items: Sequence[Snapshot | Batch], events: list[Event]) -> list[Group]:
+        snaps = [x for x in items if isinstance(x, Snapshot)]
+        groups = self.dec.decompose(snaps, events) if snaps else []
+        for b in items:
+            if isinstance(b, Batch):
+                hit = self._batch_layouts.get(id(b.series))
+                if hit is None or hit[0] is not b.series:
+                    hit = (b.series, self.reg.layout([self.reg.series_id(m, lab) for m, lab in b.series]))
+                    if len(self._batch_layouts) > 10_000:
+                        self._batch_layouts.clear()
+                    self._batch_layouts[id(b.series)] = hit
+                groups.append(Group(hit[1], b.t, b.v))
+        out = []
+        for g in groups:
+            if not len(g.t):
+                continue
+            if int(g.t.min()) < self.w[0]:  # older than what is sealed: dropped, as Prometheus does
+                m = g.t >= self.w[0]
+                self.dropped_late += int((~m).sum()) * g.v.shape[1]
+                self._log_once("late", StoreError(f"samples older than the sealed block end {self.w[0]} dropped"))
+                g = Group(g.layout, g.t[m], g.v[m])
+                if not len(g.t):
+                    continue
+            top = int(g.t.max())
+            self.newest = top if self.newest is None else max(self.newest, top)
+            out.append(g)
+        return out
+
+    def _seal_target(self) -> int:
+        if self.newest is None:
+            return self.w[0]
+        edge = self.newest - self.grace_ns
+        block = TIERS[0].block_ns
+        target = (edge // block) * block
+        if self.hot.values > self.hot_max and self.hot.count_since(self.w[0]) > self.hot_max:
+            target = max(target, (edge // SECOND_NS) * SECOND_NS)  # too much unsealed in memory
+        return max(target, self.w[0])
+
+    def _stage(self, groups: list[Group], since: int) -> None:
+        rows = []
+        for g in groups:
+            m = g.t >= since
+            if not m.any():
+                continue
+            t, v = (g.t, g.v) if m.all() else (g.t[m], g.v[m])
+            rows.append((g.layout.id, int(t.min()), int(t.max()), v.size, encode_staging(t, v)))
+        if rows:
+            self.conn.executemany("INSERT INTO staging (layout, t_min, t_max, n, data) VALUES (?, ?, ?, ?, ?)", rows)
+
+    def _seal(self, lo: int, hi: int) -> None:
+        """Raw and 1 s chunks for [lo, hi), split at block boundaries; staging rows before hi go."""
+        block = TIERS[0].block_ns
+        cols = self.hot.columns(lo, hi)
+        rows: list[tuple[int, int, int, int, int, int, int, bytes]] = []
+        for sid, (t, v) in cols.items():
+            scale = self.reg.scale.get(sid)
+            cuts = np.searchsorted(t, np.arange((int(t[0]) // block + 1) * block, int(t[-1]) + 1, block))
+            for a, b in zip(np.concatenate(([0], cuts)), np.concatenate((cuts, [len(t)])), strict=True):
+                if a == b:
+                    continue
+                pt, pv = t[a:b], v[a:b]
+                self._chunk(rows, 0, sid, pt, [pv], scale)
+                r = rollup(Points.raw(pt, pv), TIERS[1].resolution_ns)
+                self._chunk(rows, 1, sid, r.t, [r.counts(), r.mn, r.mx, r.sm, r.last], scale)
+        self._insert_chunks(rows)
+        hour = TIERS[1].block_ns
+        first = max(lo, min((int(t[0]) for t, _ in cols.values()), default=hi))
+        for start in range((first // hour) * hour, hi, hour):  # one 1 s chunk per series and hour
+            self._compact(1, start, start + hour)
+        self.conn.execute("DELETE FROM staging WHERE t_max < ?", (hi,))
+        self._set_meta(("w.0", hi), ("w.1", hi))
+        self.decoder.staging.clear()
+
+    def _chunk(self, rows: list[tuple[int, int, int, int, int, int, int, bytes]], tier: int, sid: int,
+               t: Int64Array, cols: list[Any], scale: float | None) -> None:
+        tid = self._timeline(tier, t)
+        blob = encode_chunk(cols, scale)
+        rows.append((tier, sid, int(t[0]), int(t[-1]), len(t), tid, len(blob), blob))
+        self._bytes_new[tier] += len(blob)
+
+    def _insert_chunks(self, rows: list[tuple[int, int, int, int, int, int, int, bytes]]) -> None:
+        self.conn.executemany("INSERT INTO chunks (tier, series_id, t_min, t_max, n, timeline, nbytes, data) "
+                              "VALUES (?, ?, ?, ?, ?, ?, ?, ?)", rows)
+
+    def _timeline(self, tier: int, t: Int64Array) -> int:
+        h = hashlib.blake2b(t.tobytes(), digest_size=16).digest()
+        key = (tier, h)
+        tid = self._tl_cache.get(key) or self._tl_new.get(key)
+        if tid is None:
+            row = self.conn.execute("SELECT id FROM timelines WHERE tier = ? AND hash = ?", (tier, h)).fetchone()
+            if row is not None:
+                tid = int(row[0])
+            else:
+                blob = encode_chunk([t])
+                cur = self.conn.execute("INSERT INTO timelines (tier, hash, t_min, t_max, n, nbytes, data) "
+                                        "VALUES (?, ?, ?, ?, ?, ?, ?)", (tier, h, int(t[0]), int(t[-1]), len(t), len(blob), blob))
+                tid = int(cur.lastrowid)  # type: ignore[arg-type]
+                self._bytes_new[tier] += len(blob)
+            self._tl_new[key] = tid
+        return tid
+
+    def _compact(self, tier: int, lo: int, hi: int) -> None:
+        """Merge each series' chunks of `tier` with t_max in [lo, hi) into one."""
+        rows = self.conn.execute("SELECT series_id, id, timeline, n, nbytes, data FROM chunks WHERE tier = ? "
+                                 "AND t_max >= ? AND t_max < ? ORDER BY series_id, t_min", (tier, lo, hi)).fetchall()
+        by_sid: dict[int, list[tuple[Any, ...]]] = {}
+        for r in rows:
+            by_sid.setdefault(r[0], []).append(r)
+        merge = {sid: rs for sid, rs in by_sid.items() if len(rs) > 1}
+        if not merge:
+            return
+        self.decoder.load_timelines(self.conn, {r[2] for rs in merge.values() for r in rs})
+        out: list[tuple[int, int, int, int, int, int, int, bytes]] = []
+        gone: list[tuple[int]] = []
+        for sid, rs in merge.items():
+            parts = [self.decoder.points(tier, cid, tid, n, blob) for _, cid, tid, n, _, blob in rs]
+            p = Points.concat([x for x in parts if x is not None])
+            if len(p):
+                self._chunk(out, tier, sid, p.t, [p.counts(), p.mn, p.mx, p.sm, p.last], self.reg.scale.get(sid))
+            gone.extend((r[1],) for r in rs)
+            self._bytes_new[tier] -= sum(r[4] for r in rs)
+        self.conn.executemany("DELETE FROM chunks WHERE id = ?", gone)
+        self._insert_chunks(out)
+        orphans = self.conn.execute(
+            "SELECT id, nbytes FROM timelines WHERE tier = ?1 AND t_max >= ?2 AND t_max < ?3 AND id NOT IN "
+            "(SELECT timeline FROM chunks WHERE tier = ?1 AND t_max >= ?2 AND t_max < ?3)", (tier, lo, hi)).fetchall()
+        if orphans:
+            self.conn.executemany("DELETE FROM timelines WHERE id = ?", [(i,) for i, _ in orphans])
+            self._bytes_new[tier] -= sum(b for _, b in orphans)
+            dead = {i for i, _ in orphans}
+            self._tl_new = {k: v for k, v in self._tl_new.items() if v not in dead}
+            self._tl_cache = {k: v for k, v in self._tl_cache.items() if v not in dead}
+
+    def _cascade(self, nw: list[int]) -> None:
+        """1 min rollups from 1 s, 1 h from 1 min, for every block of theirs now complete."""
+        for k in (2, 3):
+            tier, src = TIERS[k], k - 1
+            boundary = (nw[src] // tier.block_ns) * tier.block_ns
+            if boundary <= nw[k]:
+                continue
+            blk = self._next_block(src, nw[k], boundary, tier.block_ns)
+            while blk < boundary:
+                self._roll_block(k, blk)
+                blk = self._next_block(src, blk + tier.block_ns, boundary, tier.block_ns)
+            nw[k] = boundary
+            self._set_meta((f"w.{k}", boundary))
+
+    def _next_block(self, src: int, lo: int, hi: int, block: int) -> int:
+        """Start of the first block of `block` ns at or after lo where tier src has data, else hi."""
+        first = self.conn.execute("SELECT MIN(t_max) FROM chunks WHERE tier = ? AND t_max >= ? AND t_max < ?",
+                                  (src, lo, hi)).fetchone()[0]
+        return hi if first is None else (int(first) // block) * block
+
+    def _roll_block(self, k: int, blk: int) -> None:
+        tier, src = TIERS[k], k - 1
+        rows = self.conn.execute("SELECT series_id, id, timeline, n, data FROM chunks WHERE tier = ? AND t_max >= ? "
+                                 "AND t_max < ? ORDER BY series_id, t_min", (src, blk, blk + tier.block_ns)).fetchall()
+        self.decoder.load_timelines(self.conn, {r[2] for r in rows})
+        parts: dict[int, list[Points]] = {}
+        for sid, cid, tid, n, blob in rows:
+            p = self.decoder.points(src, cid, tid, n, blob)
+            if p is not None:
+                parts.setdefault(sid, []).append(p)
+        out: list[tuple[int, int, int, int, int, int, int, bytes]] = []
+        for sid, ps in parts.items():
+            r = rollup(Points.concat(ps), tier.resolution_ns)
+            self._chunk(out, k, sid, r.t, [r.counts(), r.mn, r.mx, r.sm, r.last], self.reg.scale.get(sid))
+        self._insert_chunks(out)
+
+    def _events(self, events: list[Event]) -> None:
+        if events:
+            self.conn.executemany(
+                "INSERT INTO events (time_ns, kind, gpu, message, data, count) VALUES (?, ?, ?, ?, ?, ?)",
+                [(e.time_ns, e.kind, e.gpu, e.message, json.dumps(e.data, default=str), e.count) for e in events])
+
+    def _meta(self, groups: list[Group]) -> None:
+        latest: dict[int, tuple[int, float]] = {}
+        for g in groups:
+            i = int(np.argmax(g.t))
+            t, row = int(g.t[i]), g.v[i]
+            for sid, x in zip(g.layout.sids.tolist(), row.tolist(), strict=True):
+                old = latest.get(sid)
+                if old is None or t >= old[0]:
+                    latest[sid] = (t, x)
+        if latest:
+            self.conn.executemany("INSERT OR REPLACE INTO latest (series_id, time_ns, value) VALUES (?, ?, ?)",
+                                  [(s, t, x) for s, (t, x) in latest.items()])
+        if self.newest is not None:
+            self._set_meta(("newest", self.newest))
+        if self.dec.node_changed:
+            node = {"hostname": self.dec.hostname, "simulated": self.dec.simulated,
+                    "gpus": [asdict(i) for _, i in sorted(self.dec.identities.items())]}
+            self._set_meta(("node", json.dumps(node)))
+            self.dec.node_changed = False
+
+    def _set_meta(self, *kv: tuple[str, object]) -> None:
+        self.conn.executemany("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", [(k, str(v)) for k, v in kv])
+
+    def _trim(self) -> None:
+        """Keep the last hot_window_s in memory, never anything unsealed; shed sealed rows when over cap."""
+        if self.newest is None:
+            return
+        cut = min(self.w[0], self.newest - self.hot_window_ns)
+        if self.hot.values > self.hot_max:
+            cut = self.w[0]
+        self.hot.trim(cut)
+
+    def _bound_memory(self) -> None:
+        """When sealing keeps failing (disk full?), drop the oldest unsealed rows beyond 4x the cap."""
+        if self.hot.values > 4 * self.hot_max and self.newest is not None:
+            before = self.hot.values
+            self.hot.trim(self.newest - self.hot_window_ns)
+            self.dropped_memory += before - self.hot.values
+            self._log_once("memory", StoreError("unsealed samples dropped to bound memory while flushes fail"))
+
+    # -- retention ---------------------------------------------------------------------------------
+    def _retain(self) -> None:
+        if self.newest is None:
+            return
+        conn = self.conn
+        r = self.retention
+        freed = [0] * len(TIERS)
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            for tier, age_s, cap in zip(TIERS, r.ages_s(), r.caps(), strict=True):
+                i = tier.index
+                freed[i] += self._drop(i, min(self.newest - int(age_s * 1e9), self._guard(i)))
+                if cap is not None:
+                    freed[i] += self._shed(i, self.tier_bytes[i] - freed[i] - cap)
+            excess = sum(self.tier_bytes) - sum(freed) - r.max_bytes
+            for i in range(len(TIERS)):  # over the total: oldest first, finest tier first
+                if excess <= 0:
+                    break
+                got = self._shed(i, excess)
+                freed[i] += got
+                excess -= got
+            conn.execute("DELETE FROM events WHERE time_ns < ?", (self.newest - int(r.events_max_age_s * 1e9),))
+            conn.execute("DELETE FROM events WHERE id <= (SELECT id FROM events ORDER BY id DESC LIMIT 1 OFFSET ?)",
+                         (r.events_max_rows,))
+            for i, b in enumerate(freed):  # queries use coarser tiers before a tier's floor
+                if b:
+                    floor = oldest(conn, i)
+                    self._set_meta((f"floor.{i}", floor if floor is not None else self.w[i]))
+            conn.execute("COMMIT")
+        except sqlite3.Error as e:
+            self._rollback()
+            self._log_once("retention", e)
+            return
+        for i, b in enumerate(freed):
+            self.tier_bytes[i] -= b
+        if any(freed):
+            self._tl_cache.clear()
+            try:
+                conn.execute("PRAGMA incremental_vacuum")
+            except sqlite3.Error as e:
+                self._log_once("vacuum", e)
+
+    def _guard(self, tier: int) -> int:
+        """A tier keeps what the next tier has not rolled up yet."""
+        return self.w[tier + 1] if tier + 1 < len(TIERS) else INF
+
+    def _shed(self, tier: int, excess: int) -> int:
+        """Drop the oldest blocks of `tier` until `excess` bytes are freed (or nothing droppable is left)."""
+        if excess <= 0:
+            return 0
+        guard, got, cut = self._guard(tier), 0, None
+        for t_max, b in self.conn.execute("SELECT t_max, SUM(nbytes) FROM chunks WHERE tier = ? AND t_max < ? "
+                                          "GROUP BY t_max ORDER BY t_max", (tier, guard)):
+            got += int(b)
+            cut = int(t_max) + 1
+            if got >= excess:
+                break
+        return 0 if cut is None else self._drop(tier, cut)
+
+    def _drop(self, tier: int, cut: int) -> int:
+        """Delete tier's chunks and time lines that end before cut; returns the bytes freed."""
+        freed = 0
+        for table in ("chunks", "timelines"):
+            b = self.conn.execute(f"SELECT SUM(nbytes) FROM {table} WHERE tier = ? AND t_max < ?", (tier, cut)).fetchone()[0]
+            if b:
+                self.conn.execute(f"DELETE FROM {table} WHERE tier = ? AND t_max < ?", (tier, cut))
+                freed += int(b)
+        return freed
+
+    # -- the flush thread --------------------------------------------------------------------------
+    def run(self, interval: float, stop: threading.Event) -> None:
+        while not stop.is_set():
+            self.wake.wait(interval)
+            self.wake.clear()
+            if stop.is_set():
+                break
+            try:
+                self.flush()
+            except Exception as e:  # noqa: BLE001 - the flush thread must not die; the next flush retries
+                self._log_once("flush thread", e)
+
+    def _log_once(self, where: str, e: BaseException) -> None:
+        if where not in self._errors:
+            self._errors.add(where)
+            log.warning("store %s failed: %s: %s (logged once)", where, type(e).__name__, e)
