@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.test_agent import AgentProc, http
+from test_agent import AgentProc, http  # tests/ is on sys.path through its conftest.py
 
 pytestmark = pytest.mark.gpu
 
