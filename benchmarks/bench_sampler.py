@@ -39,6 +39,8 @@ def bench_gpuscope(rate: float, seconds: float, simulate: str | None, flat: bool
     s = Sampler(cfg, simulate=simulate)
     s.open()
     s.sample_once()  # warm: discovery, first GPM sample, process objects
+    s.group_cpu_seconds.clear()  # attribute only the measured run
+    s.cpu_seconds = 0.0
     c0, w0, t0 = cpu_now(), time.perf_counter(), s.ticks
     s.start()
     time.sleep(seconds)

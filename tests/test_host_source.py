@@ -130,7 +130,8 @@ def test_counters_stay_monotonic_when_interfaces_come_and_go(sys_root):
         {"eth0": nic(120, 1200), "veth2": nic(5, 7)},  # a new one
         {"eth0": nic(3, 4)},  # eth0 recreated (driver reload): its counter restarted
     ])
-    src = HostSource(_fake_psutil(net_io_counters=lambda pernic=False: next(readings)), sys_root=sys_root)
+    src = HostSource(_fake_psutil(net_io_counters=lambda pernic=False: next(readings)), sys_root=sys_root,
+                     slow_every=1)
     rx = [src.collect()["host_network_receive_bytes_total"] for _ in range(4)]
     assert rx == [1500, 1600, 1707, 1711]
 
@@ -163,3 +164,20 @@ def test_numa_node_of_pci_wide_domain(tmp_path):
     assert numa_node_of_pci("00010000:E1:00.0", sys_root=str(tmp_path)) == 3
     assert numa_node_of_pci(b"00010000:E1:00.0", sys_root=str(tmp_path)) == 3  # type: ignore[arg-type]
     assert numa_node_of_pci(None, sys_root=str(tmp_path)) is None  # type: ignore[arg-type]
+
+
+def test_slow_host_parts_are_read_every_nth_call_and_carried_between(sys_root):
+    calls = []
+
+    def net(pernic=False):
+        calls.append(1)
+        nic = namedtuple("snetio", "bytes_sent bytes_recv")
+        return {"eth0": nic(10, 1000 * len(calls))}
+
+    src = HostSource(_fake_psutil(net_io_counters=net), sys_root=sys_root, slow_every=3)
+    outs = [src.collect() for _ in range(7)]
+    assert len(calls) == 3  # calls 0, 3 and 6
+    assert all("host_network_receive_bytes_total" in o for o in outs)
+    assert outs[1]["host_network_receive_bytes_total"] == outs[0]["host_network_receive_bytes_total"]
+    assert outs[3]["host_network_receive_bytes_total"] > outs[2]["host_network_receive_bytes_total"]
+    assert all("host_cpu_ratio" in o for o in outs[1:])

@@ -303,7 +303,10 @@ class FakeNVML:
             total, used, reserved = h.memory_total_bytes, h.memory_used_bytes, 0
         else:
             total, used, reserved = g.memory_total_bytes, g.memory_used_bytes, g.memory_reserved_bytes
-        return SimpleNamespace(total=total, used=used, free=total - used - reserved, reserved=reserved)
+        free = total - used - reserved
+        if version is None:  # v1, like the driver: 'used' includes what the driver reserves
+            return SimpleNamespace(total=total, used=total - free, free=free)
+        return SimpleNamespace(total=total, used=used, free=free, reserved=reserved)
 
     def nvmlDeviceGetPowerUsage(self, h: Any) -> int:
         return int(self._enter("nvmlDeviceGetPowerUsage", h).power_w * 1000)

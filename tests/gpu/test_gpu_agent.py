@@ -6,7 +6,6 @@ import json
 import time
 
 import pytest
-
 from test_agent import AgentProc, http  # tests/ is on sys.path through its conftest.py
 
 pytestmark = pytest.mark.gpu

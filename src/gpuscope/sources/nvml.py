@@ -103,23 +103,31 @@ class NvmlSource:
             dev.state[key] = keep
 
     # -- groups --------------------------------------------------------------------------------
-    def _memory(self, dev: Device) -> None:
+    def _memory(self, dev: Device, with_reserved: bool = False) -> None:
+        """Used/free every tick through the v1 call (cheaper when cold); the v2 call, which also gives
+        the memory the driver reserves, with the slow group. `used` always follows v2's meaning
+        (without the reserved part, as DCGM's FB_USED): v1's used includes it, so it is subtracted."""
         call = self.nvml.call
-        mem = call("nvmlDeviceGetMemoryInfo", dev.handle, self._mem_v2) if self._mem_v2 else None
+        mem = call("nvmlDeviceGetMemoryInfo", dev.handle, self._mem_v2) if with_reserved and self._mem_v2 else None
         if mem is None or isinstance(mem, Unavailable):
             mem = call("nvmlDeviceGetMemoryInfo", dev.handle)
-        if isinstance(mem, Unavailable):
-            for m in ("gpu_memory_used_bytes", "gpu_memory_free_bytes", "gpu_memory_total_bytes"):
-                dev.unsupported(m, mem.reason)
-            return
+            if isinstance(mem, Unavailable):
+                for m in ("gpu_memory_used_bytes", "gpu_memory_free_bytes", "gpu_memory_total_bytes"):
+                    dev.unsupported(m, mem.reason)
+                return
+            res = getattr(mem, "reserved", None)
+            reserved = float(res) if res is not None else dev.state.get("memory_reserved", 0.0)
+            used = float(mem.total) - float(mem.free) - reserved
+        else:
+            reserved = float(mem.reserved)
+            dev.state["memory_reserved"] = reserved
+            used = float(mem.used)
+            dev.values["gpu_memory_reserved_bytes"] = reserved
+            dev.supported("gpu_memory_reserved_bytes")
         v = dev.values
-        v["gpu_memory_used_bytes"] = float(mem.used)
+        v["gpu_memory_used_bytes"] = max(0.0, used)
         v["gpu_memory_free_bytes"] = float(mem.free)
         v["gpu_memory_total_bytes"] = float(mem.total)
-        reserved = getattr(mem, "reserved", None)
-        if reserved is not None:
-            v["gpu_memory_reserved_bytes"] = float(reserved)
-            dev.supported("gpu_memory_reserved_bytes")
         for m in ("gpu_memory_used_bytes", "gpu_memory_free_bytes", "gpu_memory_total_bytes"):
             dev.supported(m)
 
@@ -205,6 +213,7 @@ class NvmlSource:
 
     def _slow(self, dev: Device) -> None:
         call, h, put = self.nvml.call, dev.handle, self._put
+        self._memory(dev, with_reserved=True)
         put(dev, "gpu_temperature_celsius", call("nvmlDeviceGetTemperature", h, self._temp_gpu))
         put(dev, "gpu_memory_clock_hertz", call("nvmlDeviceGetClockInfo", h, self._clock_mem), 1e6)
         put(dev, "gpu_graphics_clock_hertz", call("nvmlDeviceGetClockInfo", h, self._clock_gfx), 1e6)
