@@ -14,6 +14,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from servers import prometheus_factory, victoria_metrics  # noqa: F401,F811 - fixtures
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -244,3 +245,60 @@ def test_export_cli_reads_the_store_while_the_agent_runs(agent, tmp_path):
     p = subprocess.run([sys.executable, "-m", "gpuscope.cli", "export", "--data-dir", str(tmp_path / "none"),
                         "--out", str(tmp_path / "y.csv")], env=env(), capture_output=True, text=True, timeout=30)
     assert p.returncode == 1 and "No gpuscope store" in p.stderr
+
+
+def test_kill_9_loses_at_most_the_last_flush_and_the_store_reopens(tmp_path):
+    a = AgentProc(tmp_path, "--simulate", "healthy")
+    a.wait_ready()
+    time.sleep(3.0)
+    killed_at = time.time()
+    a.proc.kill()  # SIGKILL mid-ingest: no flush, no cleanup
+    a.proc.wait()
+    b = AgentProc(tmp_path, "--simulate", "healthy", port=a.port)  # the lock died with the process
+    try:
+        b.wait_ready()
+        start = killed_at - 3.0
+        code, data = get(b, f"/api/v1/query_range?metric=gpu_power_watts&start={start:.3f}&end={killed_at:.3f}&step=0.1s")
+        assert code == 200, data
+        stamps = [t / 1e9 for s in data["series"] for t, v in zip(s["timestamps_ns"], s["values"], strict=True)
+                  if v is not None]
+        assert stamps, "nothing from before the kill survived"
+        # Everything older than one flush interval (1 s) plus slack before the kill is there, at 10 Hz.
+        assert max(stamps) >= killed_at - 1.0 - 0.5
+        # ...and without holes: the 1.5 s before that fill (nearly) every 100 ms bucket.
+        covered = [t for t in stamps if t < killed_at - 1.5]
+        assert len(covered) >= 0.8 * (1.5 / 0.1)
+    finally:
+        b.stop()
+
+
+def test_prometheus_scrapes_the_agent_and_rate_of_energy_matches_power(agent, prometheus_factory):  # noqa: F811
+    prom = prometheus_factory([f"127.0.0.1:{agent.port}"], scrape_interval="1s")
+    # rate() extrapolates less while the series is younger than its window: wait for a full window.
+    prom.wait_for('count_over_time(gpu_energy_joules_total{gpu="0"}[5s])',
+                  lambda r: len(r) == 1 and float(r[0]["value"][1]) >= 5, timeout=40)
+    res = prom.query('rate(gpu_energy_joules_total{gpu="0"}[5s])')
+    rate = float(res[0]["value"][1])
+    power = prom.query('avg_over_time(gpu_power_watts{gpu="0"}[5s])')
+    assert power and res[0]["metric"]["simulated"] == "healthy"
+    assert rate == pytest.approx(float(power[0]["value"][1]), rel=0.1)
+    up = prom.query('up{job="gpuscope"}')
+    assert up and up[0]["value"][1] == "1"
+
+
+def test_agent_remote_writes_into_victoria_metrics(tmp_path, victoria_metrics):  # noqa: F811
+    cfg = tmp_path / "gpuscope.toml"
+    cfg.write_text(f'[remote_write]\nurl = "{victoria_metrics.write_url}"\ninterval = "1s"\n')
+    a = AgentProc(tmp_path, "--simulate", "memory_bound", "--config", str(cfg))
+    try:
+        a.wait_ready()
+        t_end = time.monotonic() + 30
+        res: list = []
+        while time.monotonic() < t_end and not res:
+            time.sleep(1.0)
+            res = victoria_metrics.query('gpu_dram_active_ratio{gpu="0"}')
+        assert res, "nothing arrived in VictoriaMetrics"
+        assert 0.6 < float(res[0]["value"][1]) < 1.0  # memory_bound: DRAM near its ceiling
+        assert res[0]["metric"]["simulated"] == "memory_bound"
+    finally:
+        assert a.stop() == 0
