@@ -208,6 +208,8 @@ class Sampler:
                         c = Capability(False, "not available per MIG instance (read on the parent GPU)")
                     elif not dev.healthy:
                         c = Capability(False, "the GPU is lost")
+                    elif name.startswith("gpu_process_"):
+                        c = Capability(False, "no process has used this GPU yet")
                     else:
                         c = Capability(False, "not read yet")
                 caps[name] = c
