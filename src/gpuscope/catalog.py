@@ -241,6 +241,17 @@ _METRICS = [
 
 CATALOG: dict[str, Metric] = {m.name: m for m in _METRICS}
 
+#: ProcessRecord attribute -> the series it is stored and exported as (labels gpu, pid, process, user).
+PROCESS_SERIES: tuple[tuple[str, str], ...] = (
+    ("gpu_memory_bytes", "gpu_process_memory_used_bytes"),
+    ("sm_ratio", "gpu_process_sm_active_ratio"),
+    ("memory_ratio", "gpu_process_memory_utilization_ratio"),
+    ("cpu_cores", "process_cpu_cores"),
+    ("thread_cpu_max_ratio", "process_thread_cpu_max_ratio"),
+    ("rss_bytes", "process_resident_memory_bytes"),
+    ("threads", "process_threads"),
+)
+
 #: Clock-event (throttle) reason bits, as NVML defines them, and our names for them.
 CLOCK_EVENT_REASONS: dict[int, str] = {
     0x1: "gpu_idle",

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._records import GpuIdentity, ProcessRecord, Snapshot
-from ..catalog import CATALOG, Kind, split_series_key
+from ..catalog import CATALOG, PROCESS_SERIES, Kind, split_series_key
 
 log = logging.getLogger("gpuscope.export")
 
@@ -82,15 +82,7 @@ GPU_INFO = _family("gpu_info", "gauge",
 _CANON = {m.name: _family(m.name, m.kind.value, m.help, _ORDER[m.name]) for m in CATALOG.values()}
 
 #: ProcessRecord attribute -> canonical family.
-PROCESS_FIELDS: tuple[tuple[str, Family], ...] = tuple((attr, _CANON[name]) for attr, name in (
-    ("gpu_memory_bytes", "gpu_process_memory_used_bytes"),
-    ("sm_ratio", "gpu_process_sm_active_ratio"),
-    ("memory_ratio", "gpu_process_memory_utilization_ratio"),
-    ("cpu_cores", "process_cpu_cores"),
-    ("thread_cpu_max_ratio", "process_thread_cpu_max_ratio"),
-    ("rss_bytes", "process_resident_memory_bytes"),
-    ("threads", "process_threads"),
-))
+PROCESS_FIELDS: tuple[tuple[str, Family], ...] = tuple((attr, _CANON[name]) for attr, name in PROCESS_SERIES)
 
 # dcgm-exporter's help texts (etc/default-counters.csv) for the fields it enables by default, so a
 # DCGM dashboard's tooltips read the same; the rest say what they are in DCGM's unit.

@@ -56,7 +56,6 @@ def _int(v: Any) -> int | None:
 
 def discover(nvml: Nvml, events: list[Event] | None = None) -> list[Device]:
     """All GPUs NVML sees, each followed by its MIG GPU instances when MIG is on."""
-    lib = nvml.lib
     driver = nvml.call("nvmlSystemGetDriverVersion")
     cuda = nvml.call("nvmlSystemGetCudaDriverVersion")
     driver_s = decode(driver) if driver else ""
@@ -67,18 +66,9 @@ def discover(nvml: Nvml, events: list[Event] | None = None) -> list[Device]:
     for i in range(int(count)):
         try:
             h = nvml.call("nvmlDeviceGetHandleByIndex", i)
-        except GpuLost:
-            ident = GpuIdentity(index=i, uuid="", name="(lost)", driver_version=driver_s, cuda_version=cuda_s)
-            dev = Device(ident, None, healthy=False)
-            dev.values["gpu_healthy"] = 0.0
-            devices.append(dev)
-            if events is not None:
-                events.append(Event(time.time_ns(), "gpu_lost", str(i), f"GPU {i} is lost (NVML cannot reach it)"))
-            continue
-        if isinstance(h, Unavailable):
-            log.warning("GPU %d: no handle (%s); skipped", i, h.reason)
-            continue
-        try:
+            if isinstance(h, Unavailable):
+                log.warning("GPU %d: no handle (%s); skipped", i, h.reason)
+                continue
             dev = _identify(nvml, h, i, driver_s, cuda_s, ncpu_words)
         except GpuLost:
             ident = GpuIdentity(index=i, uuid="", name="(lost)", driver_version=driver_s, cuda_version=cuda_s)
@@ -91,7 +81,6 @@ def discover(nvml: Nvml, events: list[Event] | None = None) -> list[Device]:
         devices.append(dev)
         if dev.identity.mig_mode:
             devices.extend(_mig_instances(nvml, dev))
-    del lib
     return devices
 
 

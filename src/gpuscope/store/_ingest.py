@@ -16,19 +16,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .._records import Event, GpuIdentity, ProcessRecord, Snapshot
-from ..catalog import series_key, split_series_key
+from ..catalog import PROCESS_SERIES, series_key, split_series_key
 from ._codec import FloatArray, Int64Array, scale_for
 
-# ProcessRecord attribute -> series name (labels gpu, pid, process, user).
-PROCESS_SERIES: tuple[tuple[str, str], ...] = (
-    ("gpu_memory_bytes", "gpu_process_memory_used_bytes"),
-    ("sm_ratio", "gpu_process_sm_active_ratio"),
-    ("memory_ratio", "gpu_process_memory_utilization_ratio"),
-    ("cpu_cores", "process_cpu_cores"),
-    ("thread_cpu_max_ratio", "process_thread_cpu_max_ratio"),
-    ("rss_bytes", "process_resident_memory_bytes"),
-    ("threads", "process_threads"),
-)
 PROCESS_METRICS = {name: attr for attr, name in PROCESS_SERIES}
 
 
