@@ -199,7 +199,8 @@ def test_second_agent_on_same_data_dir_and_port_in_use(agent, tmp_path):
 @pytest.mark.parametrize("args, needle", [
     (["--config", "/nonexistent.toml"], "does not exist"),
     (["--port", "0"], "port must be between"),
-    (["--interval", "0"], "must be a positive"),
+    (["--interval", "0"], "must be positive"),
+    (["--interval", "nan"], "not a duration"),
     (["--simulate", "bogus"], "Unknown scenario"),
 ])
 def test_bad_agent_flags(tmp_path, args, needle):
@@ -302,3 +303,36 @@ def test_agent_remote_writes_into_victoria_metrics(tmp_path, victoria_metrics): 
         assert res[0]["metric"]["simulated"] == "memory_bound"
     finally:
         assert a.stop() == 0
+
+
+@pytest.mark.parametrize("path, status", [
+    ("/api/v1/query_range?metric=gpu_power_watts&agg=p%C2%B2", 400),  # 'p²': a digit only to isdigit()
+    ("/api/v1/series?self=1", 200),  # a label filter named like a parameter
+    ("/api/v1/series?metric=gpu_power_watts&metric2=x", 200),
+    ("/api/v1/series?bad-label=1", 400),
+    ("/api/v1/events?start=-99999999999999999999d", 400),  # beyond int64 nanoseconds
+    ("/api/v1/query_range?metric=gpu_power_watts&start=9999-12-31T00:00:00Z", 400),
+])
+def test_odd_requests_are_4xx_not_500(agent, path, status):
+    code, body = http(agent.port, path)
+    assert code == status, body
+    if status >= 400:
+        assert json.loads(body)["error"]
+
+
+def test_loopback_agent_refuses_foreign_host_names(agent):
+    # DNS rebinding: a page on evil.example whose name resolves to 127.0.0.1 must not read the agent.
+    req = urllib.request.Request(f"http://127.0.0.1:{agent.port}/api/v1/latest", headers={"Host": "evil.example"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=10)
+    assert e.value.code == 403
+    req = urllib.request.Request(f"http://127.0.0.1:{agent.port}/api/v1/status", headers={"Host": f"localhost:{agent.port}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        assert r.status == 200
+
+
+def test_long_interval_is_accepted():
+    p = subprocess.run([sys.executable, "-m", "gpuscope.cli", "sample", "--simulate", "healthy", "--interval", "1.5s",
+                        "--every", "1.5s", "--count", "1"], env=env(), capture_output=True, text=True, timeout=30)
+    assert p.returncode == 0, p.stderr
+    assert "SM active" in p.stdout

@@ -96,3 +96,12 @@ def test_times():
             parse_time(bad, now)
     with pytest.raises(TimeError):
         parse_duration("0s")
+
+
+@pytest.mark.parametrize("bind, loopback", [("127.0.0.1", True), ("127.3.4.5", True), ("::1", True),
+                                            ("[::1]", True), ("localhost", True), ("0.0.0.0", False),
+                                            ("127.example.org", False), ("10.0.0.1", False)])
+def test_only_real_loopback_counts_as_loopback(bind, loopback):
+    cfg = config.load(None)
+    cfg.agent.bind = bind
+    assert cfg.loopback_only is loopback

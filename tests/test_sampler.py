@@ -317,3 +317,37 @@ def test_snapshot_lookup_and_serialisation(make_sampler):
     d = snap.to_dict()
     json.dumps(d)  # plain data all the way down
     assert d["gpus"][0]["identity"]["uuid"] == snap.gpus[0].uuid
+
+
+def test_gpm_samples_are_freed_on_stop():
+    nvml = healthy_gpus(2)
+    for _ in range(3):
+        s = Sampler(SamplerConfig(interval=0.05, events=False, collect_host=False), nvml=nvml)
+        s.open()
+        for _ in range(4):
+            s.sample_once()
+            time.sleep(0.06)
+        s.stop()
+    assert nvml.calls["nvmlGpmSampleAlloc"] == nvml.calls["nvmlGpmSampleFree"] == 3 * 2 * 2
+
+
+def test_a_long_interval_raises_the_periods_it_did_not_choose():
+    cfg = SamplerConfig.for_interval(2.0)
+    cfg.validate()
+    assert cfg.slow == cfg.processes == cfg.host == 2.0 and cfg.energy == 10.0
+    with pytest.raises(ConfigError, match="slow period"):
+        SamplerConfig.for_interval(2.0, slow=1.0).validate()
+
+
+def test_time_never_goes_back_between_racing_ticks():
+    nvml = healthy_gpus(1)
+    nvml.gpus[0].clock_event_reasons = 0x4
+    s = Sampler(SamplerConfig(interval=0.05, events=False, collect_host=False), nvml=nvml)
+    s.open()
+    now = time.monotonic()
+    s._tick(now + 1.0)
+    s._tick(now + 2.0)
+    before = s.devices[0].values['gpu_throttle_seconds_total{reason="sw_power_cap"}']
+    s._tick(now + 1.5)  # a caller's tick that lost the race for the lock
+    assert s.devices[0].values['gpu_throttle_seconds_total{reason="sw_power_cap"}'] >= before
+    s.stop()

@@ -640,3 +640,15 @@ def test_gpu_lost_is_raised_by_the_wrapper_not_swallowed(open_devices):
     fake.gpus[0].lost = True
     with pytest.raises(GpuLost):
         nv.call("nvmlDeviceGetComputeRunningProcesses", devs[0].handle)
+
+
+def test_a_failed_process_listing_is_not_a_stop_and_start(proc_rig):
+    fake, src, devs = proc_rig
+    events: list = []
+    src.collect(devs, events)
+    for call in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
+        fake.gpus[0].errors[call] = pynvml.NVML_ERROR_TIMEOUT
+    src.collect(devs, events)
+    fake.gpus[0].errors.clear()
+    src.collect(devs, events)
+    assert [e for e in events if e.kind in ("process_stop", "process_start")] == []

@@ -50,6 +50,7 @@ class Unavailable:
 
 
 _REASONS = {
+    0: "no data yet",  # pynvml raises NVMLError(SUCCESS) when a sized call finds nothing to return
     ERROR_NOT_SUPPORTED: "not supported by this GPU or driver",
     ERROR_NO_PERMISSION: "needs more privileges (root, or a driver that allows profiling for all users)",
     ERROR_FUNCTION_NOT_FOUND: "the installed NVIDIA driver is too old for this call",
@@ -85,7 +86,7 @@ class CallStats:
         self.recent_ns.append(ns)
 
     def median_ns(self) -> float:
-        r = sorted(self.recent_ns)
+        r = sorted(list(self.recent_ns))
         return float(r[len(r) // 2]) if r else 0.0
 
 
@@ -185,7 +186,7 @@ class Nvml:
                 "mean_us": st.total_ns / st.count / 1e3 if st.count else 0.0,
                 "max_us": st.max_ns / 1e3,
             }
-            for name, st in self.stats.items()
+            for name, st in list(self.stats.items())  # the sampler thread may add calls meanwhile
         ]
         rows.sort(key=lambda r: -r["median_us"])
         return rows

@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
@@ -29,20 +30,18 @@ class UsageError(Exception):
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one sentence, exit 2, no usage dump
+        message = message.rstrip(".")
         raise UsageError(f"{message[0].upper()}{message[1:]} (see 'gpuscope {self.prog.split()[-1]} --help').")
 
 
 def _interval(text: str) -> float:
     """Seconds, or a duration with a unit: 100ms, 0.5s, 2s, 1m."""
-    t = text.strip().lower()
-    units = (("ms", 1e-3), ("us", 1e-6), ("s", 1.0), ("m", 60.0))
+    from .agent.timeparse import TimeError, parse_duration
+
     try:
-        for suffix, scale in units:
-            if t.endswith(suffix):
-                return float(t[: -len(suffix)]) * scale
-        return float(t)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a duration such as 100ms, 0.5s or 2") from None
+        return parse_duration(text, "the duration")
+    except TimeError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _add_source_args(p: argparse.ArgumentParser) -> None:
@@ -198,14 +197,14 @@ def _sample(args: argparse.Namespace) -> int:
         raise UsageError(f"--count must be 0 (no limit) or more, not {args.count}.")
     if args.every < args.interval:
         raise UsageError("--every must not be shorter than --interval.")
-    sampler = Sampler(SamplerConfig(interval=args.interval), simulate=args.simulate, gpus=args.gpus)
+    sampler = Sampler(SamplerConfig.for_interval(args.interval), simulate=args.simulate, gpus=args.gpus)
     stop = {"now": False}
 
     def _term(*_: object) -> None:
         stop["now"] = True
 
     signal.signal(signal.SIGTERM, _term)
-    events: list[Any] = []
+    events: deque[Any] = deque(maxlen=10_000)  # appended on the sampler thread, popped here
     sampler.subscribe(lambda snap: events.extend(snap.events))
     sampler.start()
     if sampler.simulated and not args.json:
@@ -223,8 +222,8 @@ def _sample(args: argparse.Namespace) -> int:
                 print(time.strftime("%H:%M:%S"), flush=False)
                 for line in _line(snap):
                     print("  " + line)
-                pending, events[:] = events[:], []
-                for e in pending:
+                while events:
+                    e = events.popleft()
                     print(f"  event: {e.message}" + (f" (x{e.count})" if e.count > 1 else ""))
                 sys.stdout.flush()
             n += 1

@@ -27,6 +27,7 @@ from typing import Any
 from ._nvml import GpuLost, Nvml
 from ._records import Capability, Event, GpuRecord, HostRecord, ProcessRecord, Snapshot
 from .catalog import CATALOG, decode_clock_event_reasons
+from .sources import DeviceSource
 from .sources.device import Device, discover, mark_lost
 from .sources.events import EventSource
 from .sources.gpm import MIN_WINDOW_S, GpmSource
@@ -60,6 +61,16 @@ class SamplerConfig:
     collect_processes: bool = True
     collect_host: bool = True
     events: bool = True
+
+    @classmethod
+    def for_interval(cls, interval: float, **kw: Any) -> SamplerConfig:
+        """Defaults for a base interval: periods that would be shorter than it are raised to it, so
+        `--interval 2s` just works (the user did not choose those periods; explicit `kw` are kept)."""
+        cfg = cls(interval=interval, **kw)
+        for name in ("slow", "energy", "rare", "processes", "process_utilization", "host"):
+            if name not in kw and getattr(cfg, name) < interval:
+                setattr(cfg, name, interval)
+        return cfg
 
     def validate(self) -> None:
         for f in fields(self):
@@ -124,7 +135,9 @@ class Sampler:
         self._lock = threading.Lock()  # one tick at a time
         self._opened = False
         self._next_due: dict[str, float] = {}
+        self._last_now = 0.0
         self._gpm_source: GpmSource | None = None
+        self._group_sources: dict[str, DeviceSource] = {}
         self._proc_source: Any = None
         self._event_source: EventSource | None = None
         self._errors_logged: set[str] = set()
@@ -143,6 +156,8 @@ class Sampler:
         self.devices = discover(self.nvml, self._pending_events)
         self._nvml_source = NvmlSource(self.nvml, self._pending_events)
         self._gpm_source = GpmSource(self.nvml, self.config.gpm_window, self.config.gpm_graphics) if self.config.gpm else None
+        sources: list[DeviceSource] = [self._nvml_source] + ([self._gpm_source] if self._gpm_source else [])
+        self._group_sources = {g: src for src in sources for g in src.groups}
         self._proc_source = None
         if self.config.collect_processes:
             from .sources.procs import ProcessSource
@@ -171,13 +186,21 @@ class Sampler:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5.0)
+            if self._thread.is_alive():
+                # Stuck inside NVML (a sick GPU): shutting NVML down under it could crash the process;
+                # keep the reference so start() cannot start a second thread.
+                log.warning("the sampler thread did not stop within 5 s (an NVML call hangs); leaving NVML open")
+                return
             self._thread = None
         if self._event_source is not None:
             self._event_source.stop()
             self._event_source = None
         if self._opened:
-            self.nvml.shutdown()
-            self._opened = False
+            with self._lock:
+                if self._gpm_source is not None:
+                    self._gpm_source.close(self.devices)
+                self.nvml.shutdown()
+                self._opened = False
 
     def __enter__(self) -> Sampler:
         self.open()
@@ -216,10 +239,11 @@ class Sampler:
             out[dev.label] = caps
         return out
 
-    def overhead(self) -> dict[str, Any]:
-        """The sampler's own cost: CPU seconds, ticks, missed ticks, tick time, per-call NVML latency."""
-        ts = sorted(self.tick_seconds)
-        return {
+    def overhead(self, calls: bool = True) -> dict[str, Any]:
+        """The sampler's own cost: CPU seconds, ticks, missed ticks, tick time, per-call NVML latency
+        (`calls=False` leaves that table out)."""
+        ts = sorted(list(self.tick_seconds))
+        out = {
             "cpu_seconds": self.cpu_seconds,
             "ticks": self.ticks,
             "missed_ticks": self.missed_ticks,
@@ -227,8 +251,10 @@ class Sampler:
             "tick_max_us": ts[-1] * 1e6 if ts else 0.0,
             "group_cpu_seconds": dict(self.group_cpu_seconds),
             "event_thread_cpu_seconds": self._event_source.cpu_seconds if self._event_source else 0.0,
-            "nvml_calls": self.nvml.latency_table(),
         }
+        if calls:
+            out["nvml_calls"] = self.nvml.latency_table()
+        return out
 
     def self_metrics(self) -> dict[str, float]:
         return {
@@ -254,12 +280,18 @@ class Sampler:
 
     def _tick(self, now: float) -> Snapshot:
         with self._lock:
+            # A caller's sample_once() and the thread can race for the lock: time never goes back.
+            now = max(now, self._last_now)
+            self._last_now = now
             c0 = time.thread_time()
             t0 = time.perf_counter()
             cfg = self.config
             events = self._pending_events
-            groups = ["fast"]
-            for g, p in (("medium", cfg.medium), ("slow", cfg.slow), ("energy", cfg.energy), ("rare", cfg.rare)):
+            # 'slow' before 'fast' (its memory read, with the reserved part, stands for the tick's);
+            # 'medium' before 'energy' (power is integrated before a hardware read re-anchors it).
+            groups = ["slow"] if self._due("slow", cfg.slow, now) else []
+            groups.append("fast")
+            for g, p in (("medium", cfg.medium), ("energy", cfg.energy), ("rare", cfg.rare)):
                 if self._due(g, p, now):
                     groups.append(g)
             if self._gpm_source is not None:
@@ -267,7 +299,7 @@ class Sampler:
             cpu = self.group_cpu_seconds
             for g in groups:
                 c = time.thread_time()
-                collect = self._gpm_source.collect if g == "gpm" else self._nvml_source.collect  # type: ignore[union-attr]
+                collect = self._group_sources[g].collect
                 for dev in self.devices:
                     if dev.healthy:
                         try:

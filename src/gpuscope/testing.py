@@ -421,10 +421,11 @@ class FakeNVML:
         return SimpleNamespace(isSupportedDevice=1 if g.gpm_supported else 0)
 
     def nvmlGpmSampleAlloc(self) -> _FakeGpmSample:
+        self.calls["nvmlGpmSampleAlloc"] = self.calls.get("nvmlGpmSampleAlloc", 0) + 1
         return _FakeGpmSample()
 
     def nvmlGpmSampleFree(self, s: _FakeGpmSample) -> None:
-        return None
+        self.calls["nvmlGpmSampleFree"] = self.calls.get("nvmlGpmSampleFree", 0) + 1
 
     def _gpm_sample(self, name: str, h: Any, gi: int | None, s: _FakeGpmSample) -> None:
         g = self._enter(name, h)

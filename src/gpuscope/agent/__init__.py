@@ -110,13 +110,14 @@ class Agent:
                 return cached[1]
             extra = self.sampler.self_metrics()
             extra["gpuscope_agent_uptime_seconds"] = time.time() - self.started
+            if self.remote is not None:
+                extra.update(self.remote.self_metrics())
             body = render(snap, mode=mode, top_processes=self.top_processes, extra=extra)
             self._render_cache[mode] = (snap.time_ns, body)
             return body
 
     def status(self) -> dict[str, Any]:
-        ov = self.sampler.overhead()
-        ov.pop("nvml_calls", None)
+        ov = self.sampler.overhead(calls=False)
         return {
             "version": __version__, "uptime_s": time.time() - self.started, "simulated": self.sampler.simulated,
             "hostname": self.sampler.hostname, "gpus": [d.label for d in self.sampler.devices],
@@ -158,10 +159,17 @@ class Agent:
         except StoreError as e:
             raise AgentError(str(e)) from None
 
-    def _start_sampler(self) -> None:
+    def sampler_config(self) -> SamplerConfig:
+        """Raises sampler.ConfigError with a sentence; checked before anything is written."""
         sc = self.cfg.sampler
-        cfg = SamplerConfig(interval=sc.interval, gpm_window=sc.gpm_window, slow=max(sc.slow, sc.interval),
-                            collect_processes=sc.processes, collect_host=sc.host)
+        kw: dict[str, Any] = {"gpm_window": sc.gpm_window, "collect_processes": sc.processes, "collect_host": sc.host}
+        if sc.slow >= sc.interval:
+            kw["slow"] = sc.slow
+        cfg = SamplerConfig.for_interval(sc.interval, **kw)
+        cfg.validate()
+        return cfg
+
+    def _start_sampler(self, cfg: SamplerConfig) -> None:
         self.sampler = Sampler(cfg, simulate=self.simulate, gpus=self.gpus)
         self.sampler.open()  # raises NvmlUnavailable with its sentence
         self.sampler.subscribe(self.store.append)
@@ -169,15 +177,17 @@ class Agent:
             from ..export.remote_write import RemoteWriter
 
             rw = self.cfg.remote_write
-            self.remote = RemoteWriter(rw.url, interval=rw.interval, headers=rw.headers or None)
+            self.remote = RemoteWriter(rw.url, interval=rw.interval, headers=rw.headers or None,
+                                       top_processes=self.top_processes, extra=self.sampler.self_metrics)
             self.sampler.subscribe(self.remote.add)
         self.sampler.start()
 
     def run(self) -> int:
+        sampler_cfg = self.sampler_config()
         self._open_data_dir()
         self._open_store()
         try:
-            self._start_sampler()
+            self._start_sampler(sampler_cfg)
             return asyncio.run(self._serve())
         finally:
             self.shutdown()

@@ -35,6 +35,8 @@
 
 from __future__ import annotations
 
+import ipaddress
+import math
 import os
 import re
 import sys
@@ -54,25 +56,27 @@ class ConfigError(ValueError):
     """One sentence saying what is wrong and where."""
 
 
-_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(us|ms|s|m|h|d)?\s*$")
-_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)?\s*$")
 _SIZE_UNITS = {None: 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
                "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 
 
 def parse_duration(v: Any, where: str) -> float:
-    if isinstance(v, bool):
-        raise ConfigError(f"{where} must be a duration such as \"250ms\" or \"1s\", not {v!r}.")
-    if isinstance(v, int | float):
+    """A number of seconds or a duration string (the same forms the command line takes)."""
+    from .timeparse import TimeError
+    from .timeparse import parse_duration as parse_text
+
+    if isinstance(v, int | float) and not isinstance(v, bool):
         s = float(v)
-    elif isinstance(v, str) and (m := _DURATION.match(v)):
-        s = float(m.group(1)) * _UNITS[m.group(2)]
-    else:
-        raise ConfigError(f"{where} must be a duration such as \"250ms\" or \"1s\", not {v!r}.")
-    if not s > 0 or s != s or s == float("inf"):
-        raise ConfigError(f"{where} must be a positive duration, not {v!r}.")
-    return s
+        if not (s > 0 and math.isfinite(s)):
+            raise ConfigError(f"{where} must be a positive duration, not {v!r}.")
+        return s
+    if isinstance(v, str):
+        try:
+            return parse_text(v, where)
+        except TimeError:
+            pass
+    raise ConfigError(f"{where} must be a duration such as \"250ms\" or \"1s\", not {v!r}.")
 
 
 def parse_size(v: Any, where: str) -> int:
@@ -149,7 +153,15 @@ class Config:
 
     @property
     def loopback_only(self) -> bool:
-        return self.agent.bind in ("127.0.0.1", "localhost", "::1") or self.agent.bind.startswith("127.")
+        """Only a literal loopback address or 'localhost' counts: a host name that merely starts with
+        '127.' does not."""
+        bind = self.agent.bind.strip().strip("[]")
+        if bind == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(bind).is_loopback
+        except ValueError:
+            return False
 
 
 _DURATIONS = {("sampler", "interval"), ("sampler", "gpm_window"), ("sampler", "slow"), ("store", "flush_interval"),

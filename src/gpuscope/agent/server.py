@@ -13,6 +13,7 @@ import hmac
 import json
 import logging
 import math
+import re
 import time
 from dataclasses import asdict
 from typing import Any
@@ -33,16 +34,29 @@ class BadRequest(Exception):
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
-    return web.Response(text=json.dumps(data, default=_default, allow_nan=False), status=status,
+    return web.Response(text=json.dumps(_finite(data), default=_default, allow_nan=False), status=status,
                         content_type="application/json")
+
+
+def _finite(o: Any) -> Any:
+    """JSON has no NaN or infinity: they become null (json.dumps never asks `default` about floats)."""
+    if isinstance(o, float):
+        return o if math.isfinite(o) else None
+    if isinstance(o, dict):
+        return {k: _finite(v) for k, v in o.items()}
+    if isinstance(o, list | tuple):
+        return [_finite(v) for v in o]
+    return o
 
 
 def _default(o: Any) -> Any:
     if hasattr(o, "tolist"):
-        return o.tolist()
-    if isinstance(o, float) and not math.isfinite(o):
-        return None
+        return _finite(o.tolist())
     return str(o)
+
+
+_PERCENTILE = re.compile(r"p([0-9]+(?:\.[0-9]+)?)", re.ASCII)
+_LOOPBACK_HOSTS = re.compile(r"^(localhost|127\.[0-9.]+|\[::1\])(:[0-9]+)?$", re.ASCII | re.IGNORECASE)
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -63,6 +77,11 @@ class Api:
     # -- middleware ----------------------------------------------------------------------------
     @web.middleware
     async def guard(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if self.agent.loopback_only and not _LOOPBACK_HOSTS.match(request.headers.get("Host", "")):
+            # A loopback agent serves only loopback names: a web page cannot reach it through a
+            # DNS name that resolves to 127.0.0.1 (DNS rebinding).
+            return _error(403, "This agent listens on loopback only and answers requests addressed to "
+                               "localhost or 127.0.0.1.")
         needs_token = (not self.agent.loopback_only) or request.method not in ("GET", "HEAD", "OPTIONS")
         if needs_token and not self._authorized(request):
             return _error(401, "This request needs the agent's token: send 'Authorization: Bearer <token>' "
@@ -159,7 +178,7 @@ class Api:
 
     def _check_labels(self, q: dict[str, str]) -> None:
         for k in q:
-            if not k.replace("_", "").isalnum():
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
                 raise BadRequest(f"{k!r} is not a label name.")
 
     async def query_range(self, request: web.Request) -> web.Response:
@@ -175,8 +194,8 @@ class Api:
         q.pop("format", None)
         if end <= start:
             raise BadRequest("end must be after start.")
-        if agg not in AGGS and not (agg.startswith("p") and agg[1:].replace(".", "", 1).isdigit()
-                                    and 0 < float(agg[1:]) < 100):
+        m = _PERCENTILE.fullmatch(agg)
+        if agg not in AGGS and not (m and 0 < float(m.group(1)) < 100):
             raise BadRequest(f"agg must be one of {', '.join(AGGS)} or a percentile such as p99, not {agg!r}.")
         points = (end - start) / 1e9 / step
         if points > MAX_POINTS:

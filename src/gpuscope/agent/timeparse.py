@@ -25,15 +25,27 @@ def parse_duration(text: str, what: str = "duration") -> float:
     return v
 
 
+_MAX_NS = 2**63 - 1
+
+
 def parse_time(text: str, now_s: float | None = None, what: str = "time") -> int:
-    """Nanoseconds since the epoch."""
-    now_s = time.time() if now_s is None else now_s
+    """Nanoseconds since the epoch, between 1970 and 2262 (what an int64 of nanoseconds holds)."""
+    ns = _parse_time(text, time.time() if now_s is None else now_s, what)
+    if not 0 <= ns <= _MAX_NS:
+        raise TimeError(f"{what} {text!r} is outside the years 1970-2262.")
+    return ns
+
+
+def _parse_time(text: str, now_s: float, what: str) -> int:
     t = (text or "").strip()
     if t in ("", "now"):
         return int(now_s * 1e9)
     m = _REL.match(t)
     if m:
-        return int((now_s - float(m.group(1)) * _UNITS[m.group(2)]) * 1e9)
+        v = (now_s - float(m.group(1)) * _UNITS[m.group(2)]) * 1e9
+        if not -1e19 < v < 1e19:
+            raise TimeError(f"{what} {text!r} is outside the years 1970-2262.")
+        return int(v)
     try:
         v = float(t)
     except ValueError:
@@ -49,4 +61,7 @@ def parse_time(text: str, now_s: float | None = None, what: str = "time") -> int
                         "(2026-11-29T10:00:00Z).") from None
     if dt.tzinfo is None:
         dt = dt.replace(tzinfo=timezone.utc)
-    return int(dt.timestamp() * 1e9)
+    try:
+        return int(dt.timestamp() * 1e9)
+    except (OverflowError, ValueError, OSError):
+        raise TimeError(f"{what} {text!r} is outside the years 1970-2262.") from None

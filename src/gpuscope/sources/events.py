@@ -64,6 +64,7 @@ class EventSource:
         self.registered: dict[str, int] = {}  # gpu label -> mask registered
         self._devices = [d for d in devices if not d.is_mig and d.healthy]
         self.cpu_seconds = 0.0  # this thread's own CPU, for the sampler's self-accounting
+        self._logged: set[str] = set()
 
     def start(self) -> None:
         lib = self.lib
@@ -115,21 +116,31 @@ class EventSource:
         wait = getattr(lib, "nvmlEventSetWait_v2", None) or lib.nvmlEventSetWait
         err = self.nvml._nvml_error
         c0 = time.thread_time()
+        backoff = 1.0
         while not self._stop.is_set():
             self.cpu_seconds = time.thread_time() - c0
             try:
                 data = wait(self._set, self.wait_ms)
             except err as e:
-                if getattr(e, "value", None) == ERROR_TIMEOUT:
+                code = getattr(e, "value", None)
+                if code == ERROR_TIMEOUT:
+                    backoff = 1.0
                     continue
-                log.warning("NVML event wait failed: %s; retrying in 1 s", e)
-                self._stop.wait(1.0)
+                backoff = self._failed(f"NVML error {code}", e, backoff)
                 continue
             except Exception as e:  # noqa: BLE001 - the event thread must survive
-                log.warning("NVML event wait failed: %s", e)
-                self._stop.wait(1.0)
+                backoff = self._failed(type(e).__name__, e, backoff)
                 continue
+            backoff = 1.0
             self._handle(data)
+
+    def _failed(self, key: str, e: BaseException, backoff: float) -> float:
+        """Log each kind of failure once (a lost GPU makes every wait fail), wait, back off to 30 s."""
+        if key not in self._logged:
+            self._logged.add(key)
+            log.warning("NVML event wait failed: %s; retrying with back-off (logged once)", e)
+        self._stop.wait(backoff)
+        return min(backoff * 2, 30.0)
 
     def _handle(self, data: Any) -> None:
         lib = self.lib

@@ -124,6 +124,14 @@ class GpmSource:
                 dev.unsupported(series, _EXPENSIVE_REASON)
         return st
 
+    def close(self, devices: list[Device]) -> None:
+        """Free every device's GPM samples (before nvmlShutdown)."""
+        for dev in devices:
+            st = dev.state.pop("gpm", None)
+            if st:
+                for sample in {id(x): x for x in (st.prev, st.cur) if x is not None}.values():
+                    self.nvml.call("nvmlGpmSampleFree", sample)
+
     def collect(self, group: str, dev: Device, now: float) -> None:
         st = self._state(dev)
         if st is None:
@@ -141,8 +149,10 @@ class GpmSource:
             return
         after = self.clock()
         if st.prev is None:
-            st.prev, st.prev_t = st.cur, after
-            st.cur = self.nvml.lib.nvmlGpmSampleAlloc()
+            cur = self.nvml.call("nvmlGpmSampleAlloc")
+            if isinstance(cur, Unavailable):
+                return  # keep sampling into the one sample; try to allocate the second next time
+            st.prev, st.prev_t, st.cur = st.cur, after, cur
             return
         window = before - st.prev_t  # a lower bound of the gap NVML sees between the two samples
         q = st.query

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from .._nvml import Nvml, Unavailable
+from .._nvml import ERROR_NO_DATA, ERROR_NOT_FOUND, Nvml, Unavailable
 from .._records import Capability, Event
 from ..catalog import CLOCK_EVENT_REASONS, decode_clock_event_reasons, series_key
 from .device import Device
@@ -61,6 +61,7 @@ class NvmlSource:
         elif group == "medium":
             self._medium(dev, now)
         elif group == "slow":
+            dev.state["memory_at"] = now
             self._slow(dev)
         elif group == "energy":
             self._energy(dev)
@@ -70,7 +71,7 @@ class NvmlSource:
     # -- helpers -------------------------------------------------------------------------------
     def _put(self, dev: Device, metric: str, v: Any, scale: float = 1.0) -> bool:
         if isinstance(v, Unavailable):
-            if v.code != 6 and v.code != 21:  # 'no data yet' is not 'unsupported'
+            if v.code not in (ERROR_NOT_FOUND, ERROR_NO_DATA):  # 'no data yet' is not 'unsupported'
                 dev.unsupported(metric, v.reason)
             return False
         dev.values[metric] = float(v) * scale
@@ -133,7 +134,8 @@ class NvmlSource:
 
     def _fast(self, dev: Device, now: float) -> None:
         call, h = self.nvml.call, dev.handle
-        self._memory(dev)
+        if dev.state.get("memory_at") != now:  # the slow group read it this tick already
+            self._memory(dev)
         reasons = call("nvmlDeviceGetCurrentClocksEventReasons", h)
         if isinstance(reasons, Unavailable):
             dev.unsupported("gpu_clock_event_reasons", reasons.reason)

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from .._nvml import GpuLost, Nvml, Unavailable
+from .._nvml import ERROR_NO_DATA, ERROR_NOT_FOUND, GpuLost, Nvml, Unavailable
 from .._records import Event, ProcessRecord
 from .device import Device, mark_lost
 
@@ -60,6 +60,7 @@ class ProcessSource:
         (it is NVML's costliest call) and only on GPUs with processes; between reads each process
         keeps its last value."""
         records: list[ProcessRecord] = []
+        failed: set[str] = set()
         infos: dict[int, HostProcessInfo | None] = {}
         mig_children: dict[int, dict[int, Device]] = {}
         for d in devices:
@@ -74,6 +75,9 @@ class ProcessSource:
                 mark_lost(dev, events)
                 continue
             if found is None:
+                # Unknown, not empty: no stop/start events for it or its MIG instances.
+                failed.add(dev.label)
+                failed.update(d.label for d in mig_children.get(dev.identity.index, {}).values())
                 continue
             if dev.identity.mig_mode:
                 util = None
@@ -105,7 +109,7 @@ class ProcessSource:
                     rec.container, rec.pod_uid, rec.pod = info.container, info.pod_uid, info.pod
                     rec.namespace, rec.slurm_job = info.namespace, info.slurm_job
                 records.append(rec)
-        self._diff(records, devices, events)
+        self._diff(records, devices, events, failed)
         self.host.forget(set(infos))
         return records
 
@@ -140,7 +144,9 @@ class ProcessSource:
             last = self.wall_clock_us() - 1_000_000
         samples = self.nvml.call("nvmlDeviceGetProcessUtilization", dev.handle, last)
         if isinstance(samples, Unavailable):
-            if samples.code in (6, 21, 0):  # nothing new: every process was idle
+            # Nothing new: every process was idle. (pynvml raises NVMLError(0) when the driver's
+            # first call reports no samples without asking for a buffer.)
+            if samples.code in (ERROR_NOT_FOUND, ERROR_NO_DATA, 0):
                 dev.state["proc_util_ts"] = last
                 dev.supported("gpu_process_sm_active_ratio")
                 dev.supported("gpu_process_memory_utilization_ratio")
@@ -164,14 +170,15 @@ class ProcessSource:
         dev.supported("gpu_process_memory_utilization_ratio")
         return {pid: (a[0] / a[2] / 100.0, a[1] / a[2] / 100.0) for pid, a in acc.items()}
 
-    def _diff(self, records: list[ProcessRecord], devices: list[Device], events: list[Event]) -> None:
+    def _diff(self, records: list[ProcessRecord], devices: list[Device], events: list[Event],
+              failed: set[str]) -> None:
         now = time.time_ns()
         current: dict[str, dict[int, ProcessRecord]] = {}
         for r in records:
             current.setdefault(r.gpu, {})[r.pid] = r
         for dev in devices:
             label = dev.label
-            if not dev.healthy:
+            if not dev.healthy or label in failed:
                 continue
             cur = current.get(label, {})
             before = self._seen.get(label)

@@ -217,7 +217,7 @@ class Reader:
                                                     (self._series_top,)):
                 self._series[sid] = (metric, json.loads(labels))
                 self._series_top = max(self._series_top, sid)
-            return self._series
+            return dict(self._series)  # a copy: other request threads add series while we iterate
 
     # -- catalogue ---------------------------------------------------------------------------------
     def find(self, metric: str | None, filters: dict[str, object]) -> list[tuple[int, str, dict[str, str]]]:

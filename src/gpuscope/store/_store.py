@@ -135,8 +135,9 @@ class Store:
         self.close()
 
     # -- reading -----------------------------------------------------------------------------------
-    def series(self, metric: str | None = None, **label_filters: object) -> list[dict[str, Any]]:
-        """Stored series as {'metric': name, 'labels': {...}}, filtered by metric and exact label values."""
+    def series(self, metric: str | None = None, /, **label_filters: object) -> list[dict[str, Any]]:
+        """Stored series as {'metric': name, 'labels': {...}}, filtered by metric and exact label values
+        (any label name works as a filter, 'self' and 'metric' included)."""
         return [{"metric": m, "labels": lab} for _, m, lab in self._reader.find(metric, label_filters)]
 
     def metrics(self) -> list[str]:
