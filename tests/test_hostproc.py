@@ -78,8 +78,11 @@ def test_process_ratio_counts_all_threads_and_thread_ratio_the_busiest(child):
     time.sleep(0.5)
     info = reader.read(p.pid)
     assert info is not None and info.cpu_cores is not None and info.thread_cpu_max_ratio is not None
-    assert info.cpu_cores > 1.3
-    assert 0.5 < info.thread_cpu_max_ratio <= 1.0
+    # Two spinning threads: the process counts both, the busiest thread only one. On a busy 2-core
+    # machine each gets less than a core, so compare them rather than each against a fixed core count.
+    assert info.cpu_cores > 1.5 * info.thread_cpu_max_ratio
+    assert info.cpu_cores > 0.8
+    assert 0.3 < info.thread_cpu_max_ratio <= 1.0
 
 
 def test_idle_process_has_low_ratios(child):

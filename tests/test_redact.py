@@ -114,3 +114,154 @@ def test_never_raises(bad):
 def test_redact_text_never_raises_on_non_strings():
     assert isinstance(redact_text(None), str)  # type: ignore[arg-type]
     assert isinstance(redact_text(12), str)  # type: ignore[arg-type]
+
+
+# --- Review fixes: each case below leaked before. ---
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["curl", "-H", "X-Api-Key: s3cr3t", "https://x.org"], "curl -H 'X-Api-Key: ***' https://x.org"),
+        (["curl", "-H", "X-Auth-Token:abc", "-H", "Cookie: a=1; b='x'"], "curl -H X-Auth-Token:*** -H 'Cookie: ***'"),
+        (["curl", "-H", "Set-Cookie: sid=1", "-H", "X-Session-Id: 42", "-H", "X-Goog-Credential: c"],
+         "curl -H 'Set-Cookie: ***' -H 'X-Session-Id: ***' -H 'X-Goog-Credential: ***'"),
+        (["curl", "-H", "PRIVATE-TOKEN: glx", "-H", "X-Client-Secret: s", "-H", "X-Db-Password: p"],
+         "curl -H 'PRIVATE-TOKEN: ***' -H 'X-Client-Secret: ***' -H 'X-Db-Password: ***'"),
+        (["wget", "--header=X-Api-Key: s3", "-HX-Goog-Api-Key: q"], "wget '--header=X-Api-Key: ***' '-HX-Goog-Api-Key: ***'"),
+        (["http", "GET", "x.org", "X-API-Key:abc", "apikey:abc"], "http GET x.org X-API-Key:*** apikey:***"),
+    ],
+)
+def test_secret_header_values_are_hidden(argv, expected):
+    assert redact_cmdline(argv) == expected
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["curl", "-H", "Authorization: Token abc"], "curl -H 'Authorization: Token ***'"),
+        (["curl", "-H", "Authorization: Digest username=\"a\", response=\"b\""], "curl -H 'Authorization: Digest ***'"),
+        (["curl", "-H", "Authorization: AWS4-HMAC-SHA256 Credential=AKID/x, Signature=abc"],
+         "curl -H 'Authorization: AWS4-HMAC-SHA256 ***'"),
+        (["curl", "-H", "Proxy-Authorization: Basic dXNlcjpwdw=="], "curl -H 'Proxy-Authorization: Basic ***'"),
+        (["curl", "-H", "Authorization: abc123"], "curl -H 'Authorization: ***'"),  # no scheme: all of it
+        (["curl", "-H", "authorization:SSWS abc"], "curl -H 'authorization:SSWS ***'"),
+        (["curl", "-H", "Authorization: Bearer", "abcdef123"], "curl -H 'Authorization: Bearer' ***"),
+    ],
+)
+def test_authorization_keeps_only_the_scheme(argv, expected):
+    assert redact_cmdline(argv) == expected
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["curl", "-H", "Accept: application/json", "-H", "Content-Type:text/plain", "-H", "Keep-Alive: 5"],
+        ["x", "--image", "tokenizer-server:v1", "keyword:x", "localhost:8080", "author:me", "https://h:443/x"],
+        ["git", "clone", "https://user@host:8080/a@b"],
+    ],
+)
+def test_ordinary_colon_arguments_are_kept(argv):
+    assert redact_cmdline(argv) == shlex.join(argv)
+
+
+def test_url_userinfo_named_like_a_header_keeps_the_host():
+    out = redact_cmdline(["git", "clone", "https://x-access-token:abc@github.com/o/r.git"])
+    assert out == "git clone https://x-access-token:***@github.com/o/r.git"
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["curl", "-u", "alice:hunter2", "https://x.org"], "curl -u alice:*** https://x.org"),
+        (["curl", "--user", "alice:hunter2"], "curl --user alice:***"),
+        (["curl", "-ualice:hunter2"], "curl -ualice:***"),
+        (["curl", "--user=alice:hun:ter@2"], "curl --user=alice:***"),
+        (["curl", "-su", "alice:pw"], "curl -su alice:***"),
+        (["curl", "--proxy-user", "bob:pw", "-Ubob:pw"], "curl --proxy-user bob:*** -Ubob:***"),
+        (["curl", "-u", ":pw"], "curl -u :***"),
+    ],
+)
+def test_user_password_keeps_the_user(argv, expected):
+    assert redact_cmdline(argv) == expected
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["python", "-u", "train.py", "--lr", "1"],
+        ["curl", "-u", "alice", "https://x.org"],  # curl prompts for the password
+        ["pip", "install", "-U", "torch"],
+        ["curl", "-u", "alice:", "https://x.org"],  # empty password
+    ],
+)
+def test_user_without_password_is_kept(argv):
+    assert redact_cmdline(argv) == shlex.join(argv)
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["mysql", "-uroot", "-psecret", "db"], "mysql -uroot -p*** db"),
+        (["/usr/bin/mysqldump", "-pS3cr3t!", "db"], "/usr/bin/mysqldump -p*** db"),
+        (["mysqladmin", "-pabc", "status"], "mysqladmin -p*** status"),
+        (["mariadb", "-px"], "mariadb -p***"),
+        (["sudo", "mysql", "-pabc"], "sudo mysql -p***"),
+        (["mysql", "--password=secret"], "mysql --password=***"),
+    ],
+)
+def test_mysql_attached_password_is_hidden(argv, expected):
+    assert redact_cmdline(argv) == expected
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["mysqladmin", "-p", "secret"],  # -p alone prompts; the next word is not its value
+        ["ssh", "-p2222", "host"],
+        ["python", "x.py", "-pfoo"],
+        ["docker", "run", "-p8080:80", "mysql:8"],
+    ],
+)
+def test_dash_p_elsewhere_is_kept(argv):
+    assert redact_cmdline(argv) == shlex.join(argv)
+
+
+@pytest.mark.parametrize(
+    "url, expected",
+    [
+        ("mongodb://u:pa@ss@h/db", "mongodb://u:***@h/db"),
+        ("https://u:p@ss@w@rd@host:443/x@y", "https://u:***@host:443/x@y"),
+        ("postgres://u:p#q?r@db", "postgres://u:***@db"),
+        ("https://me@corp.com:pw@host/x", "https://me@corp.com:***@host/x"),
+    ],
+)
+def test_url_password_runs_to_the_last_at(url, expected):
+    assert redact_cmdline(["x", url]) == f"x {expected}"
+    assert redact_text(f"run {url} now") == f"run {expected} now"
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["x", "--password", "-x", "--lr", "1"], "x --password *** --lr 1"),
+        (["x", "--token", "--", "y"], "x --token *** y"),
+        (["x", "--api-key", "-abc123"], "x --api-key ***"),
+        (["x", "--use-auth-token", "--foo"], "x --use-auth-token --foo"),
+        (["x", "--no-auth", "-v"], "x --no-auth -v"),
+        (["x", "Bearer", "-v"], "x Bearer -v"),
+    ],
+)
+def test_secret_flag_value_starting_with_dash(argv, expected):
+    assert redact_cmdline(argv) == expected
+
+
+def test_review_leaks_inside_one_string():
+    script = ("curl -H 'X-Api-Key: k1' -H \"Authorization: Token t2\" -u bob:pw3 https://h"
+              " && mysql -uroot -pPW4 db; python x.py --password -pw5 --a --token y6 --lr 3; ls -p1")
+    out = redact_cmdline(["sh", "-c", script])
+    for secret in ("k1", "t2", "pw3", "PW4", "pw5", "y6"):
+        assert secret not in out
+    assert "Token ***" in out and "bob:***" in out and "--lr 3" in out and "ls -p1" in out
+    assert redact_text("curl -H 'Cookie: a=1; b=2' -u 'alice:hun ter' x") == "curl -H 'Cookie: ***' -u 'alice:***' x"
+    assert redact_text("mongodb://u:pa@ss@h/db") == "mongodb://u:***@h/db"

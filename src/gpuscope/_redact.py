@@ -66,13 +66,66 @@ _TOKENS = re.compile(
     r")"
 )
 _BEARER = re.compile(r"(?i)\b((?:bearer|authorization:\s*basic)\s+)([A-Za-z0-9._~+/=\-]{6,})")
-_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*://[^/\s:@]*):([^/\s@]+)@")
+# The password runs from the first ':' of the userinfo to the LAST '@' before the path: unencoded '@'
+# (and '?', '#') in passwords are common (mongodb://u:pa@ss@h/db). Greedy, then back to that '@'.
+_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*://[^/\s:]*):([^/\s]+)@")
 # key=value inside a longer string: query strings, libpq conninfo, shell snippets. Keys are checked
 # with the same name rules as flags.
 _INLINE_ASSIGN = re.compile(r"(?<![\w\-])(-{0,2}[A-Za-z_][\w.\-]*)=([^\s&;'\"]+)")
-_INLINE_FLAG = re.compile(r"(?<!\S)(-{1,2}[A-Za-z][\w.\-]*)(\s+)([^\s\-]\S*)")
+# A flag followed by whitespace inside a longer string; the word after a secret one is its value, even
+# when it starts with '-' (scanned by _flag_holes, so that a value is never taken for the next flag).
+_INLINE_FLAG = re.compile(r"(?<!\S)(-{1,2}[A-Za-z][\w.\-]*)(?=\s)")
+_INLINE_VALUE = re.compile(r"\s+(\S+)")
 _SIGNATURE = re.compile(r"(?i)([?&](?:x-amz-signature|x-amz-security-token|sig|signature|x-goog-signature)=)"
                         r"[^&\s#]+")
+
+
+# HTTP headers (`curl -H 'X-Api-Key: v'`, `wget --header=...`, httpie `Cookie:v`). A name part marks a
+# secret header when it ends with one of these words (apikey, authtoken, setcookie) or starts with auth
+# (Authorization, Proxy-Authorization, Authentication), besides the flag name rules.
+_HEADER_WORD = re.compile(r"(?:key|token|secret|password|passwd|cookie|session|credential)s?$|^auth(?!ors?$)")
+# One argv element that is a whole header: the value is everything after the colon.
+_HEADER_ARG = re.compile(r"([A-Za-z][\w\-]*):[ \t]*(.*)", re.S)
+# A header inside a longer string: a whole name (or glued to -H), not a URL's userinfo
+# (https://x-access-token:T@host is _USERINFO's).
+_HEADER_TEXT = re.compile(r"(?:(?<=-H)|(?<![\w\-]))(?<!//)([A-Za-z][\w\-]*):[ \t]*")
+# Where a header value inside a longer string ends: at its closing quote when the header opens with one
+# ("-H 'Cookie: a=1; b=2'"), else at any quote or the end of the line (an unquoted header in a rewritten
+# argv: when in doubt, hide the rest of the line).
+_HEADER_END = {"'": re.compile(r"['\r\n]"), '"': re.compile(r'["\r\n]'), "": re.compile(r"['\"\r\n]")}
+# Authorization values keep their scheme word (any scheme: Bearer, Basic, Token, Digest, AWS4-HMAC-SHA256).
+_AUTH_VALUE = re.compile(r"([A-Za-z][\w.\-]*)([ \t]+)\S.*", re.S)
+_AUTH_SCHEMES = frozenset({"basic", "bearer", "token", "digest", "negotiate", "ntlm"})
+
+# user:password after -u/--user (curl), -U/--proxy-user (curl's proxy): the user is kept. Attached short
+# form only with a plain user name, so that `-use_gpu:1`-like words are less likely to be taken.
+_USER_FLAGS = frozenset({"-u", "-U", "--user", "--proxy-user"})
+_USER_CLUSTER = re.compile(r"-[A-Za-z]+u")  # curl -su alice:pw
+_USER_ARG = re.compile(r"(-[uU]=?[^:=/\s]*|--(?:proxy-)?user=[^:]*):(.+)", re.S)
+_USER_TEXT = re.compile(
+    r"(?<!\S)(?:-[uU][ \t]*|--(?:proxy-)?user(?:[ \t]+|=))"
+    r"(?:'[^:'\r\n]*:([^'\r\n]+)|\"[^:\"\r\n]*:([^\"\r\n]+)|[^\s:'\"]*:([^\s'\"]+))"
+)
+
+# MySQL/MariaDB clients take the password glued to -p (-pVALUE); a separate word after -p is the database.
+# -p means other things elsewhere (ports, paths), so only after one of these programs.
+_MYSQL_PROGS = frozenset({
+    "mysql", "mysqldump", "mysqladmin", "mariadb",
+    "mysqlimport", "mysqlcheck", "mysqlshow", "mysqlslap", "mysqlpump", "mysqlbinlog",
+    "mariadb-dump", "mariadb-admin", "mariadb-import", "mariadb-check", "mariadb-show", "mariadb-slap",
+    "mariadb-binlog",
+})
+_MYSQL_TEXT = re.compile(
+    r"(?<![\w.\-])(?:" + "|".join(sorted(map(re.escape, _MYSQL_PROGS), key=len, reverse=True)) + r")(?![\w.\-:/])"
+)
+_MYSQL_P_TEXT = re.compile(r"(?<![^\s'\"])-p(?:'[^'\r\n]*'|\"[^\"\r\n]*\"|[^\s'\"])+")
+_CMD_END = re.compile(r"[;|&\r\n]")
+
+# What the next argv element is, after the current one.
+_NEXT_PLAIN = 0  # nothing special
+_NEXT_VALUE = 1  # the value of a secret flag: hidden whatever it looks like (`--password -x`)
+_NEXT_WORD = 2  # a word after Bearer/Basic: hidden unless it is a flag
+_NEXT_USER = 3  # user:password after -u/--user
 
 # For quoting: the characters shlex.quote leaves unquoted, plus the hole marker.
 _UNSAFE = re.compile(r"[^\w@%+=:,./\-\x00]", re.ASCII)
@@ -104,10 +157,80 @@ def _inline_assign(m: re.Match[str]) -> str:
     return m.group(0)
 
 
-def _inline_flag(m: re.Match[str]) -> str:
-    if _is_secret_name(m.group(1).lstrip("-"), as_flag=True):
-        return f"{m.group(1)}{m.group(2)}{_HOLE}"
-    return m.group(0)
+def _flag_holes(s: str) -> str:
+    """Hide the word after each secret-looking flag in a string holding several words."""
+    out: list[str] = []
+    last = pos = 0
+    while (m := _INLINE_FLAG.search(s, pos)) is not None:
+        pos = m.end()
+        if not _is_secret_name(m.group(1).lstrip("-"), as_flag=True):
+            continue
+        v = _INLINE_VALUE.match(s, pos)
+        if v is None:
+            continue
+        out.append(s[last:v.start(1)])
+        out.append(_HOLE)
+        last = pos = v.end()
+    if not out:
+        return s
+    out.append(s[last:])
+    return "".join(out)
+
+
+def _is_secret_header(name: str) -> bool:
+    return any(_HEADER_WORD.search(p) for p in _name_parts(name)) or _is_secret_name(name)
+
+
+def _header_value_holes(name: str, value: str) -> str:
+    """The value of secret header `name`, hidden: all of it, or all but the scheme for Authorization."""
+    if name.lower().endswith("authorization"):
+        m = _AUTH_VALUE.fullmatch(value)
+        if m is not None:
+            return value[:m.end(2)] + _HOLE
+    return _HOLE
+
+
+def _header_holes(s: str) -> str:
+    """Hide the values of secret-looking `Name: value` headers inside a longer string."""
+    out: list[str] = []
+    last = pos = 0
+    while (m := _HEADER_TEXT.search(s, pos)) is not None:
+        pos = m.end()
+        name = m.group(1)
+        if not _is_secret_header(name):
+            continue
+        start = m.start()
+        quote = s[start - 1] if start and s[start - 1] in "'\"" else ""
+        e = _HEADER_END[quote].search(s, pos)
+        end = e.start() if e is not None else len(s)
+        value = s[pos:end]
+        if not value.strip():
+            continue
+        out.append(s[last:pos])
+        out.append(_header_value_holes(name, value))
+        last = pos = end
+    if not out:
+        return s
+    out.append(s[last:])
+    return "".join(out)
+
+
+def _user_text(m: re.Match[str]) -> str:
+    g = next(i for i in (1, 2, 3) if m.start(i) >= 0)
+    whole, base = m.group(0), m.start()
+    return whole[:m.start(g) - base] + _HOLE + whole[m.end(g) - base:]
+
+
+def _mysql_holes(s: str) -> str:
+    """Hide -pPASSWORD after a MySQL/MariaDB client name, up to the end of that command."""
+    pos = 0
+    while (m := _MYSQL_TEXT.search(s, pos)) is not None:
+        e = _CMD_END.search(s, m.end())
+        end = e.start() if e is not None else len(s)
+        seg = _MYSQL_P_TEXT.sub("-p" + _HOLE, s[m.end():end])
+        s = s[:m.end()] + seg + s[end:]
+        pos = m.end() + len(seg)
+    return s
 
 
 def _holes(s: str) -> str:
@@ -115,6 +238,8 @@ def _holes(s: str) -> str:
     s = _TOKENS.sub(_HOLE, s)
     if "://" in s:
         s = _USERINFO.sub(r"\1:" + _HOLE + "@", s)
+    if ":" in s:
+        s = _header_holes(s)
     if "=" in s:
         s = _INLINE_ASSIGN.sub(_inline_assign, s)
         if "?" in s or "&" in s:
@@ -123,28 +248,58 @@ def _holes(s: str) -> str:
         # One string holding a whole command line (a process that rewrote its argv) or a header.
         s = _BEARER.sub(r"\1" + _HOLE, s)
         if "-" in s:
-            s = _INLINE_FLAG.sub(_inline_flag, s)
+            s = _flag_holes(s)
+    if ":" in s and ("-u" in s or "-U" in s):
+        s = _USER_TEXT.sub(_user_text, s)
+    if "-p" in s:
+        s = _mysql_holes(s)
     return s
 
 
-def _arg_holes(arg: str) -> tuple[str, bool]:
-    """Redact one argv element. Returns it and whether the next element is a secret value."""
+def _arg_holes(arg: str, mysql: bool = False) -> tuple[str, int]:
+    """Redact one argv element. Returns it and what the next element is (one of the _NEXT_ values).
+
+    `mysql`: a MySQL/MariaDB client came before, so `-pVALUE` is a password.
+    """
+    if mysql and arg.startswith("-p") and len(arg) > 2:
+        return "-p" + _HOLE, _NEXT_PLAIN
+    if arg in _USER_FLAGS or _USER_CLUSTER.fullmatch(arg) is not None:
+        return arg, _NEXT_USER
+    m = _USER_ARG.fullmatch(arg)
+    if m is not None:
+        return f"{m.group(1)}:{_HOLE}", _NEXT_PLAIN
     m = _FLAG.match(arg)
     if m is not None:
         dashes, name, eq, value = m.groups()
         if _is_secret_name(name, as_flag=eq is None):
             if eq is None:
-                return arg, True
-            return f"{dashes}{name}={_HOLE if value else ''}", False
+                return arg, _NEXT_VALUE
+            return f"{dashes}{name}={_HOLE if value else ''}", _NEXT_PLAIN
     else:
         m = _ASSIGN.match(arg)
         # With whitespace in the value this is more likely a `sh -c` script than one variable:
         # leave it to _holes, which hides each secret assignment inside it.
         if m is not None and m.group(2) and not _SPACE.search(m.group(2)) and _is_secret_name(m.group(1)):
-            return f"{m.group(1)}={_HOLE}", False
+            return f"{m.group(1)}={_HOLE}", _NEXT_PLAIN
+        m = _HEADER_ARG.fullmatch(arg)
+        if m is not None and m.group(2).strip() and _is_secret_header(m.group(1)):
+            name, value = m.groups()
+            if name.lower().endswith("authorization") and value.strip().lower() in _AUTH_SCHEMES:
+                return arg, _NEXT_WORD  # -H 'Authorization: Bearer' TOKEN
+            return arg[:m.start(2)] + _header_value_holes(name, value), _NEXT_PLAIN
     low = arg.lower()
     next_secret = low in ("bearer", "basic", "authorization:") or low.endswith((" bearer", ": basic"))
-    return _holes(arg), next_secret
+    return _holes(arg), _NEXT_WORD if next_secret else _NEXT_PLAIN
+
+
+def _user_holes(arg: str) -> tuple[str, int] | None:
+    """The value after -u/--user: `user:password` with the password hidden, or None if it is not one."""
+    if arg.startswith("-"):
+        return None
+    user, colon, password = arg.partition(":")
+    if not colon:
+        return None
+    return f"{user}:{_HOLE if password else ''}", _NEXT_PLAIN
 
 
 def _quote(s: str) -> str:
@@ -172,26 +327,36 @@ def redact_text(s: str) -> str:
 def redact_cmdline(argv: list[str]) -> str:
     """Join `argv` into one display string, shell-quoted like `shlex.join`, with secrets as ``***``.
 
-    Values of secret-looking flags (``--password x``, ``--api-key=x``), secret-looking ``KEY=VALUE``
-    arguments, passwords in URLs and well-known token shapes are hidden.
+    Values of secret-looking flags (``--password x``, even ``--password -x``; ``--api-key=x``),
+    secret-looking ``KEY=VALUE`` arguments and ``Name: value`` headers (Authorization keeps its scheme),
+    ``-u user:password`` passwords, ``mysql -pPASSWORD``, passwords in URLs and well-known token shapes
+    are hidden.
 
     >>> redact_cmdline(["curl", "-H", "Authorization: Bearer abcdef123", "https://x.org"])
     "curl -H 'Authorization: Bearer ***' https://x.org"
     """
     out: list[str] = []
     try:
-        next_secret = False
+        nxt = _NEXT_PLAIN
+        mysql = False
         for raw in argv or ():
             try:
                 arg = (raw if isinstance(raw, str) else str(raw)).replace(_HOLE, "")
-                if next_secret and arg and not arg.startswith("-"):
-                    red, next_secret = _HOLE, False
-                else:
-                    red, next_secret = _arg_holes(arg)
+                done = None
+                if nxt == _NEXT_VALUE and arg:
+                    done = _HOLE, _NEXT_PLAIN
+                elif nxt == _NEXT_WORD and arg and not arg.startswith("-"):
+                    done = _HOLE, _NEXT_PLAIN
+                elif nxt == _NEXT_USER:
+                    done = _user_holes(arg)
+                red, nxt = done if done is not None else _arg_holes(arg, mysql)
                 out.append(_quote(red).replace(_HOLE, MASK))
+                # The client may come after a wrapper (sudo, env, docker exec): look at every program word.
+                if not mysql and not arg.startswith("-") and arg.rpartition("/")[2] in _MYSQL_PROGS:
+                    mysql = True
             except Exception:
                 out.append(MASK)
-                next_secret = False
+                nxt = _NEXT_PLAIN
     except Exception:
         out.append(MASK)
     return " ".join(out)
