@@ -169,9 +169,7 @@ class Agent:
         cfg.validate()
         return cfg
 
-    def _start_sampler(self, cfg: SamplerConfig) -> None:
-        self.sampler = Sampler(cfg, simulate=self.simulate, gpus=self.gpus)
-        self.sampler.open()  # raises NvmlUnavailable with its sentence
+    def _start_sampler(self) -> None:
         self.sampler.subscribe(self.store.append)
         if self.cfg.remote_write.url:
             from ..export.remote_write import RemoteWriter
@@ -183,11 +181,17 @@ class Agent:
         self.sampler.start()
 
     def run(self) -> int:
-        sampler_cfg = self.sampler_config()
-        self._open_data_dir()
-        self._open_store()
+        # NVML first: on a machine without a GPU nothing is written before it says so.
+        self.sampler = Sampler(self.sampler_config(), simulate=self.simulate, gpus=self.gpus)
         try:
-            self._start_sampler(sampler_cfg)
+            self.sampler.open()  # raises NvmlUnavailable with its sentence
+            self._open_data_dir()
+            self._open_store()
+        except BaseException:
+            self.sampler.stop()
+            raise
+        try:
+            self._start_sampler()
             return asyncio.run(self._serve())
         finally:
             self.shutdown()
@@ -201,7 +205,7 @@ class Agent:
         if self.store is not None:
             self.store.close()
             self.store = None
-        log.info("agent stopped", extra={"f_event": "stop"})
+            log.info("agent stopped", extra={"f_event": "stop"})
 
     async def _serve(self) -> int:
         from aiohttp import web
