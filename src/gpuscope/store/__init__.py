@@ -31,7 +31,8 @@ On disk:
 - `events`, `series`, `layouts`, `latest` (last value per series) and `meta` (format, the
   watermarks up to which each tier is complete, hostname, simulated scenario, GPU identities).
 Each tier has its own retention by age, and all of them a size cap (oldest blocks first, finest
-tier first), see Retention. Samples older than the last sealed block (a clock stepped back by more
+tier first), see Retention. A series whose data retention has removed from every tier (a process that
+ended long ago) is deleted with it; a pid that comes back gets a new series (ids are never reused). Samples older than the last sealed block (a clock stepped back by more
 than ~10 minutes) are dropped and counted, as Prometheus does. kill -9 loses at most what was
 appended since the last flush; the store reopens cleanly (SQLite's WAL recovery, and the kernel
 drops the writer's flock). A power loss may lose the last commits too (synchronous=NORMAL).

@@ -47,15 +47,22 @@ class Group:
 
 
 class Registry:
-    """Series and layouts the writer knows; new ones are inserted with the next flush's transaction."""
+    """Series and layouts the writer knows; new ones are inserted with the next flush's transaction.
+
+    Retention deletes the series whose data is gone everywhere (and the layouts that hold them) and
+    `evict()`s them here, so a key seen again later gets a new id. Ids are never reused: the next
+    free ids are kept in `meta` ('series.next', 'layouts.next'), since max(id) + 1 would hand a
+    deleted id out again after a restart, to readers that may still have it cached."""
 
     def __init__(self) -> None:
         self.by_key: dict[str, int] = {}
+        self.key: dict[int, str] = {}
         self.metric: dict[int, str] = {}
         self.labels: dict[int, dict[str, str]] = {}
         self.scale: dict[int, float | None] = {}
         self.layout_by_sids: dict[tuple[int, ...], Layout] = {}
         self.layouts: dict[int, Layout] = {}
+        self.sid_layouts: dict[int, set[int]] = {}  # series id -> ids of the layouts holding it
         self.new_series: list[tuple[int, str, str, str]] = []
         self.new_layouts: list[Layout] = []
         self._next_sid = 1
@@ -65,14 +72,18 @@ class Registry:
         for sid, key, metric, labels in conn.execute("SELECT id, key, metric, labels FROM series"):
             self._remember(sid, key, metric, json.loads(labels))
         for lid, blob in conn.execute("SELECT id, sids FROM layouts"):
-            lay = Layout(lid, np.frombuffer(blob, dtype=np.int64).copy())
-            self.layouts[lid] = lay
-            self.layout_by_sids[tuple(int(s) for s in lay.sids)] = lay
-        self._next_sid = max(self.metric, default=0) + 1
-        self._next_layout = max(self.layouts, default=0) + 1
+            self._add_layout(Layout(lid, np.frombuffer(blob, dtype=np.int64).copy()))
+        meta = dict(conn.execute("SELECT key, value FROM meta WHERE key IN ('series.next', 'layouts.next')"))
+        self._next_sid = max(max(self.metric, default=0) + 1, int(meta.get("series.next", 1)))
+        self._next_layout = max(max(self.layouts, default=0) + 1, int(meta.get("layouts.next", 1)))
+
+    def next_ids(self) -> tuple[int, int]:
+        """The next series and layout ids: persisted with deletions so that no id is handed out twice."""
+        return self._next_sid, self._next_layout
 
     def _remember(self, sid: int, key: str, metric: str, labels: dict[str, str]) -> None:
         self.by_key[key] = sid
+        self.key[sid] = key
         self.metric[sid] = metric
         self.labels[sid] = labels
         self.scale[sid] = scale_for(metric)
@@ -95,10 +106,43 @@ class Registry:
             lid = self._next_layout
             self._next_layout += 1
             lay = Layout(lid, np.array(key, dtype=np.int64))
-            self.layouts[lid] = lay
-            self.layout_by_sids[key] = lay
+            self._add_layout(lay)
             self.new_layouts.append(lay)
         return lay
+
+    def _add_layout(self, lay: Layout) -> None:
+        self.layouts[lay.id] = lay
+        self.layout_by_sids[tuple(int(s) for s in lay.sids)] = lay
+        for s in lay.col:
+            self.sid_layouts.setdefault(s, set()).add(lay.id)
+
+    def layouts_of(self, sids: Iterable[int]) -> set[int]:
+        """Ids of the layouts that hold any of `sids`."""
+        return {lid for s in sids for lid in self.sid_layouts.get(s, ())}
+
+    def evict(self, sids: Iterable[int], lids: Iterable[int]) -> None:
+        """Forget deleted series and layouts (after the deleting transaction committed)."""
+        for lid in lids:
+            lay = self.layouts.pop(lid, None)
+            if lay is None:
+                continue
+            shape = tuple(int(s) for s in lay.sids)
+            if self.layout_by_sids.get(shape) is lay:
+                del self.layout_by_sids[shape]
+            for s in lay.col:
+                held = self.sid_layouts.get(s)
+                if held is not None:
+                    held.discard(lid)
+                    if not held:
+                        del self.sid_layouts[s]
+        for sid in sids:
+            key = self.key.pop(sid, None)
+            if key is not None and self.by_key.get(key) == sid:
+                del self.by_key[key]
+            self.metric.pop(sid, None)
+            self.labels.pop(sid, None)
+            self.scale.pop(sid, None)
+            self.sid_layouts.pop(sid, None)
 
     def persist(self, conn: sqlite3.Connection) -> None:
         """Insert what is new (inside the caller's transaction); call committed() after COMMIT."""
@@ -176,6 +220,16 @@ class Decomposer:
             if snap.events:
                 events.extend(snap.events)
         return [Group(lay, np.array(ts, dtype=np.int64), _matrix(vs, len(lay.sids))) for lay, ts, vs in rows.values()]
+
+    def forget(self, lids: set[int]) -> None:
+        """Drop cached layouts that retention deleted: the next snapshot builds them anew."""
+        if not lids:
+            return
+        self._gpu = {k: v for k, v in self._gpu.items() if v[1].id not in lids}
+        self._gpu_shapes = {k: v for k, v in self._gpu_shapes.items() if v.id not in lids}
+        if self._host is not None and self._host[1].id in lids:
+            self._host = None
+        self._proc = {k: v for k, v in self._proc.items() if v.id not in lids}
 
     def _gpu_layout(self, ident: GpuIdentity, keys: tuple[str, ...]) -> Layout:
         sids = []
@@ -316,6 +370,13 @@ class HotWindow:
     def oldest(self) -> int | None:
         ts = [int(b.t[b.lo:b.hi].min()) for b in self.bufs.values() if len(b)]
         return min(ts) if ts else None
+
+    def drop(self, lids: set[int]) -> None:
+        """Forget the rows of these layouts."""
+        for lid in lids:
+            buf = self.bufs.pop(lid, None)
+            if buf is not None:
+                self.values -= len(buf) * int(buf.v.shape[1])
 
     def trim(self, before: int) -> None:
         for lid in list(self.bufs):

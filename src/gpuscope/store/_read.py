@@ -125,6 +125,12 @@ class ChunkDecoder:
         return hit
 
 
+def _deletions(conn: sqlite3.Connection) -> str:
+    """How many series the writer has deleted so far (changes whenever series or layouts go)."""
+    row = conn.execute("SELECT value FROM meta WHERE key = 'series.deleted'").fetchone()
+    return "0" if row is None else str(row[0])
+
+
 def read_meta(conn: sqlite3.Connection) -> dict[str, str]:
     return dict(conn.execute("SELECT key, value FROM meta"))
 
@@ -176,8 +182,12 @@ class Reader:
         self._conns: list[sqlite3.Connection] = []
         self._conns_lock = threading.Lock()
         self.decoder = ChunkDecoder()
-        self._series: dict[int, tuple[str, dict[str, str]]] = {}  # series rows are never deleted
+        # Series and layouts, read incrementally (ids only grow and are never reused); retention deletes
+        # dead ones and bumps meta 'series.deleted', upon which both are reloaded whole.
+        self._series: dict[int, tuple[str, dict[str, str]]] = {}
         self._series_top = 0
+        self._series_gen: str | None = None
+        self._layouts_gen: str | None = None
         self._layouts: dict[int, Layout] = {}
         self._sid_layouts: dict[int, list[int]] = {}
         self._mirror = HotWindow()  # staging rows already read, per layout
@@ -213,6 +223,11 @@ class Reader:
 
     def _refresh_series(self, conn: sqlite3.Connection) -> dict[int, tuple[str, dict[str, str]]]:
         with self._cache_lock:
+            gen = _deletions(conn)
+            if gen != self._series_gen:  # the writer deleted series: drop them from the cache
+                self._series.clear()
+                self._series_top = 0
+                self._series_gen = gen
             for sid, metric, labels in conn.execute("SELECT id, metric, labels FROM series WHERE id > ?",
                                                     (self._series_top,)):
                 self._series[sid] = (metric, json.loads(labels))
@@ -287,6 +302,14 @@ class Reader:
         """Unsealed rows of the layouts holding `sids`, mirrored in memory: each staging row is read
         and decoded once per reader, not once per query."""
         with self._cache_lock:
+            gen = _deletions(conn)
+            if gen != self._layouts_gen:  # layouts were deleted: reload them, forget the dead ones
+                self._layouts_gen = gen
+                self._layouts.clear()
+                self._sid_layouts.clear()
+                alive = {lid for (lid,) in conn.execute("SELECT id FROM layouts")}
+                self._mirror.drop(set(self._mirror.bufs) - alive)
+                self._mirror_last = {k: v for k, v in self._mirror_last.items() if k in alive}
             for lid, blob in conn.execute("SELECT id, sids FROM layouts WHERE id > ?", (max(self._layouts, default=0),)):
                 lay = Layout(lid, np.frombuffer(blob, dtype=np.int64).copy())
                 self._layouts[lid] = lay

@@ -2,7 +2,9 @@
 and see each commit whole), plus an OS lock file so that a directory has one writer at a time.
 
 Tables:
-  meta(key, value)                      format version, watermarks, node (hostname, scenario, GPUs)
+  meta(key, value)                      format version, watermarks, node (hostname, scenario, GPUs),
+                                        series.next / layouts.next (ids are never reused) and
+                                        series.deleted (how many series retention has deleted)
   series(id, key, metric, labels)       labels as sorted JSON; key = metric{labels} canonical text
   layouts(id, sids)                     the series of one staging row, as int64 bytes
   staging(id, layout, t_min, t_max, n, data)   rows of each flush not yet sealed into chunks

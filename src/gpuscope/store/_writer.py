@@ -3,7 +3,12 @@ them in one SQLite transaction. Rows newer than the seal point go to `staging`, 
 are sealed per 10-minute block once the clock passes its end (plus a grace for late rows), the 1 min
 and 1 h rollups are computed from the tier below when their block completes, and retention runs
 after each seal. Watermarks in `meta` say how far each tier is complete; they move in the same
-transaction as the data, so a crash at any instant leaves a consistent store."""
+transaction as the data, so a crash at any instant leaves a consistent store.
+
+Retention also deletes the series whose data it removed last (no chunk in any tier, no staging row,
+nothing in the hot window: a process that ended long ago), their `latest` rows and the layouts that
+hold them, in the same transaction, then evicts them from the registry; 'series.deleted' in `meta`
+counts the deleted series, so readers know to reload their series cache."""
 
 from __future__ import annotations
 
@@ -71,7 +76,10 @@ class Writer:
         self._tl_cache: dict[tuple[int, bytes], int] = {}  # committed time lines
         self._tl_new: dict[tuple[int, bytes], int] = {}  # inserted by the open transaction
         self._bytes_new = [0] * len(TIERS)
+        self._dropped_sids: set[int] = set()  # series that lost chunks in the open retention transaction
+        self._swept = False  # the first retention checks every series (stores written before deletion existed)
         meta = read_meta(conn)
+        self.deleted_series = int(meta.get("series.deleted", 0))
         self.w = watermarks(meta)
         self.newest: int | None = int(meta["newest"]) if "newest" in meta else None
         self.tier_bytes = [0] * len(TIERS)
@@ -414,6 +422,8 @@ class Writer:
         conn = self.conn
         r = self.retention
         freed = [0] * len(TIERS)
+        self._dropped_sids = set()
+        dead: tuple[list[int], set[int]] = ([], set())
         try:
             conn.execute("BEGIN IMMEDIATE")
             for tier, age_s, cap in zip(TIERS, r.ages_s(), r.caps(), strict=True):
@@ -435,11 +445,17 @@ class Writer:
                 if b:
                     floor = oldest(conn, i)
                     self._set_meta((f"floor.{i}", floor if floor is not None else self.w[i]))
+            dead = self._delete_dead_series()
             conn.execute("COMMIT")
         except sqlite3.Error as e:
             self._rollback()
             self._log_once("retention", e)
             return
+        finally:
+            self._dropped_sids = set()
+        self._swept = True
+        if dead[0]:
+            self._evict(*dead)
         for i, b in enumerate(freed):
             self.tier_bytes[i] -= b
         if any(freed):
@@ -448,6 +464,43 @@ class Writer:
                 conn.execute("PRAGMA incremental_vacuum")
             except sqlite3.Error as e:
                 self._log_once("vacuum", e)
+
+    def _delete_dead_series(self) -> tuple[list[int], set[int]]:
+        """Delete (in the open retention transaction) the series whose data is gone from every tier,
+        from staging and from the hot window, with their `latest` rows and the layouts holding them."""
+        reg = self.reg
+        cand = set(reg.metric) if not self._swept else self._dropped_sids
+        if not cand:
+            return [], set()
+        pending = {s for s, *_ in reg.new_series}
+        live_lids = set(self.hot.bufs) | {g.layout.id for g in self._unstaged}
+        live_lids.update(lid for (lid,) in self.conn.execute("SELECT DISTINCT layout FROM staging"))
+        live: set[int] = set()
+        for lid in live_lids:
+            lay = reg.layouts.get(lid) or (self.hot.bufs[lid].layout if lid in self.hot.bufs else None)
+            if lay is not None:
+                live.update(lay.col)
+        q = "SELECT 1 FROM chunks INDEXED BY chunks_series WHERE series_id = ? LIMIT 1"
+        dead = sorted(s for s in cand if s in reg.metric and s not in live and s not in pending
+                      and self.conn.execute(q, (s,)).fetchone() is None)
+        if not dead:
+            return [], set()
+        lids = reg.layouts_of(dead) - live_lids
+        rows = [(s,) for s in dead]
+        self.conn.executemany("DELETE FROM series WHERE id = ?", rows)
+        self.conn.executemany("DELETE FROM latest WHERE series_id = ?", rows)
+        self.conn.executemany("DELETE FROM layouts WHERE id = ?", [(lid,) for lid in lids])
+        nsid, nlid = reg.next_ids()
+        self._set_meta(("series.next", nsid), ("layouts.next", nlid),
+                       ("series.deleted", self.deleted_series + len(dead)))
+        return dead, lids
+
+    def _evict(self, sids: list[int], lids: set[int]) -> None:
+        """After the deletion committed: forget the series and layouts everywhere the writer caches them."""
+        self.deleted_series += len(sids)
+        self.reg.evict(sids, lids)
+        self.dec.forget(lids)
+        self._batch_layouts = {k: v for k, v in self._batch_layouts.items() if v[1].id not in lids}
 
     def _guard(self, tier: int) -> int:
         """A tier keeps what the next tier has not rolled up yet."""
@@ -469,6 +522,8 @@ class Writer:
     def _drop(self, tier: int, cut: int) -> int:
         """Delete tier's chunks and time lines that end before cut; returns the bytes freed."""
         freed = 0
+        self._dropped_sids.update(s for (s,) in self.conn.execute(
+            "SELECT DISTINCT series_id FROM chunks WHERE tier = ? AND t_max < ?", (tier, cut)))
         for table in ("chunks", "timelines"):
             b = self.conn.execute(f"SELECT SUM(nbytes) FROM {table} WHERE tier = ? AND t_max < ?", (tier, cut)).fetchone()[0]
             if b:

@@ -1,0 +1,116 @@
+"""Series of processes that ended are deleted once retention has removed all their data: the series
+table, the writer's registry and a reader's cache stay bounded on a node that runs many short jobs,
+and series ids are never reused (a returning pid gets a new series, never another one's values)."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import numpy as np
+from test_store_support import SEC, T0, gpu_values, identity
+
+from gpuscope import GpuRecord, HostRecord, ProcessRecord, Snapshot
+from gpuscope.store import Retention, Store
+
+DAY = 86_400 * SEC
+ROUND = 15 * DAY  # past every tier's guard (the 1 h tier's 7-day block) and its age
+SHORT = Retention(raw_s=3600, rollup_1s_s=3600, rollup_1m_s=3600, rollup_1h_s=3600)
+SM = "gpu_process_sm_active_ratio"
+
+
+def proc(pid: int, gpu: int, sm: float) -> ProcessRecord:
+    return ProcessRecord(pid=pid, gpu=str(gpu), gpu_uuid=f"GPU-test-{gpu}", type="compute", name="job",
+                         user="bob", gpu_memory_bytes=float(1 << 30), sm_ratio=sm, cpu_cores=1.0, threads=4)
+
+
+def tick(t: int, procs: list[ProcessRecord]) -> Snapshot:
+    recs = [GpuRecord(identity(i), t, gpu_values(i, 0)) for i in range(2)]
+    return Snapshot(t, recs, procs, HostRecord(t, {"host_cpu_ratio": 0.5}), [], None, "testhost")
+
+
+def run_round(store: Store, base: int, pids: list[int], sm: float = 0.25, n: int = 5) -> None:
+    """n snapshots a second apart at `base` with these processes running, then a flush."""
+    for k in range(n):
+        store.append(tick(base + k * SEC, [proc(p, p % 2, sm) for p in pids]))
+    store.flush()
+
+
+def series_rows(path: Path) -> int:
+    with sqlite3.connect(path / "gpuscope.db") as c:
+        return int(c.execute("SELECT COUNT(*) FROM series").fetchone()[0])
+
+
+def test_series_of_ended_processes_are_deleted_and_everything_stays_bounded(tmp_path: Path) -> None:
+    with Store(tmp_path, flush_interval=60, retention=SHORT) as store:
+        w = store._writer
+        assert w is not None
+        sizes = []
+        for r in range(8):
+            pids = [10_000 + 10 * r + i for i in range(3)]  # three short jobs per round, new pids each time
+            run_round(store, T0 + r * ROUND, pids)
+            listed = {int(s["labels"]["pid"]) for s in store.series(SM)}
+            assert listed == set(pids), (r, listed)  # the previous rounds' processes are gone
+            sizes.append((series_rows(tmp_path), len(w.reg.metric), len(w.reg.layouts), len(w.reg.by_key),
+                          len(w.dec._proc), len(store._reader._series)))
+        assert all(s == sizes[1] for s in sizes[1:]), sizes  # bounded: flat from round to round
+        rows, reg, *_ = sizes[-1]
+        gpu_host = len(store.series()) - 3 * 4  # 4 series per job
+        assert rows == reg == gpu_host + 12
+        st = store.stats()
+        assert st["series"] == rows
+        # Every chunk, staging and latest row belongs to a live series; every layout holds live series only.
+        with sqlite3.connect(tmp_path / "gpuscope.db") as c:
+            ids = {i for (i,) in c.execute("SELECT id FROM series")}
+            assert {i for (i,) in c.execute("SELECT DISTINCT series_id FROM chunks")} <= ids
+            assert {i for (i,) in c.execute("SELECT series_id FROM latest")} <= ids
+            for (blob,) in c.execute("SELECT sids FROM layouts"):
+                assert set(np.frombuffer(blob, dtype=np.int64).tolist()) <= ids
+            assert int(c.execute("SELECT value FROM meta WHERE key = 'series.deleted'").fetchone()[0]) == 7 * 12
+        snap = store._reader.latest()
+        assert snap is not None and {p.pid for p in snap.processes} == {10_070, 10_071, 10_072}
+
+
+def test_a_returning_pid_gets_a_new_series_and_the_old_range_stays_empty(tmp_path: Path) -> None:
+    a, b, c = T0, T0 + ROUND, T0 + 2 * ROUND
+    with Store(tmp_path, flush_interval=60, retention=SHORT) as store:
+        run_round(store, a - 100 * SEC, [], n=1)  # the GPUs' and the host's series first: 4242's are the newest ids
+        run_round(store, a, [4242], sm=0.125)
+        old = {sid for sid, _, _ in store._reader.find(SM, {"pid": "4242"})}
+        assert store.query(SM, a, a + 10 * SEC, 1, labels={"pid": "4242"})[0].values.tolist() == [0.125] * 5
+        run_round(store, b, [])  # 4242 ended; its data ages out and its series go (the newest ids)
+        assert store.series(SM) == []
+    with Store(tmp_path, flush_interval=60, retention=SHORT) as store:  # a restart must not reuse the ids
+        run_round(store, c, [4242], sm=0.875)
+        new = {sid for sid, _, _ in store._reader.find(SM, {"pid": "4242"})}
+        assert len(new) == 1 and min(new) > max(old)
+        top = store._writer.reg.next_ids()[0]  # type: ignore[union-attr]
+        assert top > max(new)
+        assert store.query(SM, a, b, 3600, labels={"pid": "4242"}) == []
+        r = store.query(SM, c, c + 10 * SEC, 1, labels={"pid": "4242"})
+        assert len(r) == 1 and r[0].values.tolist() == [0.875] * 5
+        assert store.query(SM, a, c + 10 * SEC, 3600)[0].values.tolist() == [0.875]
+
+
+def test_a_reader_opened_before_the_deletion_keeps_answering_correctly(tmp_path: Path) -> None:
+    a, b = T0, T0 + ROUND
+    with Store(tmp_path, flush_interval=60, retention=SHORT) as store:
+        run_round(store, a, [4242, 4243], sm=0.125)
+        reader = Store(tmp_path, readonly=True)
+        try:
+            assert {s["labels"]["pid"] for s in reader.series(SM)} == {"4242", "4243"}  # cached now
+            assert len(reader.query(SM, a, a + 10 * SEC, 1)) == 2
+            stale = {sid for sid, _, _ in reader._reader.find(SM, {})}
+            run_round(store, b, [5555], sm=0.625)  # the old jobs' series are deleted, a new one appears
+            assert {s["labels"]["pid"] for s in reader.series(SM)} == {"5555"}
+            assert not stale & set(reader._reader._series)  # the cache dropped the deleted ids
+            assert reader.query(SM, a, a + 10 * SEC, 1) == []
+            r = reader.query(SM, b, b + 10 * SEC, 1)
+            assert [x.labels["pid"] for x in r] == ["5555"] and r[0].values.tolist() == [0.625] * 5
+            # Ids cached before the deletion read nothing, and never another series' data.
+            assert all(not parts for parts in reader._reader.fetch(sorted(stale), a, b + 10 * SEC, 0).values())
+            snap = reader.latest()
+            assert snap is not None and [p.pid for p in snap.processes] == [5555]
+            assert "4242" not in reader.labels()["pid"]
+        finally:
+            reader.close()
