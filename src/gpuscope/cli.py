@@ -76,6 +76,15 @@ def build_parser() -> argparse.ArgumentParser:
     sc = sub.add_parser("scenarios", help="list the simulated scenarios")
     del sc
 
+    dg = sub.add_parser("diagnose", help="name each GPU's bottleneck, with the evidence and what to change",
+                        description="Samples the GPUs for --seconds (or a simulated node), then gives each GPU "
+                                    "a verdict: compute-, memory-, transfer-, launch/sync-bound, input-starved, "
+                                    "idle but allocated, throttled, memory growth, hardware errors; with the "
+                                    "numbers behind it and a concrete fix.")
+    _add_source_args(dg)
+    dg.add_argument("--seconds", type=_interval, default=10.0, help="how long to watch (default 10s)")
+    dg.add_argument("--json", action="store_true", help="print the verdicts as JSON")
+
     a = sub.add_parser("agent", help="run the agent: sampler, on-disk history, /metrics and the query API",
                        description="The main job on a GPU node: samples every GPU, keeps the history on disk "
                                    "(no database needed), serves Prometheus /metrics and a JSON query API. "
@@ -345,7 +354,38 @@ def _export(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-_VERBS = {"doctor": _doctor, "sample": _sample, "scenarios": _scenarios, "agent": _agent, "query": _query,
+def _diagnose(args: argparse.Namespace) -> int:
+    from .diagnose import diagnose, windows_from_snapshots
+    from .diagnose.thresholds import DEFAULT
+
+    _check_sim(args)
+    if args.seconds < DEFAULT.min_window_s:
+        raise UsageError(f"--seconds must be at least {DEFAULT.min_window_s:g}: a shorter window is no steady state.")
+    sampler = Sampler(SamplerConfig(interval=0.1), simulate=args.simulate, gpus=args.gpus)
+    sampler.start()
+    try:
+        if not args.json:
+            what = f"SIMULATED node '{sampler.simulated}'" if sampler.simulated else f"{len(sampler.devices)} GPU(s)"
+            print(f"watching {what} for {args.seconds:g} s ...", file=sys.stderr, flush=True)
+        time.sleep(args.seconds)
+    finally:
+        sampler.stop()
+    verdicts = diagnose(windows_from_snapshots(list(sampler.history)))
+    if args.json:
+        print(json.dumps({"simulated": sampler.simulated, "verdicts": [asdict(v) for v in verdicts]}, indent=1,
+                         default=str))
+        return EXIT_OK
+    if sampler.simulated:
+        print(f"SIMULATED node — scenario '{sampler.simulated}'")
+    for v in verdicts:
+        mark = {"critical": "!!", "warning": "! ", "info": "  "}[v.severity]
+        print(f"{mark} GPU {v.gpu:<5} {v.kind:<22} {v.summary}")
+        for r in v.recommendations[:1] if v.kind not in ("healthy", "idle") else []:
+            print(f"{'':31}-> {r}")
+    return EXIT_OK
+
+
+_VERBS = {"doctor": _doctor, "diagnose": _diagnose, "sample": _sample, "scenarios": _scenarios, "agent": _agent, "query": _query,
           "export": _export}
 
 

@@ -1,0 +1,257 @@
+"""The verdict rules: stateless functions from a GPU's window to verdicts with evidence."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from ..catalog import decode_clock_event_reasons
+from .thresholds import Thresholds
+
+SLOWDOWN_REASONS = ("hw_slowdown", "sw_thermal", "hw_thermal", "hw_power_brake")
+
+ADVICE = {
+    "compute_bound": ["The tensor cores are the limit: that is where you want to be. To go faster: a larger "
+                      "batch if memory allows, FP8 (Transformer Engine) where accuracy allows, or more GPUs."],
+    "healthy": ["No bottleneck to fix: the SMs are busy and no single resource is saturated."],
+    "tensor_cores_unused": ["Matrix math runs on the CUDA cores, not the tensor cores: use bf16/fp16 autocast "
+                            "(torch.autocast('cuda', dtype=torch.bfloat16)) or allow TF32 "
+                            "(torch.backends.cuda.matmul.allow_tf32 = True; torch.set_float32_matmul_precision('high'))."],
+    "memory_bound": ["DRAM bandwidth is the limit: fuse elementwise ops (torch.compile), keep activations in "
+                     "bf16, avoid needless copies (.contiguous(), .clone()), and raise arithmetic intensity "
+                     "(larger batches for matmuls)."],
+    "memory_access_bound": ["The SMs are busy but neither the math pipes nor DRAM are: kernels stall on memory "
+                            "latency or poor access patterns. Profile the top kernels (gpuscope trace, ncu); "
+                            "look for uncoalesced or strided access, small gathers/scatters, low occupancy."],
+    "transfer_bound": ["Host<->device copies dominate while the SMs idle: keep data on the GPU across steps, "
+                       "use pinned memory (DataLoader(pin_memory=True), tensor.pin_memory()) and "
+                       "non_blocking=True copies, overlap copies with compute on a side stream."],
+    "launch_or_sync_bound": ["The GPU waits on the CPU: a Python thread at 100 % launches small kernels or "
+                             "waits on synchronisations. Remove .item()/.cpu()/print of GPU tensors inside the "
+                             "loop, batch small ops, capture the step with CUDA graphs "
+                             "(torch.cuda.graphs / torch.compile(mode='reduce-overhead')). "
+                             "`gpuscope trace` tells launch-bound from sync-bound for certain."],
+    "input_starved": ["The GPU works in bursts and waits for data in between: more DataLoader workers "
+                      "(num_workers), pin_memory=True, prefetch_factor, persistent_workers=True; move "
+                      "decoding/augmentation to the GPU (DALI, torchvision.transforms.v2 on tensors)."],
+    "idle_allocated": ["Memory is held but nothing runs: release the GPU (end the notebook kernel or job) or "
+                       "give it to someone else; you pay for it idle."],
+    "idle": ["The GPU is idle."],
+    "underutilized": ["The SMs are mostly idle without one clear cause: check the input pipeline and "
+                      "synchronisations with `gpuscope trace`."],
+    "throttled": ["Clocks are cut by temperature or a hardware slowdown: check cooling, airflow and fan "
+                  "state, the power supply, and `nvidia-smi -q -d PERFORMANCE`; the job runs slower than it could."],
+    "power_capped": ["Clocks are held at the power limit: expected at full tensor load. A higher limit "
+                     "(nvidia-smi -pl) or better perf/watt settings change it; nothing is wrong."],
+    "memory_growth": ["GPU memory grows steadily: look for tensors kept across steps (losses appended "
+                      "without .item()/.detach(), growing caches, graphs kept alive by references)."],
+    "hardware": ["Hardware errors: see the XID codes and ECC counters in the evidence; drain the GPU and "
+                 "check it (nvidia-smi -q, dmesg) before it corrupts results."],
+    "gpu_lost": ["The GPU fell off the bus: its processes are dead; it needs a reset (nvidia-smi -r) or a reboot."],
+    "imbalance": ["One GPU does less than its peers: a straggler holds back every synchronised step. Check "
+                  "its clocks and throttling, its data shard, and NCCL topology."],
+}
+
+
+def _vals(w: Any, key: str) -> list[float]:
+    return [v for v in w.series.get(key, []) if v is not None]
+
+
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def _q(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{x * 100:.1f} %"
+
+
+def classify(w: Any, th: Thresholds, verdict: Any) -> list[Any]:
+    t0, t1 = (w.times[0], w.times[-1]) if w.times else (0.0, 0.0)
+
+    def make(kind: str, severity: str, confidence: float, summary: str, evidence: dict[str, Any],
+             primary: bool = True) -> Any:
+        return verdict(w.gpu, kind, severity, round(confidence, 2), summary,
+                       {k: (round(v, 4) if isinstance(v, float) else v) for k, v in evidence.items()},
+                       ADVICE.get(kind, []), t0, t1, primary)
+
+    if not w.healthy:
+        return [make("gpu_lost", "critical", 1.0, f"GPU {w.gpu} is lost (NVML cannot reach it).", {})]
+    if len(w.times) < th.min_samples or t1 - t0 < th.min_window_s:
+        return []
+    sm_all = _vals(w, "gpu_sm_active_ratio")
+    sm, util = _median(sm_all), _median(_vals(w, "gpu_utilization_ratio"))
+    tensor, dram = _median(_vals(w, "gpu_tensor_active_ratio")), _median(_vals(w, "gpu_dram_active_ratio"))
+    fp32, fp16 = _median(_vals(w, "gpu_fp32_active_ratio")) or 0.0, _median(_vals(w, "gpu_fp16_active_ratio")) or 0.0
+    fp64 = _median(_vals(w, "gpu_fp64_active_ratio")) or 0.0
+    pcie = (_median(_vals(w, "gpu_pcie_rx_bytes_per_second")) or 0.0) + (
+        _median(_vals(w, "gpu_pcie_tx_bytes_per_second")) or 0.0)
+    mem = _vals(w, "gpu_memory_used_bytes")
+    busiest = max((p.thread_cpu_max_ratio or 0.0 for p in w.processes), default=None)
+    cpu_known = busiest is not None and any(p.thread_cpu_max_ratio is not None for p in w.processes)
+    base: dict[str, Any] = {"sm_active": sm, "nvml_utilization": util, "tensor_active": tensor,
+                            "dram_active": dram, "pcie_bytes_per_s": pcie, "window_s": t1 - t0}
+    if cpu_known:
+        base["busiest_cpu_thread"] = busiest
+    out: list[Any] = []
+
+    if sm is None:  # no GPM: NVML utilization alone cannot name a bottleneck
+        out.append(make("underutilized" if (util or 0) < th.sm_busy else "healthy", "info", 0.2,
+                        f"GPU {w.gpu}: only NVML utilization ({_pct(util)}) is available here (no GPM); it "
+                        "counts any kernel or copy as busy and cannot tell what limits the GPU.", base))
+    elif sm >= th.sm_busy:
+        pipes = (tensor or 0.0) + fp32 + fp16 + fp64
+        if dram is not None and dram >= th.dram_bound:
+            out.append(make("memory_bound", "info", min(1.0, 0.6 + (dram - th.dram_bound)),
+                            f"GPU {w.gpu} is memory-bandwidth-bound: DRAM at {_pct(dram)} of its peak with SMs "
+                            f"{_pct(sm)} busy and tensor pipes at {_pct(tensor)}.", base))
+        elif tensor is not None and tensor >= 0.6:
+            out.append(make("compute_bound", "info", 0.9,
+                            f"GPU {w.gpu} is compute-bound on the tensor cores ({_pct(tensor)}), SMs {_pct(sm)} "
+                            "busy: well used.", base))
+        elif (tensor or 0.0) < th.tensor_unused and fp32 + fp16 >= th.fp_pipes_busy:
+            out.append(make("tensor_cores_unused", "warning", 0.8,
+                            f"GPU {w.gpu} does its math on the FP32/FP16 pipes ({_pct(fp32 + fp16)}) while the "
+                            f"tensor cores idle ({_pct(tensor)}).", {**base, "fp32_active": fp32, "fp16_active": fp16}))
+        elif pipes < th.pipes_low and (dram or 0.0) < th.dram_low:
+            out.append(make("memory_access_bound", "warning", 0.6,
+                            f"GPU {w.gpu}: SMs {_pct(sm)} busy, yet math pipes ({_pct(pipes)}) and DRAM "
+                            f"({_pct(dram)}) are both low: kernels stall on memory access.", base))
+        else:
+            out.append(make("healthy", "info", 0.8,
+                            f"GPU {w.gpu} is well used: SMs {_pct(sm)} busy, tensor {_pct(tensor)}, DRAM "
+                            f"{_pct(dram)}.", base))
+    else:
+        idle_share = sum(1 for v in sm_all if v < th.sm_idle) / len(sm_all)
+        p90 = _q(sm_all, 0.9) or 0.0
+        held = mem[-1] if mem else 0.0
+        if idle_share >= th.idle_share and p90 >= th.burst_sm:
+            out.append(make("input_starved", "warning", 0.7,
+                            f"GPU {w.gpu} works in bursts (SMs idle {idle_share * 100:.0f} % of the time, "
+                            f"{_pct(p90)} busy in the bursts): it waits for input.",
+                            {**base, "idle_share": idle_share, "sm_active_p90": p90}))
+        elif pcie >= th.pcie_busy_bytes_per_s and sm < th.sm_idle:
+            pageable = pcie < th.pcie_pageable_below_bytes_per_s and cpu_known and busiest >= th.thread_saturated
+            out.append(make("transfer_bound", "warning", 0.8,
+                            f"GPU {w.gpu} is transfer-bound: PCIe moves {pcie / 1e9:.1f} GB/s while the SMs are "
+                            f"{_pct(sm)} busy (NVML 'utilization' says {_pct(util)})"
+                            + ("; the rate and a saturated CPU thread point to pageable (unpinned) memory."
+                               if pageable else "."), {**base, "pageable_likely": pageable}))
+        elif (util or 0.0) >= th.util_active and cpu_known and busiest >= th.thread_saturated:
+            out.append(make("launch_or_sync_bound", "warning", 0.7,
+                            f"GPU {w.gpu} waits on the CPU: SMs {_pct(sm)} busy while a process thread runs "
+                            f"at {_pct(busiest)} of a core" + (" and kernels are tiny (launch-bound likely)"
+                                                               if sm < 0.02 else "") + ".", base))
+        elif held >= th.held_bytes and (util or 0.0) < 0.02 and sm < 0.01:
+            out.append(make("idle_allocated", "warning", 0.9,
+                            f"GPU {w.gpu} holds {held / 2**30:.1f} GiB with nothing running (SMs {_pct(sm)}).",
+                            {**base, "memory_held_bytes": held}))
+        elif sm < th.sm_idle and (util or 0.0) < th.util_active:
+            out.append(make("idle", "info", 0.9, f"GPU {w.gpu} is idle.", base))
+        else:
+            out.append(make("underutilized", "warning", 0.4,
+                            f"GPU {w.gpu} is underused: SMs {_pct(sm)} busy (NVML 'utilization' {_pct(util)}).",
+                            base))
+
+    out.extend(_side(w, th, make))
+    return out
+
+
+def _side(w: Any, th: Thresholds, make: Any) -> list[Any]:
+    out = []
+    masks = [int(v) for v in _vals(w, "gpu_clock_event_reasons")]
+    if masks:
+        slow = sum(1 for m in masks if set(decode_clock_event_reasons(m)) & set(SLOWDOWN_REASONS)) / len(masks)
+        capped = sum(1 for m in masks if "sw_power_cap" in decode_clock_event_reasons(m)) / len(masks)
+        clock = _median(_vals(w, "gpu_sm_clock_hertz"))
+        lost = 1 - clock / w.sm_clock_max_hertz if clock and w.sm_clock_max_hertz else None
+        ev = {"share_of_window": slow, "sm_clock_hertz": clock, "clock_lost": lost}
+        if slow >= th.throttle_share:
+            reasons = sorted({r for m in masks for r in decode_clock_event_reasons(m) if r in SLOWDOWN_REASONS})
+            out.append(make("throttled", "warning", 0.9,
+                            f"GPU {w.gpu} is throttled by {', '.join(reasons)} {slow * 100:.0f} % of the time"
+                            + (f", SM clock {lost * 100:.0f} % below its maximum." if lost is not None else "."),
+                            {**ev, "reasons": reasons}, primary=False))
+        elif capped >= 0.5:
+            out.append(make("power_capped", "info", 0.9,
+                            f"GPU {w.gpu} runs at its power limit {capped * 100:.0f} % of the time"
+                            + (f" (SM clock {lost * 100:.0f} % below max)." if lost is not None else "."),
+                            {**ev, "share_of_window": capped}, primary=False))
+    mem = [(t, v) for t, v in zip(w.times, w.series.get("gpu_memory_used_bytes", []), strict=False) if v is not None]
+    if len(mem) >= th.min_samples and w.memory_total_bytes:
+        fit = _linear(mem)
+        if fit is not None:
+            slope, r2 = fit
+            grown = mem[-1][1] - mem[0][1]
+            if slope > 0 and r2 >= th.growth_r2 and grown >= th.growth_min_bytes:
+                tto = (w.memory_total_bytes - mem[-1][1]) / slope
+                if tto <= th.oom_horizon_s:
+                    out.append(make("memory_growth", "warning", min(1.0, r2),
+                                    f"GPU {w.gpu} memory grows {slope / 2**20:.0f} MiB/s: out of memory in about "
+                                    f"{tto / 60:.0f} min at this rate.",
+                                    {"bytes_per_s": slope, "r2": r2, "time_to_oom_s": tto, "used_bytes": mem[-1][1]},
+                                    primary=False))
+    xids = [e for e in w.events if e.kind == "xid"]
+    ecc = _vals(w, "gpu_ecc_uncorrected_errors_total")
+    pending = _vals(w, "gpu_row_remap_pending") + _vals(w, "gpu_row_remap_failure")
+    if xids or (len(ecc) >= 2 and ecc[-1] > ecc[0]) or any(v > 0 for v in pending):
+        codes = sorted({e.data.get("xid") for e in xids if e.data.get("xid") is not None})
+        out.append(make("hardware", "critical", 1.0,
+                        f"GPU {w.gpu} reports hardware errors: " + ", ".join(
+                            [f"{sum(e.count for e in xids)} XID event(s) ({', '.join(map(str, codes))})"] if xids else []
+                            + (["uncorrected ECC errors"] if len(ecc) >= 2 and ecc[-1] > ecc[0] else [])
+                            + (["row remapping pending or failed"] if any(v > 0 for v in pending) else [])) + ".",
+                        {"xids": codes, "xid_events": sum(e.count for e in xids)}, primary=False))
+    return out
+
+
+def _linear(points: list[tuple[float, float]]) -> tuple[float, float] | None:
+    n = len(points)
+    mx = sum(t for t, _ in points) / n
+    my = sum(v for _, v in points) / n
+    sxx = sum((t - mx) ** 2 for t, _ in points)
+    syy = sum((v - my) ** 2 for _, v in points)
+    if sxx == 0 or syy == 0:
+        return None
+    sxy = sum((t - mx) * (v - my) for t, v in points)
+    return sxy / sxx, (sxy * sxy) / (sxx * syy)
+
+
+def _job(w: Any) -> str:
+    """What a GPU runs, with numbers removed so that ranks of one job (--local-rank 3, --gpu 3) match."""
+    return "".join(c for c in (w.processes[0].cmdline or w.processes[0].name) if not c.isdigit()) if w.processes else ""
+
+
+def node_verdicts(windows: list[Any], verdicts: list[Any], th: Thresholds, verdict: Any) -> list[Any]:
+    """A straggler among GPUs that run the same job (same command line but for rank numbers)."""
+    out = []
+    jobs: dict[str, list[Any]] = {}
+    for w in windows:
+        if w.healthy and w.processes:
+            jobs.setdefault(_job(w), []).append(w)
+    for peers in jobs.values():
+        out.extend(_imbalance(peers, verdict))
+    return out
+
+
+def _imbalance(windows: list[Any], verdict: Any) -> list[Any]:
+    busy = [(w, _median(_vals(w, "gpu_sm_active_ratio"))) for w in windows]
+    busy = [(w, sm) for w, sm in busy if sm is not None]
+    if len(busy) < 2:
+        return []
+    top = max(busy, key=lambda x: x[1])
+    low = min(busy, key=lambda x: x[1])
+    if top[1] >= 0.5 and top[1] - low[1] >= 0.3:
+        w = low[0]
+        return [verdict(w.gpu, "imbalance", "warning", 0.6,
+                        f"GPU {w.gpu} is {_pct(low[1])} busy while GPU {top[0].gpu} is {_pct(top[1])}: a straggler "
+                        "or uneven work across GPUs.", {"sm_active": low[1], "peer_sm_active": top[1],
+                                                          "peer": top[0].gpu},
+                        ADVICE["imbalance"], w.times[0] if w.times else 0.0, w.times[-1] if w.times else 0.0, False)]
+    return []

@@ -1,0 +1,70 @@
+"""Every threshold the verdict rules use, in one place, each with the reason for its value.
+
+Values are reasoned from what each metric means, not tuned on one run; the reference signatures
+measured on an H200 (../shared/workloads/METRICS.md) are the sanity check, not the source.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    # -- how much evidence a verdict needs -----------------------------------------------------
+    min_window_s: float = 5.0  # less than this is not a steady state
+    min_samples: int = 10
+
+    # -- busy or not ---------------------------------------------------------------------------
+    #: SM activity (share of SMs busy, time-averaged) above which the GPU does real work.
+    sm_busy: float = 0.80
+    #: Below this the SMs are essentially idle: nothing but tiny kernels or copies.
+    sm_idle: float = 0.05
+    #: NVML utilization counts any kernel or copy; above this with idle SMs the GPU only *looks* busy.
+    util_active: float = 0.05
+
+    # -- pipes and memory ----------------------------------------------------------------------
+    #: Tensor pipes busy this much of the time: tensor cores carry the math.
+    tensor_used: float = 0.20
+    #: Non-tensor FP32/FP16 pipes this busy while tensor pipes are idle: matrix math on CUDA cores.
+    fp_pipes_busy: float = 0.30
+    tensor_unused: float = 0.05
+    #: DRAM bandwidth near its ceiling: memory-bandwidth-bound (HBM rarely sustains more than ~90 %).
+    dram_bound: float = 0.70
+    #: SMs busy but pipes and DRAM both below these: stalls on memory latency / access patterns.
+    pipes_low: float = 0.15
+    dram_low: float = 0.30
+
+    # -- transfers -----------------------------------------------------------------------------
+    #: Host<->device bytes per second that matter next to idle SMs (a PCIe Gen4 x16 link moves ~25 GB/s).
+    pcie_busy_bytes_per_s: float = 2e9
+    #: Pinned host->device copies reach most of the link (~50 GB/s on Gen5 x16); pageable ones stall
+    #: on a CPU copy far below it, with the copying thread saturated.
+    pcie_pageable_below_bytes_per_s: float = 20e9
+
+    # -- the CPU side --------------------------------------------------------------------------
+    #: A process's busiest thread at this share of one core is the bottleneck (Python's GIL).
+    thread_saturated: float = 0.85
+
+    # -- oscillation (input starvation) --------------------------------------------------------
+    #: Share of samples with idle SMs while the rest are busy bursts.
+    idle_share: float = 0.40
+    burst_sm: float = 0.30
+
+    # -- idle allocated ------------------------------------------------------------------------
+    #: Memory held while nothing runs: above this many bytes someone reserved the GPU.
+    held_bytes: float = 1 << 30
+
+    # -- throttling ----------------------------------------------------------------------------
+    #: Share of the window with a thermal / hardware slowdown / power-brake reason active.
+    throttle_share: float = 0.20
+
+    # -- memory growth -------------------------------------------------------------------------
+    #: Growth that would fill the GPU within this time is worth a warning.
+    oom_horizon_s: float = 3600.0
+    #: The fit must explain the curve (R²) and grow by at least this much in the window.
+    growth_r2: float = 0.9
+    growth_min_bytes: float = 256 << 20
+
+
+DEFAULT = Thresholds()
