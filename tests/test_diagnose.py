@@ -114,3 +114,26 @@ def test_diagnose_cli_json_and_bad_input():
     p = subprocess.run([sys.executable, "-m", "gpuscope.cli", "diagnose", "--simulate", "healthy", "--seconds", "1"],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "at least" in p.stderr and "Traceback" not in p.stderr
+
+
+WORKLOAD_EXPECTED = {
+    "compute_bound": "compute_bound", "memory_bound": "memory_bound", "h2d_pageable": "transfer_bound",
+    "launch_bound": "launch_or_sync_bound", "input_starved": "input_starved", "sync_heavy": "launch_or_sync_bound",
+    "idle_allocated": "idle_allocated", "healthy_training": "healthy",
+}
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOAD_EXPECTED))
+def test_every_reference_workload_recorded_on_the_h200(name):
+    """Golden: the sampler's series while each workload ran on an H200 (tests/gpu/test_gpu_diagnose.py)."""
+    data = json.loads(gzip.decompress((RECORDINGS / "workloads" / f"{name}.json.gz").read_bytes()))
+    rows = data["series"]
+    keys = [k for k in rows[0] if k != "t"]
+    w = GpuWindow("0", [r["t"] / 1e9 for r in rows], {k: [r.get(k) for r in rows] for k in keys},
+                  memory_total_bytes=data["memory_total_bytes"], sm_clock_max_hertz=data["sm_clock_max_hertz"])
+    w.processes = [ProcessView(p["pid"], cpu_cores=p["cpu_cores"], thread_cpu_max_ratio=p["thread_cpu_max_ratio"],
+                               gpu_memory_bytes=p["gpu_memory_bytes"]) for p in data["processes"]]
+    verdicts = diagnose([w])
+    assert [v.kind for v in verdicts if v.primary] == [WORKLOAD_EXPECTED[name]], [(v.kind, v.summary) for v in verdicts]
+    if name == "healthy_training":
+        assert all(v.severity == "info" for v in verdicts)

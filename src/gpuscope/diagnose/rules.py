@@ -148,6 +148,15 @@ def classify(w: Any, th: Thresholds, verdict: Any) -> list[Any]:
                             f"GPU {w.gpu} waits on the CPU: SMs {_pct(sm)} busy while a process thread runs "
                             f"at {_pct(busiest)} of a core" + (" and kernels are tiny (launch-bound likely)"
                                                                if sm < 0.02 else "") + ".", base))
+        elif (cpu_known and busiest >= th.thread_saturated and (util or 0.0) < th.util_active
+              and any(v > 0 for v in _vals(w, "gpu_utilization_ratio"))):
+            # The GPU runs now and then, the process's thread is saturated, yet it is not launching
+            # kernels steadily (that would show as steady utilization): its CPU time goes elsewhere,
+            # typically loading and preparing data.
+            out.append(make("input_starved", "warning", 0.6,
+                            f"GPU {w.gpu} is almost idle (SMs {_pct(sm)}, NVML 'utilization' {_pct(util)}) while "
+                            f"its process's busiest thread runs at {_pct(busiest)} of a core outside CUDA "
+                            "launches: it waits for data (or other host-side work).", base))
         elif held >= th.held_bytes and (util or 0.0) < 0.02 and sm < 0.01:
             out.append(make("idle_allocated", "warning", 0.9,
                             f"GPU {w.gpu} holds {held / 2**30:.1f} GiB with nothing running (SMs {_pct(sm)}).",
