@@ -336,3 +336,19 @@ def test_long_interval_is_accepted():
                         "--every", "1.5s", "--count", "1"], env=env(), capture_output=True, text=True, timeout=30)
     assert p.returncode == 0, p.stderr
     assert "SM active" in p.stdout
+
+
+def test_diagnose_from_the_agent(agent):
+    time.sleep(6.5)
+    code, data = get(agent, "/api/v1/diagnose?window=6s")
+    assert code == 200, data
+    primary = {v["gpu"]: v["kind"] for v in data["verdicts"] if v["primary"]}
+    assert primary == {"0": "healthy", "1": "healthy"} and data["simulated"] == "healthy"
+    assert http(agent.port, "/api/v1/diagnose?window=banana")[0] == 400
+    p = subprocess.run([sys.executable, "-m", "gpuscope.cli", "diagnose", "--url", f"http://127.0.0.1:{agent.port}",
+                        "--seconds", "6s", "--json"], env=env(), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert {v["kind"] for v in json.loads(p.stdout)["verdicts"] if v["primary"]} == {"healthy"}
+    p = subprocess.run([sys.executable, "-m", "gpuscope.cli", "diagnose", "--url", f"http://127.0.0.1:{free_port()}"],
+                       env=env(), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and "No gpuscope agent answers" in p.stderr and "Traceback" not in p.stderr

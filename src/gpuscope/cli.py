@@ -19,6 +19,7 @@ from typing import Any
 
 from . import __version__
 from ._nvml import NvmlUnavailable
+from .agent.client import ClientError
 from .sampler import ConfigError, Sampler, SamplerConfig
 
 EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE = 0, 1, 2
@@ -82,7 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
                                     "idle but allocated, throttled, memory growth, hardware errors; with the "
                                     "numbers behind it and a concrete fix.")
     _add_source_args(dg)
-    dg.add_argument("--seconds", type=_interval, default=10.0, help="how long to watch (default 10s)")
+    dg.add_argument("--seconds", type=_interval, default=10.0,
+                    help="how long to watch (default 10s); with an agent, how far back to look")
+    dg.add_argument("--url", default=None,
+                    help="read from this agent (default: the local agent if one answers, else sample here)")
+    dg.add_argument("--token", default=None, help="the agent's bearer token (default $GPUSCOPE_TOKEN or its file)")
     dg.add_argument("--json", action="store_true", help="print the verdicts as JSON")
 
     a = sub.add_parser("agent", help="run the agent: sampler, on-disk history, /metrics and the query API",
@@ -147,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"gpuscope: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except NvmlUnavailable as e:
+    except (NvmlUnavailable, ClientError) as e:
         print(f"gpuscope: {e}", file=sys.stderr)
         return EXIT_UNAVAILABLE
     except KeyboardInterrupt:
@@ -361,28 +366,49 @@ def _diagnose(args: argparse.Namespace) -> int:
     _check_sim(args)
     if args.seconds < DEFAULT.min_window_s:
         raise UsageError(f"--seconds must be at least {DEFAULT.min_window_s:g}: a shorter window is no steady state.")
-    sampler = Sampler(SamplerConfig(interval=0.1), simulate=args.simulate, gpus=args.gpus)
-    sampler.start()
-    try:
-        if not args.json:
-            what = f"SIMULATED node '{sampler.simulated}'" if sampler.simulated else f"{len(sampler.devices)} GPU(s)"
-            print(f"watching {what} for {args.seconds:g} s ...", file=sys.stderr, flush=True)
-        time.sleep(args.seconds)
-    finally:
-        sampler.stop()
-    verdicts = diagnose(windows_from_snapshots(list(sampler.history)))
+    data = None
+    if args.simulate is None:
+        data = _diagnose_from_agent(args)
+    if data is None:
+        sampler = Sampler(SamplerConfig(interval=0.1), simulate=args.simulate, gpus=args.gpus)
+        sampler.start()
+        try:
+            if not args.json:
+                what = (f"SIMULATED node '{sampler.simulated}'" if sampler.simulated
+                        else f"{len(sampler.devices)} GPU(s)")
+                print(f"watching {what} for {args.seconds:g} s ...", file=sys.stderr, flush=True)
+            time.sleep(args.seconds)
+        finally:
+            sampler.stop()
+        verdicts = diagnose(windows_from_snapshots(list(sampler.history)))
+        data = {"simulated": sampler.simulated, "verdicts": [asdict(v) for v in verdicts]}
     if args.json:
-        print(json.dumps({"simulated": sampler.simulated, "verdicts": [asdict(v) for v in verdicts]}, indent=1,
-                         default=str))
+        print(json.dumps(data, indent=1, default=str))
         return EXIT_OK
-    if sampler.simulated:
-        print(f"SIMULATED node — scenario '{sampler.simulated}'")
-    for v in verdicts:
-        mark = {"critical": "!!", "warning": "! ", "info": "  "}[v.severity]
-        print(f"{mark} GPU {v.gpu:<5} {v.kind:<22} {v.summary}")
-        for r in v.recommendations[:1] if v.kind not in ("healthy", "idle") else []:
+    if data.get("simulated"):
+        print(f"SIMULATED node — scenario '{data['simulated']}'")
+    if not data["verdicts"]:
+        print("no verdict: the window holds no steady state yet (it needs at least 5 s of samples).")
+    for v in data["verdicts"]:
+        mark = {"critical": "!!", "warning": "! ", "info": "  "}[v["severity"]]
+        print(f"{mark} GPU {v['gpu']:<5} {v['kind']:<22} {v['summary']}")
+        for r in v["recommendations"][:1] if v["kind"] not in ("healthy", "idle") else []:
             print(f"{'':31}-> {r}")
     return EXIT_OK
+
+
+def _diagnose_from_agent(args: argparse.Namespace) -> dict[str, Any] | None:
+    """Verdicts from a running agent; None when no agent answers and none was named (then sample here)."""
+    from .agent.client import ClientError, default_url, find_token, get_json
+
+    url = args.url or default_url()
+    try:
+        return get_json(url, "/api/v1/diagnose", {"window": f"{args.seconds:g}s"},
+                        find_token(args.token, None), timeout=30.0 if args.url else 2.0)
+    except ClientError as e:
+        if args.url is not None or "No gpuscope agent answers" not in str(e):
+            raise
+        return None
 
 
 _VERBS = {"doctor": _doctor, "diagnose": _diagnose, "sample": _sample, "scenarios": _scenarios, "agent": _agent, "query": _query,

@@ -126,6 +126,7 @@ class Api:
         r.add_get("/api/v1/labels", self.labels)
         r.add_get("/api/v1/query_range", self.query_range)
         r.add_get("/api/v1/events", self.events)
+        r.add_get("/api/v1/diagnose", self.diagnose)
 
     async def index(self, request: web.Request) -> web.Response:
         return _json({
@@ -141,6 +142,7 @@ class Api:
                 "/api/v1/query_range": "?metric=NAME&start=-1h&end=now&step=1s&agg=mean|max|min|last|count|sum|p50|p99"
                                        "&LABEL=VALUE",
                 "/api/v1/events": "?start=-1h&end=now&kind=xid&gpu=0",
+                "/api/v1/diagnose": "verdicts over the last ?window=30s (at most the sampler's in-memory history)",
             },
         })
 
@@ -225,6 +227,24 @@ class Api:
         evs = await asyncio.get_running_loop().run_in_executor(
             None, lambda: store.events(start, end, kind=q.get("kind"), gpu=q.get("gpu")))
         return _json({"events": [asdict(e) for e in evs]})
+
+
+    async def diagnose(self, request: web.Request) -> web.Response:
+        from ..diagnose import diagnose, windows_from_snapshots
+
+        window = parse_duration(request.query.get("window", "30s"), "window")
+        sampler = self.agent.sampler
+        held = len(sampler.history) * sampler.config.interval
+        if window > max(held, 1.0) * 1.5 and window > 600:
+            raise BadRequest(f"window is longer than the {held:.0f} s of history the agent keeps in memory.")
+
+        def run() -> list[Any]:
+            cutoff = time.time_ns() - int(window * 1e9)
+            snaps = [s for s in list(sampler.history) if s.time_ns >= cutoff]
+            return diagnose(windows_from_snapshots(snaps))
+
+        verdicts = await asyncio.get_running_loop().run_in_executor(None, run)
+        return _json({"window_s": window, "simulated": sampler.simulated, "verdicts": [asdict(v) for v in verdicts]})
 
 
 def make_app(agent: Any, max_request_bytes: int = 65536) -> web.Application:
