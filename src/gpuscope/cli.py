@@ -90,6 +90,15 @@ def build_parser() -> argparse.ArgumentParser:
     dg.add_argument("--token", default=None, help="the agent's bearer token (default $GPUSCOPE_TOKEN or its file)")
     dg.add_argument("--json", action="store_true", help="print the verdicts as JSON")
 
+    r = sub.add_parser("run", help="run a command, watch the GPUs meanwhile, say what limited it",
+                       description="Runs CMD (and its children), samples the GPUs at 10 Hz, shows a live status "
+                                   "line, gives a verdict every 5 s, and at the end prints the time share of each "
+                                   "verdict per GPU, the energy used and what to change first. Ctrl-C is "
+                                   "forwarded to CMD. The exit code is CMD's.")
+    _add_source_args(r)
+    r.add_argument("--json", metavar="FILE", help="also write the report (with the verdict timeline) as JSON")
+    r.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
+
     a = sub.add_parser("agent", help="run the agent: sampler, on-disk history, /metrics and the query API",
                        description="The main job on a GPU node: samples every GPU, keeps the history on disk "
                                    "(no database needed), serves Prometheus /metrics and a JSON query API. "
@@ -411,7 +420,27 @@ def _diagnose_from_agent(args: argparse.Namespace) -> dict[str, Any] | None:
         return None
 
 
-_VERBS = {"doctor": _doctor, "diagnose": _diagnose, "sample": _sample, "scenarios": _scenarios, "agent": _agent, "query": _query,
+def _run(args: argparse.Namespace) -> int:
+    from . import runcmd
+
+    _check_sim(args)
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    try:
+        code, report = runcmd.run(cmd, simulate=args.simulate, gpus=args.gpus)
+    except runcmd.RunError as e:
+        print(f"gpuscope: {e}", file=sys.stderr)
+        return 127
+    print(runcmd.render(report), file=sys.stderr)
+    if args.json:
+        try:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1, default=str)
+        except OSError as e:
+            print(f"gpuscope: cannot write {args.json}: {e.strerror}.", file=sys.stderr)
+    return code
+
+
+_VERBS = {"doctor": _doctor, "diagnose": _diagnose, "run": _run, "sample": _sample, "scenarios": _scenarios, "agent": _agent, "query": _query,
           "export": _export}
 
 
