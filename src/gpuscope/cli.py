@@ -32,7 +32,9 @@ class UsageError(Exception):
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one sentence, exit 2, no usage dump
         message = message.rstrip(".")
-        raise UsageError(f"{message[0].upper()}{message[1:]} (see 'gpuscope {self.prog.split()[-1]} --help').")
+        verb = self.prog.split()[-1]
+        where = "gpuscope --help" if verb == "gpuscope" else f"gpuscope {verb} --help"
+        raise UsageError(f"{message[0].upper()}{message[1:]} (see '{where}').")
 
 
 def _interval(text: str) -> float:
@@ -177,7 +179,7 @@ def _check_sim(args: argparse.Namespace) -> None:
         raise UsageError("--gpus only applies to a simulated node; add --simulate SCENARIO.")
     if args.simulate is not None and args.simulate.replace("-", "_") not in SCENARIOS:
         raise UsageError(str(UnknownScenario(
-            f"Unknown scenario '{args.simulate}'; choose one of: {', '.join(SCENARIOS)}")))
+            f"Unknown scenario '{args.simulate}'; choose one of: {', '.join(SCENARIOS)}.")))
     if args.gpus is not None and not 1 <= args.gpus <= 64:
         raise UsageError(f"--gpus must be between 1 and 64, not {args.gpus}.")
 
