@@ -276,18 +276,11 @@ def _agent(args: argparse.Namespace) -> int:
     _check_sim(args)
     try:
         cfg = agent_config.load(args.config)
-        if args.port is not None:
-            cfg.agent.port = args.port
-        if args.bind is not None:
-            cfg.agent.bind = args.bind
-        if args.data_dir is not None:
-            cfg.agent.data_dir = args.data_dir
-        if args.interval is not None:
-            cfg.sampler.interval = args.interval
-        if args.naming is not None:
-            cfg.prometheus.naming = args.naming
-        if args.log_format is not None:
-            cfg.agent.log_format = args.log_format
+        for flag, section, key in (("port", "agent", "port"), ("bind", "agent", "bind"),
+                                   ("data_dir", "agent", "data_dir"), ("interval", "sampler", "interval"),
+                                   ("naming", "prometheus", "naming"), ("log_format", "agent", "log_format")):
+            if getattr(args, flag) is not None:  # a flag overrides the file
+                setattr(getattr(cfg, section), key, getattr(args, flag))
         agent_config.validate(cfg)
     except agent_config.ConfigError as e:
         raise UsageError(str(e)) from None

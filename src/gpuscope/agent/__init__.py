@@ -213,7 +213,7 @@ class Agent:
         from .server import make_app
 
         self._stop = asyncio.Event()
-        loop = self._loop = asyncio.get_running_loop()
+        loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             try:
                 loop.add_signal_handler(sig, self._stop.set)
@@ -248,9 +248,3 @@ class Agent:
         log.info("stopping: flushing the store", extra={"f_event": "stopping"})
         await runner.cleanup()
         return 0
-
-    def request_stop(self) -> None:
-        """Stop from another thread (tests, embedding)."""
-        loop = getattr(self, "_loop", None)
-        if self._stop is not None and loop is not None:
-            loop.call_soon_threadsafe(self._stop.set)
