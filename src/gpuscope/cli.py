@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "forwarded to CMD. The exit code is CMD's.")
     _add_source_args(r)
     r.add_argument("--json", metavar="FILE", help="also write the report (with the verdict timeline) as JSON")
+    r.add_argument("--html", metavar="FILE",
+                   help="where to write the HTML report (default gpuscope-run-YYYYmmdd-HHMMSS.html here)")
+    r.add_argument("--no-html", action="store_true", help="write no HTML report")
     r.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
 
     a = sub.add_parser("agent", help="run the agent: sampler, on-disk history, /metrics and the query API",
@@ -417,21 +420,32 @@ def _diagnose_from_agent(args: argparse.Namespace) -> dict[str, Any] | None:
 
 def _run(args: argparse.Namespace) -> int:
     from . import runcmd
+    from .report import write_html
 
     _check_sim(args)
+    if args.html and args.no_html:
+        raise UsageError("--html and --no-html contradict each other; give one.")
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     try:
         code, report = runcmd.run(cmd, simulate=args.simulate, gpus=args.gpus)
     except runcmd.RunError as e:
         print(f"gpuscope: {e}", file=sys.stderr)
-        return 127
+        return e.code
     print(runcmd.render(report), file=sys.stderr)
+    # Writing failures are one sentence each; the exit code stays the command's.
     if args.json:
         try:
             with open(args.json, "w") as f:
                 json.dump(report, f, indent=1, default=str)
         except OSError as e:
-            print(f"gpuscope: cannot write {args.json}: {e.strerror}.", file=sys.stderr)
+            print(f"gpuscope: cannot write {args.json}: {e.strerror or e}.", file=sys.stderr)
+    if not args.no_html:
+        path = args.html or time.strftime("gpuscope-run-%Y%m%d-%H%M%S.html", time.localtime(report["started_at"]))
+        try:
+            write_html(report, path)
+            print(f"  report: {path}", file=sys.stderr)
+        except OSError as e:
+            print(f"gpuscope: cannot write the HTML report {path}: {e.strerror or e}.", file=sys.stderr)
     return code
 
 

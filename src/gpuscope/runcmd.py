@@ -1,8 +1,15 @@
 """`gpuscope run -- CMD ...`: run a program, watch the GPUs while it runs, say what limited it.
 
-The child gets the terminal's signals as usual; Ctrl-C is forwarded to it (and to its process group),
-and gpuscope reports what it saw before exiting with the child's exit code. The child is never left
-running behind.
+While CMD runs, the sampler reads the GPUs at 10 Hz; every 5 s the last 10 s get a verdict per GPU.
+The whole run's key series go into a bounded timeline (report.timeline), the child and all its
+descendants into a process table (report.processes), and at the end come the verdict timeline, the
+time share of each verdict, the energy used and what to change first (`render`), plus the JSON and
+HTML reports (cli.py writes them).
+
+Signals: Ctrl-C at a terminal reaches CMD directly (it shares our process group); a SIGINT or SIGTERM
+sent to gpuscope alone is forwarded to CMD. A second one terminates CMD (SIGTERM, then SIGKILL after
+5 s). Either way gpuscope waits for CMD, reports what it saw and exits with CMD's exit code (128 + N
+when a signal N ended it, as a shell would say). The child is never left running behind.
 """
 
 from __future__ import annotations
@@ -13,30 +20,75 @@ import signal
 import subprocess
 import sys
 import time
-from collections import Counter
-from dataclasses import dataclass, field
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ._redact import redact_cmdline
 from .diagnose import diagnose, windows_from_snapshots
 from .diagnose.thresholds import DEFAULT
+from .report.processes import RunProcesses
+from .report.timeline import GpuTimeline
 from .sampler import Sampler, SamplerConfig
 
 WINDOW_S = 10.0  # each verdict looks at this much history
 EVERY_S = 5.0  # and a new one is made this often
+TREE_EVERY_S = 2.0  # how often the child's process tree is read
+TERM_GRACE_S = 5.0  # after SIGTERM, this long before SIGKILL
+#: Primary verdicts that need no change: never "what to change first".
+FINE = {"healthy", "compute_bound", "idle", "power_capped"}
 
 
 class RunError(RuntimeError):
-    """One sentence for the user (the command could not be started)."""
+    """One sentence for the user (the command could not be started). `code` is the exit code."""
+
+    def __init__(self, message: str, code: int = 127) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass
 class Segment:
+    """One verdict on one GPU; start_s..end_s (seconds since the run began) is the part of the run it
+    speaks for: from the previous verdict on that GPU (or its window's start) to its window's end."""
+
     gpu: str
     kind: str
     start_s: float
     end_s: float
     summary: str
     recommendations: list[str] = field(default_factory=list)
+    severity: str = "info"
+    primary: bool = True
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+
+class _Collector:
+    """Fed on the sampler thread after every tick: the timelines and the GPU processes."""
+
+    def __init__(self, t0: float, procs: RunProcesses | None, max_points: int) -> None:
+        self.t0 = t0
+        self.procs = procs
+        self.max_points = max_points
+        self.timelines: dict[str, GpuTimeline] = {}
+        self.gpus: dict[str, dict[str, Any]] = {}
+
+    def __call__(self, snap: Any) -> None:
+        t = snap.time_ns / 1e9 - self.t0
+        for g in snap.gpus:
+            label = g.identity.label
+            tl = self.timelines.get(label)
+            if tl is None:
+                tl = self.timelines[label] = GpuTimeline(self.max_points)
+                i = g.identity
+                self.gpus[label] = {"gpu": label, "name": i.name, "uuid": i.uuid,
+                                    "memory_total_bytes": i.memory_total_bytes or None,
+                                    "power_limit_watts": i.power_limit_watts, "sm_clock_max_hertz": i.sm_clock_max_hertz}
+            tl.add(t, g.values)
+            if not g.healthy:
+                self.gpus[label].setdefault("lost_at_s", t)
+        if self.procs is not None:
+            self.procs.observe(snap, t)
 
 
 def _status(snap: Any, elapsed: float) -> str:
@@ -46,130 +98,289 @@ def _status(snap: Any, elapsed: float) -> str:
         parts.append(f"GPU{g.identity.label} SM {'-' if sm is None else f'{sm * 100:3.0f}%'}"
                      f" util {'-' if util is None else f'{util * 100:3.0f}%'}"
                      f" {(g.power_watts or 0):4.0f}W")
+    if len(snap.gpus) > 4:
+        parts.append(f"+{len(snap.gpus) - 4} GPUs")
     return "  ".join(parts)
 
 
-def run(cmd: list[str], *, simulate: str | None = None, gpus: int | None = None, interval: float = 0.1,
-        out: Any = sys.stderr) -> tuple[int, dict[str, Any]]:
+def _terminal_reaches(pgrp: int) -> bool:
+    """True when a terminal's Ctrl-C reaches process group `pgrp` by itself (it is the foreground group
+    of our controlling terminal), so forwarding would deliver the signal twice."""
+    try:
+        fd = os.open("/dev/tty", os.O_RDONLY | os.O_NOCTTY)
+    except OSError:
+        return False
+    try:
+        return os.tcgetpgrp(fd) == pgrp
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _check(cmd: list[str]) -> None:
     if not cmd:
-        raise RunError("Nothing to run: give a command after --, e.g. gpuscope run -- python train.py.")
-    if shutil.which(cmd[0]) is None and not os.path.exists(cmd[0]):
-        raise RunError(f"Command not found: {cmd[0]}.")
+        raise RunError("Nothing to run: give a command after --, e.g. gpuscope run -- python train.py.", 2)
+    if os.sep not in cmd[0] and shutil.which(cmd[0]) is None:
+        raise RunError(f"Command not found: {cmd[0]}.", 127)
+    if os.sep in cmd[0] and not os.path.exists(cmd[0]):
+        raise RunError(f"Command not found: {cmd[0]} does not exist.", 127)
+
+
+def _start(cmd: list[str]) -> subprocess.Popen[bytes]:
+    _check(cmd)
+    try:
+        return subprocess.Popen(cmd)
+    except PermissionError:
+        raise RunError(f"Cannot run {cmd[0]}: permission denied (is it executable?).", 126) from None
+    except OSError as e:
+        raise RunError(f"Cannot run {cmd[0]}: {(e.strerror or str(e)).rstrip('.')}.", 126) from None
+
+
+def run(cmd: list[str], *, simulate: str | None = None, gpus: int | None = None, interval: float = 0.1,
+        out: Any = sys.stderr, max_points: int = 6144) -> tuple[int, dict[str, Any]]:
+    """Run `cmd`, watch the GPUs meanwhile; return (the exit code to use, the report dict)."""
+    _check(cmd)  # before touching the GPUs: a typo gets its sentence at once
     sampler = Sampler(SamplerConfig(interval=interval), simulate=simulate, gpus=gpus)
     sampler.open()
-    segments: list[Segment] = []
-    t0 = time.time()
-    e0 = _energy(sampler.sample_once())
+    started_at = time.time()
+    first = sampler.sample_once()
     try:
-        child = subprocess.Popen(cmd, start_new_session=False)
-    except OSError as e:
+        child = _start(cmd)
+    except RunError:
         sampler.stop()
-        raise RunError(f"Cannot start {cmd[0]}: {e.strerror}.") from None
-    sampler.start()
-    interrupted = False
-    tty = hasattr(out, "isatty") and out.isatty()
+        raise
+    t0 = time.time()
+    interrupts = 0
 
     def forward(signum: int, _frame: Any) -> None:
-        nonlocal interrupted
-        interrupted = True
+        nonlocal interrupts
+        interrupts += 1
+        if child.poll() is not None:
+            return
         try:
-            child.send_signal(signum)
-        except ProcessLookupError:
+            if interrupts >= 2:
+                child.terminate()
+            elif signum != signal.SIGINT or not _terminal_reaches(os.getpgid(child.pid)):
+                child.send_signal(signum)
+        except OSError:  # gone meanwhile
             pass
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-    next_verdict = time.monotonic() + EVERY_S
+    procs = RunProcesses(child.pid, simulated=sampler.simulated is not None)
+    collector = _Collector(t0, procs, max_points)
+    sampler.subscribe(collector)
+    tty = hasattr(out, "isatty") and out.isatty()
+    mono0 = time.monotonic()
+    segments: list[Segment] = []
+    last_end: dict[str, float] = {}
+    next_verdict = mono0 + EVERY_S
+    next_tree = mono0 + 0.3  # a first look soon: short-lived children should be seen
     last_status = 0.0
+    terminated_at: float | None = None
     try:
+        sampler.start()
         while child.poll() is None:
-            time.sleep(0.2)
-            snap = sampler.latest()
+            time.sleep(0.1)
             now = time.monotonic()
+            if now >= next_tree:
+                procs.poll_tree(time.time() - t0)
+                next_tree = now + (TREE_EVERY_S if now - mono0 > 2 else 0.5)
+            snap = sampler.latest()
             if snap is not None and (tty or now - last_status >= 10.0) and now - last_status >= 1.0:
                 line = _status(snap, time.time() - t0)
                 print(("\r" + line + "\033[K") if tty else line, end="" if tty else "\n", file=out, flush=True)
                 last_status = now
             if now >= next_verdict:
-                next_verdict = now + EVERY_S
-                segments.extend(_verdicts(sampler))
+                made = _verdicts(sampler, t0, last_end)
+                segments.extend(made)
+                # Until the history is long enough for a verdict, look again soon.
+                next_verdict = now + (EVERY_S if made or now - mono0 > WINDOW_S else 0.5)
+            if interrupts >= 2:
+                if terminated_at is None:
+                    terminated_at = now
+                elif now - terminated_at > TERM_GRACE_S:
+                    child.kill()
     finally:
+        _reap(child)
         for s, h in old.items():
             signal.signal(s, h)
-        if child.poll() is None:  # we are leaving: never leave the child behind
-            child.terminate()
-            try:
-                child.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
         if tty:
             print(file=out)
-        segments.extend(_verdicts(sampler, final=True))
+        segments.extend(_verdicts(sampler, t0, last_end, final=True))
         last = sampler.latest()
         sampler.stop()
     duration = time.time() - t0
-    e1 = _energy(last) if last is not None else e0
-    report = _summarise(segments, duration, (e1 - e0) if e0 is not None and e1 is not None else None,
-                        child.returncode, interrupted, sampler.simulated)
-    return child.returncode if child.returncode is not None else 1, report
+    rc = child.returncode
+    code = 128 - rc if rc is not None and rc < 0 else (rc if rc is not None else 1)
+    report = _summarise(segments, duration, _energy(first), _energy(last) if last is not None else {},
+                        code, interrupts > 0, sampler.simulated)
+    report.update({
+        "command": redact_cmdline(cmd), "started_at": started_at, "hostname": first.hostname,
+        "gpu_start_s": procs.gpu_start_s, "gpu_start_by_gpu": procs.gpu_start_by_gpu,
+        "gpus": [collector.gpus[k] for k in sorted(collector.gpus, key=_gpu_order)],
+        "processes": procs.table(),
+        "series": {k: collector.timelines[k].points() for k in sorted(collector.timelines, key=_gpu_order)},
+        "killed_by_signal": -rc if rc is not None and rc < 0 else None,
+    })
+    return code, report
 
 
-def _energy(snap: Any) -> float | None:
-    vals = [g.get("gpu_energy_joules_total") for g in snap.gpus]
-    vals = [v for v in vals if v is not None]
-    return sum(vals) if vals else None
+def _reap(child: subprocess.Popen[bytes]) -> None:
+    """We are leaving: never leave the child behind."""
+    if child.poll() is not None:
+        return
+    try:
+        child.terminate()
+        child.wait(timeout=TERM_GRACE_S)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+    except ProcessLookupError:
+        child.wait()
 
 
-def _verdicts(sampler: Sampler, final: bool = False) -> list[Segment]:
+def _gpu_order(label: str) -> tuple[int, str]:
+    head = label.split("/")[0]
+    return (int(head) if head.isdigit() else 1 << 30, label)
+
+
+def _energy(snap: Any) -> dict[str, float]:
+    out = {}
+    for g in snap.gpus:
+        v = g.get("gpu_energy_joules_total")
+        if v is not None:
+            out[g.identity.label] = v
+    return out
+
+
+def _verdicts(sampler: Sampler, t0: float, last_end: dict[str, float], final: bool = False) -> list[Segment]:
     history = list(sampler.history)
     if not history:
         return []
     end = history[-1].time_ns
-    window = [s for s in history if s.time_ns >= end - int(WINDOW_S * 1e9)]
+    span_s = WINDOW_S
     if final:  # the tail since the last verdict, if it is long enough to say something
-        window = [s for s in history if s.time_ns >= end - int(EVERY_S * 1e9)]
-        if (window[-1].time_ns - window[0].time_ns) / 1e9 < DEFAULT.min_window_s:
-            return []
+        span_s = max(DEFAULT.min_window_s, min(WINDOW_S, end / 1e9 - t0 - min(last_end.values(), default=0.0)))
+    # A little more than span_s: at 10 Hz, "the last 5 s" would otherwise hold 4.9 s of samples.
+    window = [s for s in history if s.time_ns >= end - int((span_s + 0.25) * 1e9)]
+    if (window[-1].time_ns - window[0].time_ns) / 1e9 < DEFAULT.min_window_s:
+        return []
     out = []
+    primary_seen: set[str] = set()
+    ends: dict[str, float] = {}
     for v in diagnose(windows_from_snapshots(window)):
-        if v.primary or v.severity != "info":
-            out.append(Segment(v.gpu, v.kind, v.start_s, v.end_s, v.summary, v.recommendations))
+        if not (v.primary or v.severity != "info"):
+            continue
+        # One primary verdict per GPU and window (the rules give it first); any other, such as a
+        # straggler among peers, is a side verdict.
+        primary = v.primary and v.gpu not in primary_seen
+        if primary:
+            primary_seen.add(v.gpu)
+        w_start, w_end = max(0.0, v.start_s - t0), v.end_s - t0  # the first sample precedes the start
+        start = max(w_start, last_end.get(v.gpu, w_start))
+        if final and w_end - start < 1.0:
+            continue  # nothing new since the last verdict
+        out.append(Segment(v.gpu, v.kind, start, w_end, v.summary, list(v.recommendations), v.severity, primary,
+                           dict(v.evidence)))
+        ends[v.gpu] = max(ends.get(v.gpu, w_end), w_end)
+    last_end.update(ends)
     return out
 
 
-def _summarise(segments: list[Segment], duration: float, energy_j: float | None, code: int | None,
-               interrupted: bool, simulated: str | None) -> dict[str, Any]:
-    share: dict[str, Counter[str]] = {}
+def spans(segments: list[Segment], primary: bool = True) -> list[dict[str, Any]]:
+    """Consecutive equal verdicts per GPU merged: [{gpu, kind, start_s, end_s, summary, evidence,
+    recommendations, verdicts}], by GPU then time. The summary and evidence are those of the span's
+    first verdict."""
+    by_gpu: dict[str, list[Segment]] = defaultdict(list)
     for s in segments:
-        share.setdefault(s.gpu, Counter())[s.kind] += 1
-    first: Segment | None = None
-    problems = [s for s in segments if s.kind not in ("healthy", "compute_bound", "idle", "power_capped")]
-    if problems:
-        common = Counter(s.kind for s in problems).most_common(1)[0][0]
-        first = next(s for s in problems if s.kind == common)
+        if s.primary == primary:
+            by_gpu[s.gpu].append(s)
+    out: list[dict[str, Any]] = []
+    for gpu in sorted(by_gpu, key=_gpu_order):
+        open_: dict[str, dict[str, Any]] = {}  # side verdicts can overlap each other: one open span per kind
+        cur: dict[str, Any] | None = None
+        for s in sorted(by_gpu[gpu], key=lambda s: s.start_s):
+            key = "primary" if primary else s.kind
+            cur = open_.get(key)
+            if cur is not None and cur["kind"] == s.kind and s.start_s <= cur["end_s"] + 1.0:
+                cur["end_s"] = max(cur["end_s"], s.end_s)
+                cur["verdicts"] += 1
+                continue
+            cur = {"gpu": gpu, "kind": s.kind, "start_s": s.start_s, "end_s": s.end_s, "severity": s.severity,
+                   "summary": s.summary, "evidence": s.evidence, "recommendations": s.recommendations, "verdicts": 1}
+            open_[key] = cur
+            out.append(cur)
+    return out
+
+
+def _summarise(segments: list[Segment], duration: float, e0: dict[str, float], e1: dict[str, float],
+               code: int, interrupted: bool, simulated: str | None) -> dict[str, Any]:
+    main, side = spans(segments, True), spans(segments, False)
+    share: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for s in main:
+        share[s["gpu"]][s["kind"]] += max(0.0, s["end_s"] - s["start_s"])
+    verdict_share = {g: {k: v / sum(kinds.values()) for k, v in kinds.items()} if sum(kinds.values()) > 0
+                     else {k: 1.0 / len(kinds) for k in kinds} for g, kinds in share.items()}
+    energy = {g: e1[g] - e0[g] for g in e1 if g in e0 and e1[g] >= e0[g]}
     return {
         "duration_s": duration, "exit_code": code, "interrupted": interrupted, "simulated": simulated,
-        "energy_joules": energy_j,
-        "verdict_share": {g: {k: n / sum(c.values()) for k, n in c.items()} for g, c in share.items()},
-        "timeline": [s.__dict__ for s in segments],
-        "change_first": None if first is None else {"gpu": first.gpu, "kind": first.kind, "summary": first.summary,
-                                                     "advice": first.recommendations[:1]},
+        "energy_joules": sum(energy.values()) if energy else None, "energy_joules_by_gpu": energy,
+        "verdict_share": verdict_share,
+        "spans": main, "side_spans": side,
+        "timeline": [asdict(s) for s in segments],
+        "change_first": _change_first(main + side),
     }
 
 
+def _change_first(all_spans: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The problem that matters most: critical ones (hardware, a lost GPU) before warnings before the
+    rest; among equals, the one that held longest over all GPUs."""
+    problems = [s for s in all_spans if s["kind"] not in FINE]
+    if not problems:
+        return None
+    total: dict[str, float] = defaultdict(float)
+    for s in problems:
+        total[s["kind"]] += s["end_s"] - s["start_s"]
+    rank = {"critical": 2, "warning": 1}
+    kind = max(total, key=lambda k: (max(rank.get(s["severity"], 0) for s in problems if s["kind"] == k), total[k]))
+    first = next(s for s in problems if s["kind"] == kind)
+    return {"gpu": first["gpu"], "kind": kind, "summary": first["summary"], "advice": first["recommendations"][:2],
+            "seconds": total[kind]}
+
+
+def _secs(x: float) -> str:
+    return f"{x:.0f}" if x >= 10 else f"{x:.1f}"
+
+
 def render(report: dict[str, Any]) -> str:
-    lines = []
+    """The end-of-run text: summary, verdict timeline per GPU, what to change first."""
     sim = report["simulated"]
+    cmd0 = (report.get("command") or "the command").split(" ")[0]
+    if not report["spans"] and report["duration_s"] < DEFAULT.min_window_s + 1:
+        how = "was interrupted" if report["interrupted"] else f"exited with code {report['exit_code']}"
+        return (f"gpuscope run: {cmd0} {how} after {report['duration_s']:.1f} s, too soon for a verdict "
+                f"(a steady state needs at least {DEFAULT.min_window_s:.0f} s)"
+                + (f" [SIMULATED node '{sim}']." if sim else "."))
+    lines = []
     head = (f"gpuscope run: {report['duration_s']:.0f} s, exit code {report['exit_code']}"
             + (" (interrupted)" if report["interrupted"] else "")
             + (f", energy {report['energy_joules'] / 1000:.1f} kJ" if report["energy_joules"] is not None else "")
             + (f"  [SIMULATED node '{sim}']" if sim else ""))
     lines.append(head)
+    if report.get("gpu_start_s") is not None:
+        lines.append(f"  the run's processes first used a GPU at {report['gpu_start_s']:.1f} s")
     if not report["verdict_share"]:
-        lines.append("  too short for a verdict (a steady state needs at least 5 s).")
-    for gpu, kinds in sorted(report["verdict_share"].items()):
+        lines.append("  no verdict: the GPUs were never watched for a steady 5 s.")
+    for gpu, kinds in sorted(report["verdict_share"].items(), key=lambda kv: _gpu_order(kv[0])):
         lines.append(f"  GPU {gpu}: " + ", ".join(f"{k} {v * 100:.0f} %" for k, v in
                                                    sorted(kinds.items(), key=lambda kv: -kv[1])))
+        tl = [f"{_secs(s['start_s'])}–{_secs(s['end_s'])} s {s['kind']}" for s in report["spans"] if s["gpu"] == gpu]
+        lines.append("    timeline: " + ", ".join(tl))
+        side = [f"{s['kind']} {_secs(s['start_s'])}–{_secs(s['end_s'])} s" for s in report["side_spans"]
+                if s["gpu"] == gpu]
+        if side:
+            lines.append("    also: " + ", ".join(side))
     cf = report["change_first"]
     if cf:
         lines.append(f"  change first: {cf['summary']}")

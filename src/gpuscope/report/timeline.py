@@ -1,0 +1,144 @@
+"""The whole run's key series per GPU, in bounded memory.
+
+The sampler keeps only its last few minutes; a report needs the whole run. `GpuTimeline` keeps every
+sample while it fits (`max_points`, by default 6,144: ten minutes at 10 Hz) and then halves its
+resolution by merging neighbouring buckets, so a 24 h run costs the same few MiB as a 10 min one.
+Each bucket keeps the mean, min and max of every series (a short spike stays visible as a max) and,
+for the clock-event bitmask, the OR of the masks seen.
+
+    >>> tl = GpuTimeline(max_points=4)
+    >>> for i in range(10):
+    ...     tl.add(float(i), {"gpu_power_watts": float(i)})
+    >>> len(tl), tl.samples_per_bucket
+    (3, 4)
+    >>> tl.points()["gpu_power_watts"]["max"]
+    [3.0, 7.0, 9.0]
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from typing import Any
+
+#: The series a run report keeps, in display order.
+SERIES = ("gpu_sm_active_ratio", "gpu_tensor_active_ratio", "gpu_dram_active_ratio", "gpu_utilization_ratio",
+          "gpu_pcie_rx_bytes_per_second", "gpu_pcie_tx_bytes_per_second", "gpu_power_watts",
+          "gpu_memory_used_bytes", "gpu_sm_clock_hertz", "gpu_temperature_celsius")
+MASK = "gpu_clock_event_reasons"
+
+NAN = float("nan")
+
+
+class _Column:
+    """Mean, min, max and count of one series per bucket."""
+
+    __slots__ = ("mean", "lo", "hi", "n")
+
+    def __init__(self) -> None:
+        self.mean, self.lo, self.hi, self.n = array("d"), array("d"), array("d"), array("l")
+
+    def append(self, v: float | None, n: int = 1) -> None:
+        if v is None or not math.isfinite(v):
+            self.mean.append(NAN), self.lo.append(NAN), self.hi.append(NAN), self.n.append(0)
+        else:
+            self.mean.append(v), self.lo.append(v), self.hi.append(v), self.n.append(n)
+
+    def fold(self, i: int, v: float | None) -> None:
+        """Add one more value to bucket i."""
+        if v is None or not math.isfinite(v):
+            return
+        n = self.n[i]
+        if n == 0:
+            self.mean[i] = self.lo[i] = self.hi[i] = v
+        else:
+            self.mean[i] += (v - self.mean[i]) / (n + 1)
+            self.lo[i], self.hi[i] = min(self.lo[i], v), max(self.hi[i], v)
+        self.n[i] = n + 1
+
+    def halve(self) -> None:
+        mean, lo, hi, n = array("d"), array("d"), array("d"), array("l")
+        for i in range(0, len(self.n), 2):
+            j = min(i + 1, len(self.n) - 1)
+            ns = self.n[i] + (self.n[j] if j != i else 0)
+            if ns == 0:
+                mean.append(NAN), lo.append(NAN), hi.append(NAN), n.append(0)
+                continue
+            parts = [(self.mean[k], self.lo[k], self.hi[k], self.n[k]) for k in {i, j} if self.n[k]]
+            mean.append(sum(m * c for m, _, _, c in parts) / ns)
+            lo.append(min(p[1] for p in parts)), hi.append(max(p[2] for p in parts)), n.append(ns)
+        self.mean, self.lo, self.hi, self.n = mean, lo, hi, n
+
+
+class GpuTimeline:
+    """One GPU's key series over a whole run. Times are seconds (any origin, e.g. since the run began)."""
+
+    def __init__(self, max_points: int = 6144, series: tuple[str, ...] = SERIES) -> None:
+        if max_points < 2:
+            raise ValueError("max_points must be at least 2")
+        self.max_points = max_points
+        self.series = series
+        self.samples_per_bucket = 1
+        self.t_start, self.t_end = array("d"), array("d")
+        self.cols = {k: _Column() for k in series}
+        self.masks = array("q")
+        self._in_last = 0  # samples in the last bucket so far
+        self.samples = 0
+
+    def __len__(self) -> int:
+        return len(self.t_start)
+
+    def add(self, t: float, values: dict[str, float]) -> None:
+        self.samples += 1
+        mask = values.get(MASK)
+        m = int(mask) if mask is not None and math.isfinite(mask) else 0
+        if self._in_last and self._in_last < self.samples_per_bucket:
+            self._fold_last(t, values, m)
+            return
+        if len(self.t_start) >= self.max_points:
+            self._halve()
+            if self._in_last < self.samples_per_bucket:  # a lone last bucket has room again
+                self._fold_last(t, values, m)
+                return
+        self.t_start.append(t), self.t_end.append(t), self.masks.append(m)
+        for k, c in self.cols.items():
+            c.append(values.get(k))
+        self._in_last = 1
+
+    def _fold_last(self, t: float, values: dict[str, float], mask: int) -> None:
+        i = len(self.t_start) - 1
+        self.t_end[i] = t
+        for k, c in self.cols.items():
+            c.fold(i, values.get(k))
+        self.masks[i] |= mask
+        self._in_last += 1
+
+    def _halve(self) -> None:
+        n = len(self.t_start)
+        # The last bucket may be a lone one (odd count): it merges with nothing and keeps its own count.
+        last_alone = n % 2 == 1
+        self.t_start = array("d", self.t_start[0::2])
+        self.t_end = array("d", [self.t_end[min(i + 1, n - 1)] for i in range(0, n, 2)])
+        self.masks = array("q", [self.masks[i] | self.masks[min(i + 1, n - 1)] for i in range(0, n, 2)])
+        for c in self.cols.values():
+            c.halve()
+        self._in_last = self._in_last if last_alone else self.samples_per_bucket + self._in_last
+        self.samples_per_bucket *= 2
+
+    def points(self) -> dict[str, Any]:
+        """Plain lists for JSON and plots: t (bucket start), t_end, and per series mean/min/max
+        (None where missing), plus the clock-event masks."""
+        def clean(a: array) -> list[float | None]:
+            return [None if math.isnan(v) else float(f"{v:.5g}") for v in a]
+
+        return {
+            "t": [round(v, 3) for v in self.t_start], "t_end": [round(v, 3) for v in self.t_end], "samples_per_bucket": self.samples_per_bucket,
+            **{k: {"mean": clean(c.mean), "min": clean(c.lo), "max": clean(c.hi)} for k, c in self.cols.items()},
+            MASK: list(self.masks),
+        }
+
+    def nbytes(self) -> int:
+        """Memory held by the arrays (for tests and self-accounting)."""
+        arrays = [self.t_start, self.t_end, self.masks] + [a for c in self.cols.values()
+                                                          for a in (c.mean, c.lo, c.hi, c.n)]
+        return sum(a.itemsize * a.buffer_info()[1] for a in arrays)
