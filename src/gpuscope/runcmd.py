@@ -24,6 +24,8 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import psutil
+
 from ._redact import redact_cmdline
 from .diagnose import diagnose, windows_from_snapshots
 from .diagnose.thresholds import DEFAULT
@@ -162,12 +164,15 @@ def run(cmd: list[str], *, simulate: str | None = None, gpus: int | None = None,
             if interrupts >= 2:
                 child.terminate()
             elif signum != signal.SIGINT or not _terminal_reaches(os.getpgid(child.pid)):
+                # As a terminal's Ctrl-C would: the child and every process it started.
                 child.send_signal(signum)
-        except OSError:  # gone meanwhile
+                for p in procs.live_descendants():
+                    p.send_signal(signum)
+        except (OSError, psutil.Error):  # gone meanwhile
             pass
 
-    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     procs = RunProcesses(child.pid, simulated=sampler.simulated is not None)
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     collector = _Collector(t0, procs, max_points)
     sampler.subscribe(collector)
     tty = hasattr(out, "isatty") and out.isatty()
@@ -176,7 +181,7 @@ def run(cmd: list[str], *, simulate: str | None = None, gpus: int | None = None,
     last_end: dict[str, float] = {}
     next_verdict = mono0 + EVERY_S
     next_tree = mono0 + 0.3  # a first look soon: short-lived children should be seen
-    last_status = 0.0
+    last_status = 0.0 if tty else mono0  # without a terminal: a line every 10 s, the first at 10 s
     terminated_at: float | None = None
     try:
         sampler.start()
@@ -203,10 +208,12 @@ def run(cmd: list[str], *, simulate: str | None = None, gpus: int | None = None,
                     child.kill()
     finally:
         _reap(child)
+        if interrupts:  # interrupted: nothing the command started may outlive it
+            _reap_all(procs.live_descendants())
         for s, h in old.items():
             signal.signal(s, h)
         if tty:
-            print(file=out)
+            print("\r\033[K", end="", file=out, flush=True)  # the live line gives way to the summary
         segments.extend(_verdicts(sampler, t0, last_end, final=True))
         last = sampler.latest()
         sampler.stop()
@@ -238,6 +245,21 @@ def _reap(child: subprocess.Popen[bytes]) -> None:
         child.wait()
     except ProcessLookupError:
         child.wait()
+
+
+def _reap_all(procs: list[psutil.Process]) -> None:
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=TERM_GRACE_S)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=1.0)
 
 
 def _gpu_order(label: str) -> tuple[int, str]:
@@ -356,7 +378,7 @@ def _secs(x: float) -> str:
 def render(report: dict[str, Any]) -> str:
     """The end-of-run text: summary, verdict timeline per GPU, what to change first."""
     sim = report["simulated"]
-    cmd0 = (report.get("command") or "the command").split(" ")[0]
+    cmd0 = os.path.basename((report.get("command") or "the command").split(" ")[0])
     if not report["spans"] and report["duration_s"] < DEFAULT.min_window_s + 1:
         how = "was interrupted" if report["interrupted"] else f"exited with code {report['exit_code']}"
         return (f"gpuscope run: {cmd0} {how} after {report['duration_s']:.1f} s, too soon for a verdict "

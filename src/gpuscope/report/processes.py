@@ -88,11 +88,18 @@ class RunProcesses:
         self._gpu: dict[tuple[int, str], _GpuUse] = {}
         self.gpu_start_s: float | None = None
         self.gpu_start_by_gpu: dict[str, float] = {}
+        self._handles: dict[int, psutil.Process] = {}  # the tree's processes, to signal them later
 
     # -- the process tree (main thread) ---------------------------------------------------------
     def poll_tree(self, t: float) -> None:
         """Read the root and its live descendants: who they are, their CPU and busiest thread."""
         pids = [self.root_pid] + self._children(self.root_pid)
+        for pid in pids:
+            if pid not in self._handles:
+                try:
+                    self._handles[pid] = psutil.Process(pid)
+                except psutil.Error:
+                    pass
         infos = [(pid, self._reader.read(pid)) for pid in pids]
         with self._lock:
             for pid, info in infos:
@@ -110,6 +117,25 @@ class RunProcesses:
                 if info.rss_bytes is not None:
                     p.rss_max_bytes = max(p.rss_max_bytes or 0.0, info.rss_bytes)
         self._reader.forget({pid for pid, info in infos if info is not None})
+
+    def live_descendants(self) -> list[psutil.Process]:
+        """The root's descendants seen so far that still run (pid reuse excluded), including any
+        that were re-parented after their parent died."""
+        seen = dict(self._handles)
+        for pid in self._children(self.root_pid):
+            if pid not in seen:
+                try:
+                    seen[pid] = psutil.Process(pid)
+                except psutil.Error:
+                    pass
+        out = []
+        for pid, p in seen.items():
+            try:
+                if pid != self.root_pid and p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    out.append(p)
+            except psutil.Error:
+                pass
+        return out
 
     # -- GPU processes (sampler thread) ---------------------------------------------------------
     def observe(self, snap: Any, t: float) -> None:
