@@ -1,0 +1,133 @@
+"""The same alert rules as a Prometheus rule file, for fleets where Prometheus scrapes every agent
+and Alertmanager routes.
+
+    text = to_prometheus(load_rules(["gpu-alerts.toml"]))      # YAML for rule_files:
+
+Metric rules become PromQL on the canonical names the agent exports at /metrics (not the DCGM
+dialect): avg/max/min -> *_over_time, increase/rate -> increase()/rate(), last -> the instant value.
+Hysteresis (resolve_threshold) becomes the usual `or (... and ALERTS{alertstate="firing"})` form;
+`keep_firing_for` needs Prometheus 2.42 or newer and is written only where set.
+
+Verdicts have no PromQL equivalent: the diagnosis runs in the agent. The agent exports each verdict
+that holds as `gpu_verdict{gpu, kind, window}` (value: its confidence) for every verdict window its
+rules use, so a verdict rule exports as `gpu_verdict{kind="throttled", window="30s"} > 0`, which is
+exact when the agents load the same rules.
+"""
+
+from __future__ import annotations
+
+import string
+from collections.abc import Sequence
+from typing import Any
+
+from ..catalog import CATALOG
+from .rules import Rule, _fmt_duration
+
+__all__ = ["rule_to_prometheus", "to_prometheus"]
+
+_FUNCS = {"avg": "avg_over_time", "max": "max_over_time", "min": "min_over_time", "increase": "increase",
+          "rate": "rate"}
+_LABEL_FIELDS = {"gpu": "gpu", "hostname": "hostname", "model": "model"}
+
+
+def _selector(rule: Rule) -> str:
+    if rule.is_verdict:
+        return f'gpu_verdict{{kind="{rule.verdict}",window="{_fmt_duration(rule.window_s)}"}}'
+    sel = ",".join(f'{k}="{_esc(v)}"' for k, v in rule.match)
+    return f"{rule.metric}{{{sel}}}" if sel else rule.metric
+
+
+def _esc(v: str) -> str:
+    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _value_expr(rule: Rule) -> str:
+    sel = _selector(rule)
+    if rule.is_verdict or rule.agg == "last":
+        return sel
+    w = _fmt_duration(rule.window_s)
+    if rule.agg == "increase" and CATALOG[rule.metric].source == "events":
+        # The agent creates an event counter at its first event: increase() alone would miss that one
+        # (no earlier sample), so a series newer than the window counts from zero, as in the agent.
+        return f"(increase({sel}[{w}]) or ({sel} unless {sel} offset {w}))"
+    return f"{_FUNCS[rule.agg]}({sel}[{w}])"
+
+
+def expr(rule: Rule) -> str:
+    """The PromQL condition of one rule."""
+    value = _value_expr(rule)
+    if rule.is_verdict:
+        return f"{value} >= {rule.min_confidence:g}" if rule.min_confidence else f"{value} > 0"
+    main = f"{value} {rule.op} {rule.threshold:g}"
+    if rule.resolve_threshold is None:
+        return main
+    ignoring = ", ".join(["alertname", "alertstate", "severity"] + [k for k, _ in rule.labels])
+    return (f"({main})\nor\n({value} {rule.op} {rule.resolve_threshold:g}\n"
+            f'  and ignoring({ignoring}) ALERTS{{alertname="{rule.name}", alertstate="firing"}})')
+
+
+def _go_template(text: str, rule: Rule) -> str:
+    """Our {gpu} / {value:.1f} fields as Go template text ({{ $labels.gpu }}, {{ printf "%.1f" $value }})."""
+    out: list[str] = []
+    try:
+        parts = list(string.Formatter().parse(text))
+    except ValueError:
+        return text
+    for literal, name, spec, _conv in parts:
+        out.append(literal.replace("{{", "{ {"))
+        if name is None:
+            continue
+        if name == "value":
+            out.append(f'{{{{ printf "%{spec}" $value }}}}' if spec else "{{ $value }}")
+        elif name in _LABEL_FIELDS:
+            out.append(f"{{{{ $labels.{_LABEL_FIELDS[name]} }}}}")
+        elif name == "threshold":
+            out.append(format(rule.threshold, spec) if spec else f"{rule.threshold:g}")
+        elif name == "rule":
+            out.append(rule.name)
+        elif name == "verdict":
+            out.append(rule.verdict)
+    return "".join(out)
+
+
+def rule_to_prometheus(rule: Rule) -> dict[str, Any]:
+    out: dict[str, Any] = {"alert": rule.name, "expr": expr(rule)}
+    if rule.for_s:
+        out["for"] = _fmt_duration(rule.for_s)
+    if rule.keep_firing_for_s:
+        out["keep_firing_for"] = _fmt_duration(rule.keep_firing_for_s)
+    out["labels"] = {"severity": rule.severity, **dict(rule.labels)}
+    ann = {"summary": _go_template(rule.summary, rule) if rule.summary else f"{rule.name}: {rule.condition_text()}"}
+    if rule.description:
+        ann["description"] = _go_template(rule.description, rule)
+    if rule.runbook_url:
+        ann["runbook_url"] = rule.runbook_url
+    out["annotations"] = ann
+    return out
+
+
+def to_prometheus(rules: Sequence[Rule], group: str = "gpuscope", sources: Sequence[str] = ()) -> str:
+    """A Prometheus rule file (YAML) with one group holding every rule."""
+    import yaml
+
+    doc = {"groups": [{"name": group, "rules": [rule_to_prometheus(r) for r in rules]}]}
+    verdict_rules = [r.name for r in rules if r.is_verdict]
+    head = ["# Prometheus alerting rules generated by `gpuscope alerts export-rules`"
+            + (f" from {', '.join(sources)}" if sources else " (built-in rules)") + ".",
+            "# Metric rules use the canonical series the gpuscope agent exports at /metrics "
+            "([prometheus] naming = \"canonical\").",
+            "# Check with: promtool check rules FILE"]
+    if verdict_rules:
+        head.append("# Verdict rules (" + ", ".join(verdict_rules) + ") read gpu_verdict{kind,window}, which an agent "
+                    "exports for the verdict windows of the rules it loaded: give the agents the same rule files.")
+
+    class _Dumper(yaml.SafeDumper):
+        pass
+
+    def _str(dumper: yaml.SafeDumper, data: str) -> Any:
+        style = "|" if "\n" in data else None
+        return dumper.represent_scalar("tag:yaml.org,2002:str", data, style=style)
+
+    _Dumper.add_representer(str, _str)
+    body = yaml.dump(doc, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=1000, allow_unicode=True)
+    return "\n".join(head) + "\n" + body
