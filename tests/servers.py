@@ -1,9 +1,10 @@
-"""Real servers for integration tests: Prometheus, VictoriaMetrics and a tiny /metrics HTTP server.
+"""Real servers for integration tests: Prometheus, VictoriaMetrics, Alertmanager and a tiny /metrics HTTP server.
 
 Each runs on a free loopback port with its data in a temporary directory, waits until it is ready,
 and is stopped (terminate, then kill) when its `with` block or fixture ends. A test whose binary is
-missing is skipped with the package to install (Debian: `apt-get install prometheus victoria-metrics`).
-Binaries are found on PATH, or named by GPUSCOPE_PROMETHEUS, GPUSCOPE_PROMTOOL, GPUSCOPE_VICTORIA_METRICS.
+missing is skipped with the package to install (Debian: `apt-get install prometheus victoria-metrics
+prometheus-alertmanager`). Binaries are found on PATH, or named by GPUSCOPE_PROMETHEUS, GPUSCOPE_PROMTOOL,
+GPUSCOPE_VICTORIA_METRICS, GPUSCOPE_ALERTMANAGER.
 
     from servers import MetricsServer, PrometheusServer
 
@@ -13,12 +14,14 @@ Binaries are found on PATH, or named by GPUSCOPE_PROMETHEUS, GPUSCOPE_PROMTOOL, 
             prom.wait_for("up_total", lambda r: len(r) == 1)
 
 Fixtures (import them into a test module, `from servers import victoria_metrics  # noqa: F401`):
-`victoria_metrics` (a running VictoriaMetricsServer) and `prometheus_factory` (call it with
-PrometheusServer's arguments; every server it made is stopped at teardown).
+`victoria_metrics` (a running VictoriaMetricsServer), `prometheus_factory` (call it with
+PrometheusServer's arguments; every server it made is stopped at teardown) and `alertmanager` (a running
+AlertmanagerServer).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -36,14 +39,15 @@ from typing import Any
 
 import pytest
 
-__all__ = ["MetricsServer", "PrometheusServer", "VictoriaMetricsServer", "free_port", "need_binary",
-           "prometheus_factory", "victoria_metrics"]
+__all__ = ["AlertmanagerServer", "MetricsServer", "WebhookReceiver", "PrometheusServer", "VictoriaMetricsServer", "alertmanager",
+           "free_port", "need_binary", "prometheus_factory", "victoria_metrics"]
 
 _BINARIES = {
     "prometheus": ("GPUSCOPE_PROMETHEUS", ("prometheus",), "prometheus"),
     "promtool": ("GPUSCOPE_PROMTOOL", ("promtool",), "prometheus"),
     "victoria-metrics": ("GPUSCOPE_VICTORIA_METRICS", ("victoria-metrics", "victoria-metrics-prod"),
                          "victoria-metrics"),
+    "alertmanager": ("GPUSCOPE_ALERTMANAGER", ("prometheus-alertmanager", "alertmanager"), "prometheus-alertmanager"),
 }
 
 
@@ -249,6 +253,46 @@ class VictoriaMetricsServer(_Process):
         return super().query(promql, time_s)
 
 
+class AlertmanagerServer(_Process):
+    """A real Alertmanager (clustering off) with one receiver that sends nowhere; `alerts()` reads
+    GET /api/v2/alerts. `config` replaces the default configuration (a dict, written as JSON)."""
+
+    name = "alertmanager"
+    ready_path = "/-/ready"
+
+    def __init__(self, workdir: Path, config: dict[str, Any] | None = None) -> None:
+        self.binary = need_binary("alertmanager")
+        super().__init__()
+        self.workdir = Path(workdir) / f"alertmanager-{self.port}"
+        self.config = config or {"route": {"receiver": "null", "group_wait": "1s", "group_interval": "1s",
+                                           "repeat_interval": "1h"},
+                                 "receivers": [{"name": "null"}]}
+        self.start(self.workdir)
+
+    def _command(self) -> list[str]:
+        cfg = self.workdir / "alertmanager.yml"
+        cfg.write_text(json.dumps(self.config))  # JSON is YAML
+        return [self.binary, f"--config.file={cfg}", f"--storage.path={self.workdir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}", "--cluster.listen-address=", "--log.level=warn"]
+
+    def alerts(self, **params: Any) -> list[dict[str, Any]]:
+        """GET /api/v2/alerts (active=, silenced=, inhibited=, unprocessed=, filter= as query parameters)."""
+        return self.get_json("/api/v2/alerts", **{k: str(v).lower() if isinstance(v, bool) else v
+                                                   for k, v in params.items()})
+
+    def wait_alerts(self, ok: Callable[[list[dict[str, Any]]], bool], timeout: float = 20.0,
+                    **params: Any) -> list[dict[str, Any]]:
+        deadline = time.monotonic() + timeout
+        while True:
+            got = self.alerts(**params)
+            if ok(got):
+                return got
+            if time.monotonic() > deadline:
+                raise AssertionError(f"Alertmanager's alerts never satisfied the check in {timeout:g} s: "
+                                     f"{json.dumps(got)[:2000]}\n{self.log_tail()}")
+            time.sleep(0.2)
+
+
 class MetricsServer:
     """The standard library's HTTP server in a thread, answering GET with `body(path)` as the
     Prometheus text format (None -> 404). `address` is host:port for a scrape config."""
@@ -305,10 +349,85 @@ class MetricsServer:
         self.stop()
 
 
+class WebhookReceiver:
+    """A real aiohttp server on a loopback port, in its own thread, that records every POST
+    (`received`: list of (path, headers, parsed JSON)). It answers `fail_first` requests with 500
+    first, and waits `delay` seconds before answering."""
+
+    def __init__(self, fail_first: int = 0, delay: float = 0.0) -> None:
+        from aiohttp import web
+
+        self.received: list[tuple[str, dict[str, str], Any]] = []
+        self.attempts = 0
+        self.fail_first, self.delay = fail_first, delay
+        self._lock = threading.Lock()
+        self._loop = asyncio.new_event_loop()
+
+        async def handle(request: web.Request) -> web.Response:
+            with self._lock:
+                self.attempts += 1
+                fail = self.attempts <= self.fail_first
+            if self.delay:
+                await asyncio.sleep(self.delay)
+            if fail:
+                return web.Response(status=500, text="try again later")
+            body = await request.json()
+            with self._lock:
+                self.received.append((request.path, dict(request.headers), body))
+            return web.Response(text="ok")
+
+        async def start() -> None:
+            app = web.Application()
+            app.router.add_post("/{tail:.*}", handle)
+            self._runner = web.AppRunner(app, access_log=None)
+            await self._runner.setup()
+            site = web.TCPSite(self._runner, "127.0.0.1", 0)
+            await site.start()
+            self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+        self._loop.run_until_complete(start())
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._thread = threading.Thread(target=self._loop.run_forever, name="webhook-receiver", daemon=True)
+        self._thread.start()
+
+    def bodies(self, path: str | None = None) -> list[Any]:
+        with self._lock:
+            return [b for p, _, b in self.received if path is None or p == path]
+
+    def wait_for(self, ok: Callable[[list[Any]], bool], timeout: float = 20.0, path: str | None = None) -> list[Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            got = self.bodies(path)
+            if ok(got):
+                return got
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the receiver never got what the test waits for in {timeout:g} s: "
+                                     f"{json.dumps(got)[:2000]}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        self._loop.close()
+
+    def __enter__(self) -> WebhookReceiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
 @pytest.fixture
 def victoria_metrics(tmp_path: Path) -> Iterator[VictoriaMetricsServer]:
     with VictoriaMetricsServer(tmp_path) as vm:
         yield vm
+
+
+@pytest.fixture
+def alertmanager(tmp_path: Path) -> Iterator[AlertmanagerServer]:
+    with AlertmanagerServer(tmp_path) as am:
+        yield am
 
 
 @pytest.fixture

@@ -143,6 +143,25 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--end", default="now")
     e.add_argument("--metric", action="append", default=None, help="only these metrics (repeatable)")
     e.add_argument("--data-dir", default=None, help="the agent's data directory")
+
+    al = sub.add_parser("alerts", help="check alert rule files, export them for Prometheus, list an agent's alerts",
+                        description="Alert rules (TOML or YAML) on metrics and verdicts; see the README's Alerts "
+                                    "section for the format.")
+    alsub = al.add_subparsers(dest="alerts_verb", metavar="ACTION", parser_class=_Parser)
+    ac = alsub.add_parser("check", help="validate rule files (exit 0 when valid, 2 with one sentence when not)")
+    ac.add_argument("files", nargs="+", metavar="FILE", help="rule files (.toml, .yaml, .yml)")
+    ac.add_argument("--no-builtins", action="store_true", help="leave out the built-in rules")
+    ae = alsub.add_parser("export-rules", help="write the rules as a Prometheus rule file",
+                          description="Writes the built-in rules and those of FILE... as a Prometheus rule file "
+                                      "(check it with 'promtool check rules').")
+    ae.add_argument("files", nargs="*", metavar="FILE", help="rule files (none: the built-in rules alone)")
+    ae.add_argument("-o", "--out", default="-", help="output file (default: standard output)")
+    ae.add_argument("--no-builtins", action="store_true", help="leave out the built-in rules")
+    ae.add_argument("--group", default="gpuscope", help="the rule group's name (default gpuscope)")
+    alist = alsub.add_parser("list", help="the firing and pending alerts of a running agent")
+    alist.add_argument("--url", default=None, help="the agent (default $GPUSCOPE_URL or http://127.0.0.1:9471)")
+    alist.add_argument("--token", default=None, help="bearer token (default $GPUSCOPE_TOKEN or the data dir's token)")
+    alist.add_argument("--json", action="store_true", help="print the agent's answer as JSON")
     return p
 
 
@@ -449,7 +468,61 @@ def _run(args: argparse.Namespace) -> int:
     return code
 
 
-_VERBS = {"doctor": _doctor, "diagnose": _diagnose, "run": _run, "sample": _sample, "scenarios": _scenarios, "agent": _agent, "query": _query,
+def _alerts(args: argparse.Namespace) -> int:
+    from .alerts import RuleError, load_rules, to_prometheus
+
+    if args.alerts_verb is None:
+        raise UsageError("Say what to do: gpuscope alerts check|export-rules|list (see 'gpuscope alerts --help').")
+    if args.alerts_verb == "list":
+        return _alerts_list(args)
+    try:
+        rules = load_rules(args.files, builtins=not args.no_builtins)
+    except RuleError as e:
+        raise UsageError(str(e)) from None
+    if args.alerts_verb == "check":
+        own = [r for r in rules if r.source != "built-in"]
+        print(f"ok: {len(own)} rule(s) from {', '.join(args.files)}; {len(rules)} rule(s) in all with the built-ins"
+              if not args.no_builtins else f"ok: {len(rules)} rule(s) from {', '.join(args.files)}")
+        return EXIT_OK
+    text = to_prometheus(rules, group=args.group, sources=args.files)
+    if args.out == "-":
+        sys.stdout.write(text)
+        return EXIT_OK
+    try:
+        with open(args.out, "w") as f:
+            f.write(text)
+    except OSError as e:
+        raise UsageError(f"Cannot write {args.out}: {e.strerror}.") from None
+    print(f"wrote {len(rules)} rule(s) to {args.out}", file=sys.stderr)
+    return EXIT_OK
+
+
+def _alerts_list(args: argparse.Namespace) -> int:
+    from .agent.client import default_url, find_token, get_json
+
+    url = args.url or default_url()
+    data = get_json(url, "/api/v1/alerts", {}, find_token(args.token, None), timeout=10.0)
+    if args.json:
+        print(json.dumps(data, indent=1))
+        return EXIT_OK
+    if not data.get("enabled", True):
+        print("alerts are off in this agent's config ([alerts] enabled = false)")
+        return EXIT_OK
+    if data.get("simulated"):
+        print(f"SIMULATED node — scenario '{data['simulated']}'")
+    active = data.get("firing", []) + data.get("pending", [])
+    if not active:
+        print(f"no alert firing or pending ({len(data.get('rules', []))} rule(s) evaluated)")
+    for a in active:
+        lab = a["labels"]
+        where = " ".join(f"{k}={lab[k]}" for k in ("gpu", "xid") if lab.get(k))
+        since = time.strftime("%H:%M:%S", time.localtime(a["active_at"]))
+        print(f"{a['state']:<8} {lab.get('severity', ''):<8} {a['rule']:<22} {where:<10} since {since}  "
+              f"{a['annotations'].get('summary', '')}")
+    return EXIT_OK
+
+
+_VERBS = {"alerts": _alerts, "doctor": _doctor, "diagnose": _diagnose, "run": _run, "sample": _sample, "scenarios": _scenarios, "agent": _agent, "query": _query,
           "export": _export}
 
 

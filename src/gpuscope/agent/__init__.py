@@ -92,6 +92,7 @@ class Agent:
         self.store: Any = None
         self.sampler: Any = None
         self.remote: Any = None
+        self.alerts: Any = None
         self._render_cache: dict[str, tuple[int, bytes]] = {}
         self._render_lock = threading.Lock()
         self._stop: asyncio.Event | None = None
@@ -112,6 +113,8 @@ class Agent:
             extra["gpuscope_agent_uptime_seconds"] = time.time() - self.started
             if self.remote is not None:
                 extra.update(self.remote.self_metrics())
+            if self.alerts is not None:
+                extra.update(self.alerts.self_metrics())
             body = render(snap, mode=mode, top_processes=self.top_processes, extra=extra)
             self._render_cache[mode] = (snap.time_ns, body)
             return body
@@ -125,6 +128,9 @@ class Agent:
             "sampler": {"interval_s": self.sampler.config.interval, **ov},
             "store": self.store.stats(), "data_dir": str(self.cfg.data_path),
             "remote_write": self.remote.stats() if self.remote is not None and hasattr(self.remote, "stats") else None,
+            "alerts": None if self.alerts is None else {
+                "rules": len(self.alerts.engine.rules), "notifiers": self.alerts.dispatcher.stats(),
+                "evaluation_interval_s": self.alerts.interval},
             "bind": f"{self.cfg.agent.bind}:{self.port}", "auth": "token for every request" if not self.loopback_only
             else "token for changes only (loopback)",
         }
@@ -179,6 +185,20 @@ class Agent:
                                        top_processes=self.top_processes, extra=self.sampler.self_metrics)
             self.sampler.subscribe(self.remote.add)
         self.sampler.start()
+        self._start_alerts()
+
+    def _start_alerts(self) -> None:
+        """Rules were validated with the config; the service evaluates on its own thread."""
+        al = self.cfg.alerts
+        if not al.enabled:
+            return
+        from ..alerts import AlertService, build_notifiers, describe_notifiers, load_rules
+
+        rules = load_rules(al.rule_files, builtins=al.builtins)
+        notifiers = build_notifiers(al)
+        self.alerts = AlertService(self.sampler, rules, notifiers, interval=al.evaluation_interval).start()
+        log.info("alerts: %d rule(s) every %g s, notifying %s", len(rules), al.evaluation_interval,
+                 describe_notifiers(notifiers), extra={"f_event": "alerts"})
 
     def run(self) -> int:
         # NVML first: on a machine without a GPU nothing is written before it says so.
@@ -197,6 +217,9 @@ class Agent:
             self.shutdown()
 
     def shutdown(self) -> None:
+        if self.alerts is not None:
+            self.alerts.stop()
+            self.alerts = None
         if self.sampler is not None:
             self.sampler.stop()
         if self.remote is not None:
@@ -234,6 +257,9 @@ class Agent:
         sockets = getattr(site._server, "sockets", None) or []
         self.port = sockets[0].getsockname()[1] if sockets else self.cfg.agent.port
         host = self.cfg.agent.bind if ":" not in self.cfg.agent.bind else f"[{self.cfg.agent.bind}]"
+        if self.alerts is not None:
+            self.alerts.engine.generator_url = (self.cfg.alerts.external_url
+                                                or f"http://{self.sampler.hostname}:{self.port}/api/v1/alerts")
         what = (f"SIMULATED node, scenario '{self.sampler.simulated}'" if self.sampler.simulated
                 else f"{len(self.sampler.devices)} GPU(s)")
         self.announce(f"gpuscope agent {__version__}: sampling {what} every "

@@ -31,6 +31,18 @@
     url = ""                    # e.g. "http://victoria:8428/api/v1/write"; empty = off
     interval = "10s"
     headers = {}
+
+    [alerts]
+    enabled = true              # the built-in rules, evaluated on the in-memory history, to the log
+    rule_files = []             # TOML or YAML (see gpuscope.alerts.rules); relative to this file
+    builtins = true
+    evaluation_interval = "5s"
+    log = true                  # each firing / resolved alert as a log line
+    webhook_urls = []           # generic JSON (Alertmanager's webhook format)
+    webhook_headers = {}
+    slack_urls = []             # Slack-compatible incoming webhooks
+    alertmanager_urls = []      # e.g. ["http://alertmanager:9093"]: API v2, every instance of an HA pair
+    external_url = ""           # generatorURL in alerts (default http://HOSTNAME:PORT/api/v1/alerts)
 """
 
 from __future__ import annotations
@@ -139,12 +151,27 @@ class RemoteWriteSection:
 
 
 @dataclass
+class AlertsSection:
+    enabled: bool = True
+    rule_files: list[str] = field(default_factory=list)
+    builtins: bool = True
+    evaluation_interval: float = 5.0
+    log: bool = True
+    webhook_urls: list[str] = field(default_factory=list)
+    webhook_headers: dict[str, str] = field(default_factory=dict)
+    slack_urls: list[str] = field(default_factory=list)
+    alertmanager_urls: list[str] = field(default_factory=list)
+    external_url: str = ""
+
+
+@dataclass
 class Config:
     agent: AgentSection = field(default_factory=AgentSection)
     sampler: SamplerSection = field(default_factory=SamplerSection)
     store: StoreSection = field(default_factory=StoreSection)
     prometheus: PrometheusSection = field(default_factory=PrometheusSection)
     remote_write: RemoteWriteSection = field(default_factory=RemoteWriteSection)
+    alerts: AlertsSection = field(default_factory=AlertsSection)
     source: str = "defaults"
 
     @property
@@ -166,7 +193,7 @@ class Config:
 
 _DURATIONS = {("sampler", "interval"), ("sampler", "gpm_window"), ("sampler", "slow"), ("store", "flush_interval"),
               ("store", "raw"), ("store", "rollup_1s"), ("store", "rollup_1m"), ("store", "rollup_1h"),
-              ("remote_write", "interval")}
+              ("remote_write", "interval"), ("alerts", "evaluation_interval")}
 _SIZES = {("store", "max_size")}
 _CHOICES = {("agent", "log_format"): ("text", "json"),
             ("agent", "log_level"): ("debug", "info", "warning", "error"),
@@ -193,6 +220,12 @@ def _coerce(section: str, key: str, value: Any, default: Any, where: str) -> Any
         if choices and value not in choices:
             raise ConfigError(f"{where} must be one of {', '.join(choices)}, not {value!r}.")
         return value
+    if isinstance(default, list):
+        if isinstance(value, str):  # one file or URL needs no brackets
+            value = [value]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{where} must be a list of strings, such as [\"a\", \"b\"], not {value!r}.")
+        return list(value)
     if isinstance(default, dict):
         if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
             raise ConfigError(f"{where} must be a table of strings, such as {{ Authorization = \"Bearer x\" }}.")
@@ -235,6 +268,11 @@ def load(path: str | os.PathLike[str] | None) -> Config:
         raise ConfigError(f"The config file {p} is not UTF-8 text.") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"The config file {p} is not valid TOML: {e}.") from None
+    alerts = data.get("alerts")
+    if isinstance(alerts, dict) and isinstance(alerts.get("rule_files"), list | str):
+        # Rule files are found relative to the config file, as Prometheus does.
+        files = [alerts["rule_files"]] if isinstance(alerts["rule_files"], str) else alerts["rule_files"]
+        alerts["rule_files"] = [str(p.parent / os.path.expanduser(f)) if isinstance(f, str) else f for f in files]
     return from_dict(data, str(p))
 
 
@@ -255,3 +293,17 @@ def validate(cfg: Config) -> None:
     url = cfg.remote_write.url
     if url and not re.match(r"^https?://[^/\s]+", url):
         raise ConfigError(f"{src}[remote_write] url must be an http:// or https:// URL, not {url!r}.")
+    al = cfg.alerts
+    for key in ("webhook_urls", "slack_urls", "alertmanager_urls"):
+        for u in getattr(al, key):
+            if not re.match(r"^https?://[^/\s]+", u):
+                from ..alerts.notifiers import redact_url
+
+                raise ConfigError(f"{src}[alerts] {key} must hold http:// or https:// URLs, not {redact_url(u)!r}.")
+    if al.enabled and (al.rule_files or not al.builtins):
+        from ..alerts.rules import RuleError, load_rules
+
+        try:
+            load_rules(al.rule_files, builtins=al.builtins)
+        except RuleError as e:
+            raise ConfigError(str(e)) from None

@@ -127,6 +127,7 @@ class Api:
         r.add_get("/api/v1/query_range", self.query_range)
         r.add_get("/api/v1/events", self.events)
         r.add_get("/api/v1/diagnose", self.diagnose)
+        r.add_get("/api/v1/alerts", self.alerts)
 
     async def index(self, request: web.Request) -> web.Response:
         return _json({
@@ -143,6 +144,7 @@ class Api:
                                        "&LABEL=VALUE",
                 "/api/v1/events": "?start=-1h&end=now&kind=xid&gpu=0",
                 "/api/v1/diagnose": "verdicts over the last ?window=30s (at most the sampler's in-memory history)",
+                "/api/v1/alerts": "firing, pending and recently resolved alerts, the rules and the notifiers",
             },
         })
 
@@ -245,6 +247,13 @@ class Api:
 
         verdicts = await asyncio.get_running_loop().run_in_executor(None, run)
         return _json({"window_s": window, "simulated": sampler.simulated, "verdicts": [asdict(v) for v in verdicts]})
+
+
+    async def alerts(self, request: web.Request) -> web.Response:
+        svc = getattr(self.agent, "alerts", None)
+        if svc is None:
+            return _json({"enabled": False, "firing": [], "pending": [], "resolved": [], "rules": []})
+        return _json({"enabled": True, "simulated": self.agent.sampler.simulated, **svc.alerts()})
 
 
 def make_app(agent: Any, max_request_bytes: int = 65536) -> web.Application:
