@@ -12,7 +12,7 @@ from html.parser import HTMLParser
 import pytest
 
 from gpuscope.report import GpuTimeline, render_html, write_html
-from gpuscope.report.html import VERDICT_COLORS
+from gpuscope.report.htmlpage import VERDICT_COLORS
 from gpuscope.runcmd import Segment, _summarise
 
 EVIL = "python train.py --name '<script>alert(\"x\")</script>' & \"quoted\""

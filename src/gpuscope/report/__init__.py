@@ -4,7 +4,7 @@ processes (`RunProcesses`) and the self-contained HTML page (`render_html`, `wri
     gpuscope run --simulate launch_bound --html report.html -- sleep 12
 """
 
-from .html import render_html, write_html
+from .htmlpage import render_html, write_html
 from .processes import RunProcesses
 from .timeline import GpuTimeline
 

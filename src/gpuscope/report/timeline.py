@@ -38,11 +38,18 @@ class _Column:
     def __init__(self) -> None:
         self.mean, self.lo, self.hi, self.n = array("d"), array("d"), array("d"), array("l")
 
-    def append(self, v: float | None, n: int = 1) -> None:
+    def append(self, v: float | None) -> None:
         if v is None or not math.isfinite(v):
-            self.mean.append(NAN), self.lo.append(NAN), self.hi.append(NAN), self.n.append(0)
+            self._push(self, NAN, NAN, NAN, 0)
         else:
-            self.mean.append(v), self.lo.append(v), self.hi.append(v), self.n.append(n)
+            self._push(self, v, v, v, 1)
+
+    @staticmethod
+    def _push(c: _Column, mean: float, lo: float, hi: float, n: int) -> None:
+        c.mean.append(mean)
+        c.lo.append(lo)
+        c.hi.append(hi)
+        c.n.append(n)
 
     def fold(self, i: int, v: float | None) -> None:
         """Add one more value to bucket i."""
@@ -57,17 +64,17 @@ class _Column:
         self.n[i] = n + 1
 
     def halve(self) -> None:
-        mean, lo, hi, n = array("d"), array("d"), array("d"), array("l")
+        out = _Column()
         for i in range(0, len(self.n), 2):
             j = min(i + 1, len(self.n) - 1)
             ns = self.n[i] + (self.n[j] if j != i else 0)
             if ns == 0:
-                mean.append(NAN), lo.append(NAN), hi.append(NAN), n.append(0)
+                self._push(out, NAN, NAN, NAN, 0)
                 continue
             parts = [(self.mean[k], self.lo[k], self.hi[k], self.n[k]) for k in {i, j} if self.n[k]]
-            mean.append(sum(m * c for m, _, _, c in parts) / ns)
-            lo.append(min(p[1] for p in parts)), hi.append(max(p[2] for p in parts)), n.append(ns)
-        self.mean, self.lo, self.hi, self.n = mean, lo, hi, n
+            self._push(out, sum(m * c for m, _, _, c in parts) / ns, min(p[1] for p in parts),
+                       max(p[2] for p in parts), ns)
+        self.mean, self.lo, self.hi, self.n = out.mean, out.lo, out.hi, out.n
 
 
 class GpuTimeline:
@@ -100,7 +107,9 @@ class GpuTimeline:
             if self._in_last < self.samples_per_bucket:  # a lone last bucket has room again
                 self._fold_last(t, values, m)
                 return
-        self.t_start.append(t), self.t_end.append(t), self.masks.append(m)
+        self.t_start.append(t)
+        self.t_end.append(t)
+        self.masks.append(m)
         for k, c in self.cols.items():
             c.append(values.get(k))
         self._in_last = 1
@@ -139,6 +148,7 @@ class GpuTimeline:
 
     def nbytes(self) -> int:
         """Memory held by the arrays (for tests and self-accounting)."""
-        arrays = [self.t_start, self.t_end, self.masks] + [a for c in self.cols.values()
-                                                          for a in (c.mean, c.lo, c.hi, c.n)]
-        return sum(a.itemsize * a.buffer_info()[1] for a in arrays)
+        arrays: list[array[Any]] = [self.t_start, self.t_end, self.masks]
+        for c in self.cols.values():
+            arrays += [c.mean, c.lo, c.hi, c.n]
+        return sum(a.itemsize * len(a) for a in arrays)
