@@ -105,12 +105,14 @@ def render_template(text: str, fields: dict[str, Any]) -> str:
 
 # -- what a rule sees in the sampler's history ----------------------------------------------------
 
-def _window(snaps: Sequence[Snapshot], window_s: float) -> Sequence[Snapshot]:
+def _window(snaps: Sequence[Snapshot], window_s: float, cover: bool = False) -> Sequence[Snapshot]:
+    """The snapshots of the last `window_s`; with `cover`, also the one before, so that the samples
+    span the whole window (the diagnosis wants at least its minimum window between first and last)."""
     if not snaps:
         return snaps
     cutoff = snaps[-1].time_ns - int(window_s * 1e9)
     i = bisect.bisect_left(snaps, cutoff, key=lambda s: s.time_ns)
-    return snaps[i:]
+    return snaps[max(0, i - 1) if cover else i:]
 
 
 def _aggregate(agg: str, points: list[tuple[float, float]], born_in_window: bool, t_start: float) -> float | None:
@@ -205,7 +207,7 @@ def evaluate_verdicts(snaps: Sequence[Snapshot], window_s: float) -> list[Any]:
     """The diagnosis over the last `window_s` of the history: a list of diagnose.Verdict."""
     from ..diagnose import diagnose, windows_from_snapshots
 
-    win = _window(snaps, window_s)
+    win = _window(snaps, window_s, cover=True)
     return diagnose(windows_from_snapshots(win)) if win else []
 
 

@@ -74,6 +74,7 @@ def iso(t: float) -> str:
 
 def post_json(url: str, body: Any, headers: dict[str, str] | None = None, timeout: float = 10.0) -> bytes:
     """POST `body` as JSON; credentials in the URL become a Basic Authorization header."""
+    shown = redact_url(url)
     p = urllib.parse.urlsplit(url)
     hdrs = {"Content-Type": "application/json", "User-Agent": "gpuscope-alerts"}
     if p.username is not None:
@@ -85,7 +86,6 @@ def post_json(url: str, body: Any, headers: dict[str, str] | None = None, timeou
         url = urllib.parse.urlunsplit((p.scheme, netloc + (f":{p.port}" if p.port else ""), p.path, p.query, ""))
     hdrs.update(headers or {})
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=hdrs, method="POST")
-    shown = redact_url(url)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.read()
