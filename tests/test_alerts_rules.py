@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import textwrap
+from pathlib import Path
 
 import pytest
 import yaml
@@ -284,4 +285,17 @@ def test_exported_hysteresis_and_for_behave_in_prometheus(tmp_path):
     tf = tmp_path / "t.yml"
     tf.write_text(yaml.safe_dump(tests))
     p = subprocess.run([promtool, "test", "rules", str(tf)], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_the_readme_example_is_valid_and_exports(tmp_path):
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("## Alerts"):]
+    example = section[section.index("```toml") + len("```toml"):section.index("```", section.index("```toml") + 7)]
+    rules = {r.name: r for r in load_rules([write(tmp_path, example)])}
+    assert {"GpuHot", "Xid79", "TensorCoresUnused", "GpuLost"} <= set(rules) and "GpuIdleAllocated" not in rules
+    promtool = need_binary("promtool")
+    out = tmp_path / "readme-rules.yml"
+    out.write_text(to_prometheus(list(rules.values())))
+    p = subprocess.run([promtool, "check", "rules", str(out)], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stdout + p.stderr
