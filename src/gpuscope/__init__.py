@@ -3,6 +3,7 @@
 from ._nvml import NvmlUnavailable
 from ._records import Capability, Event, GpuIdentity, GpuRecord, HostRecord, ProcessRecord, Snapshot
 from .catalog import CATALOG, Metric
+from .integrations import Monitor, MonitorError, StepReport, monitor
 from .sampler import ConfigError, Sampler, SamplerConfig
 
 __version__ = "0.1.0"
@@ -16,10 +17,14 @@ __all__ = [
     "GpuRecord",
     "HostRecord",
     "Metric",
+    "Monitor",
+    "MonitorError",
     "NvmlUnavailable",
     "ProcessRecord",
     "Sampler",
     "SamplerConfig",
     "Snapshot",
+    "StepReport",
     "__version__",
+    "monitor",
 ]

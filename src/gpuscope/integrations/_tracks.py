@@ -1,0 +1,99 @@
+"""A GPU series as piecewise-constant segments in time, and the step join over them.
+
+What a sampled value means: GPM metrics are averages over the window between two GPM samples, NVML
+utilization and power averages over the driver's own period. The sampler reads them on its ticks and
+keeps the last value in between, so a value first seen at tick t covers (the previous window's end,
+t]; the same value seen again on the next ticks is the same window read again. A `Track` turns that
+into segments. At a change, the new value covers the nominal window before it (the time between the
+last boundary and that window keeps the previous value). A repeat counts only once more than the
+longest window has passed (a window is the nominal one or one tick longer: GPM drops a sample that
+comes a hair early), and then the same-valued window is taken to have ended one tick earlier, when a
+repeat can first be seen. With windows of exactly the nominal length this is exact; otherwise a
+boundary is off by at most one tick.
+
+Joining is exact for piecewise-constant values: the integral F(t) = ∫ v dt is piecewise linear, so
+F(end) - F(start) comes from `numpy.interp` on the segment boundaries for a whole batch of steps.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from typing import Any
+
+NAN = float("nan")
+
+
+class Track:
+    """One series of one GPU. `b` are boundaries (monotonic seconds), `v[i]` the value on (b[i], b[i+1]]
+    (NaN: unknown there)."""
+
+    __slots__ = ("window", "tick", "repeat_after", "b", "v", "last")
+
+    def __init__(self, window: float, tick: float) -> None:
+        self.window = window  # the nominal period this series' values average over, seconds
+        self.tick = tick  # the sampler's interval
+        self.repeat_after = window + 0.75 * tick  # a repeat this late shows a new window
+        self.b: list[float] = []
+        self.v: list[float] = []
+        self.last: float | None = None
+
+    def add(self, t: float, value: float | None) -> None:
+        b, v = self.b, self.v
+        if b and t <= b[-1]:
+            return
+        if value is None or math.isnan(value):
+            if self.last is not None:  # the series stopped (unsupported now, GPU lost): unknown since
+                b.append(t)
+                v.append(NAN)
+            self.last = None
+            return
+        if self.last is None:
+            start = t - self.window
+            if not b:
+                b.append(start)
+            elif start > b[-1]:
+                b.append(start)
+                v.append(NAN)
+            b.append(t)
+            v.append(value)
+            self.last = value
+            return
+        if value != self.last:
+            start = t - self.window
+            if start > b[-1]:
+                b.append(start)
+                v.append(self.last)
+            b.append(t)
+            v.append(value)
+            self.last = value
+        elif t - b[-1] >= self.repeat_after:
+            b.append(max(t - self.tick, b[-1] + 0.5 * self.tick))
+            v.append(value)
+
+    @property
+    def known_until(self) -> float:
+        return self.b[-1] if self.b else -math.inf
+
+    def prune(self, before: float) -> None:
+        """Forget segments that end before `before`."""
+        k = bisect.bisect_left(self.b, before) - 1
+        if k > 0:
+            del self.b[:k]
+            del self.v[:k]
+
+    def integrate(self, starts: Any, ends: Any) -> tuple[Any, Any]:
+        """For each [start, end]: (∫ v dt over the known part, the known seconds), as numpy arrays."""
+        import numpy as np
+
+        if len(self.b) < 2:
+            z = np.zeros(len(starts))
+            return z, z
+        b = np.asarray(self.b)
+        v = np.asarray(self.v, dtype=float)
+        dt = np.diff(b)
+        ok = ~np.isnan(v)
+        f = np.concatenate(([0.0], np.cumsum(np.where(ok, v * dt, 0.0))))
+        c = np.concatenate(([0.0], np.cumsum(np.where(ok, dt, 0.0))))
+        return (np.interp(ends, b, f) - np.interp(starts, b, f),
+                np.interp(ends, b, c) - np.interp(starts, b, c))
