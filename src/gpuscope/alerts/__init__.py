@@ -51,5 +51,8 @@ def build_notifiers(section: Any) -> list[Notifier]:
 
 def describe_notifiers(notifiers: Sequence[Notifier]) -> str:
     """'log, alertmanager http://am:9093/api/***' with every URL redacted, for the log."""
-    return ", ".join(n.name + (f" {redact_url(n.url)}" if getattr(n, "url", None) else "") for n in notifiers) \
-        or "none"
+    parts = []
+    for n in notifiers:
+        url = getattr(n, "url", None)
+        parts.append(n.name + (f" {redact_url(url)}" if url else ""))
+    return ", ".join(parts) or "none"

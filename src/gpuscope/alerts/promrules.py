@@ -108,7 +108,7 @@ def rule_to_prometheus(rule: Rule) -> dict[str, Any]:
 
 def to_prometheus(rules: Sequence[Rule], group: str = "gpuscope", sources: Sequence[str] = ()) -> str:
     """A Prometheus rule file (YAML) with one group holding every rule."""
-    import yaml
+    import yaml  # type: ignore[import-untyped]
 
     doc = {"groups": [{"name": group, "rules": [rule_to_prometheus(r) for r in rules]}]}
     verdict_rules = [r.name for r in rules if r.is_verdict]

@@ -383,7 +383,7 @@ def _read(path: Path) -> dict[str, Any]:
         raise RuleError(f"The rule file {path} is not UTF-8 text.") from None
     suffix = path.suffix.lower()
     if suffix in (".yaml", ".yml"):
-        import yaml
+        import yaml  # type: ignore[import-untyped]
 
         try:
             doc = yaml.safe_load(text)
