@@ -118,7 +118,9 @@ def test_diagnose_cli_json_and_bad_input():
 
 WORKLOAD_EXPECTED = {
     "compute_bound": "compute_bound", "memory_bound": "memory_bound", "h2d_pageable": "transfer_bound",
-    "launch_bound": "launch_or_sync_bound", "input_starved": "input_starved", "sync_heavy": "launch_or_sync_bound",
+    # Metrics alone: input_starved's steady state (GPU ~7 % busy in short steps, a thread saturated) is
+    # the signature of launch- and sync-bound loops too; the thread's stacks tell them apart (test_stacks.py).
+    "launch_bound": "launch_or_sync_bound", "input_starved": "launch_or_sync_bound", "sync_heavy": "launch_or_sync_bound",
     "idle_allocated": "idle_allocated", "healthy_training": "healthy",
 }
 

@@ -13,15 +13,16 @@ hardware errors). Thresholds live in `thresholds.Thresholds`; the rules in `rule
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from .._records import Event, Snapshot
 from .rules import classify, node_verdicts
+from .stacks import HostProfile, Profiler
 from .thresholds import DEFAULT, Thresholds
 
-__all__ = ["GpuWindow", "ProcessView", "Thresholds", "Verdict", "diagnose", "windows_from_snapshots"]
+__all__ = ["GpuWindow", "ProcessView", "Profiler", "Thresholds", "Verdict", "diagnose", "windows_from_snapshots"]
 
 #: The series the rules read.
 SERIES = ("gpu_utilization_ratio", "gpu_sm_active_ratio", "gpu_sm_occupancy_ratio", "gpu_tensor_active_ratio",
@@ -39,6 +40,8 @@ class ProcessView:
     cpu_cores: float | None = None
     thread_cpu_max_ratio: float | None = None
     gpu_memory_bytes: float | None = None
+    profile: HostProfile | None = None  # its busy threads' stacks, when sampled (stacks.py)
+    profile_error: str | None = None  # why they could not be sampled
 
 
 @dataclass
@@ -100,11 +103,26 @@ def windows_from_snapshots(snaps: Sequence[Snapshot]) -> list[GpuWindow]:
     return list(out.values())
 
 
-def diagnose(windows: Iterable[GpuWindow], thresholds: Thresholds = DEFAULT) -> list[Verdict]:
-    """Verdicts for every GPU (primary first), then node-level ones (imbalance across GPUs)."""
+#: Verdicts where the GPU waits on a host thread whose stacks can say why.
+HOST_BOUND = frozenset({"launch_or_sync_bound", "input_starved", "launch_bound", "sync_bound", "host_bound"})
+
+
+def diagnose(windows: Iterable[GpuWindow], thresholds: Thresholds = DEFAULT,
+             profiler: Callable[[int], tuple[HostProfile | None, str | None]] | None = None) -> list[Verdict]:
+    """Verdicts for every GPU (primary first), then node-level ones (imbalance across GPUs).
+
+    With a `profiler` (e.g. `Profiler()`), a GPU that waits on a saturated host thread has that
+    thread's process sampled for a few seconds, and its stacks tell launch-, sync- and input-bound apart.
+    """
     ws = list(windows)
     verdicts: list[Verdict] = []
     for w in ws:
-        verdicts.extend(classify(w, thresholds, Verdict))
+        mine = classify(w, thresholds, Verdict)
+        if profiler is not None and w.processes and any(v.primary and v.kind in HOST_BOUND for v in mine):
+            busiest = max(w.processes, key=lambda p: p.thread_cpu_max_ratio or 0.0)
+            if (busiest.thread_cpu_max_ratio or 0.0) >= thresholds.thread_saturated and busiest.profile is None:
+                busiest.profile, busiest.profile_error = profiler(busiest.pid)
+                mine = classify(w, thresholds, Verdict)
+        verdicts.extend(mine)
     verdicts.extend(node_verdicts(ws, verdicts, thresholds, Verdict))
     return verdicts

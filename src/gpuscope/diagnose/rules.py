@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+from dataclasses import replace
 from typing import Any
 
 from ..catalog import decode_clock_event_reasons
@@ -29,11 +30,20 @@ ADVICE = {
     "launch_or_sync_bound": ["The GPU waits on the CPU: a Python thread at 100 % launches small kernels or "
                              "waits on synchronisations. Remove .item()/.cpu()/print of GPU tensors inside the "
                              "loop, batch small ops, capture the step with CUDA graphs "
-                             "(torch.cuda.graphs / torch.compile(mode='reduce-overhead')). "
-                             "`gpuscope trace` tells launch-bound from sync-bound for certain."],
+                             "(torch.cuda.graphs / torch.compile(mode='reduce-overhead')); if the thread "
+                             "prepares data, move that to DataLoader workers (num_workers > 0). "
+                             "Stack sampling (py-spy, needs ptrace permission) or `gpuscope trace` tells which."],
     "input_starved": ["The GPU works in bursts and waits for data in between: more DataLoader workers "
                       "(num_workers), pin_memory=True, prefetch_factor, persistent_workers=True; move "
                       "decoding/augmentation to the GPU (DALI, torchvision.transforms.v2 on tensors)."],
+    "launch_bound": ["The Python thread spends its time issuing many small GPU operations: fuse them "
+                     "(torch.compile), batch small tensors into larger ones, and capture the step with CUDA graphs "
+                     "(torch.compile(mode='reduce-overhead') or torch.cuda.graphs) to launch it at once."],
+    "sync_bound": ["The host waits for the GPU, then the GPU waits for the host: remove .item()/.cpu()/"
+                   ".tolist()/print of GPU tensors inside the loop (accumulate on the GPU, read once per N steps), "
+                   "avoid torch.cuda.synchronize(), and use non_blocking=True copies."],
+    "host_bound": ["The GPU waits while the host thread computes something else: move that work to the GPU, "
+                   "to DataLoader workers or a background thread, or overlap it with GPU work."],
     "idle_allocated": ["Memory is held but nothing runs: release the GPU (end the notebook kernel or job) or "
                        "give it to someone else; you pay for it idle."],
     "idle": ["The GPU is idle."],
@@ -72,7 +82,47 @@ def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{x * 100:.1f} %"
 
 
+def _idle_sample(util: float | None, sm: float | None, th: Thresholds) -> bool:
+    if util is None and sm is None:
+        return False
+    return (util is None or util < th.gap_util) and (sm is None or sm < th.sm_idle)
+
+
+def _steady(w: Any, th: Thresholds) -> tuple[Any, float, float]:
+    """The window without fully idle samples at its start (the job starting) and a short idle tail
+    (the job just ended), when what remains still spans `min_window_s`. Returns it and the seconds
+    left out at each end; None for the window when the GPU began working too recently to judge."""
+    n = len(w.times)
+    if not th.trim_idle_edges or n == 0:
+        return w, 0.0, 0.0
+    util = w.series.get("gpu_utilization_ratio") or [None] * n
+    sm = w.series.get("gpu_sm_active_ratio") or [None] * n
+    flags = [not _idle_sample(util[i], sm[i], th) and not (util[i] is None and sm[i] is None) for i in range(n)]
+    # Work starts with the first run of three active samples (a lone blip, such as the CUDA context
+    # being created, is not the job running) and ends with the last such run.
+    runs = [i for i in range(n - 2) if flags[i] and flags[i + 1] and flags[i + 2]]
+    if not runs or (runs[0] == 0 and runs[-1] + 2 == n - 1):
+        return w, 0.0, 0.0
+    i0, i1 = runs[0], runs[-1] + 2
+    if w.times[-1] - w.times[i1] >= th.min_window_s:  # idle for a while now: that is the state, keep it
+        i1 = n - 1
+    if w.times[i1] - w.times[i0] < th.min_window_s or i1 - i0 + 1 < th.min_samples:
+        if i0 > 0 and i1 == n - 1:  # work began moments ago: too early to judge it
+            return None, w.times[i0] - w.times[0], 0.0
+        return w, 0.0, 0.0
+    cut = replace(w, times=w.times[i0:i1 + 1], series={k: v[i0:i1 + 1] for k, v in w.series.items()})
+    return cut, w.times[i0] - w.times[0], w.times[-1] - w.times[i1]
+
+
+def _runs(flags: list[bool]) -> int:
+    """How many separate runs of True there are."""
+    return sum(1 for i, f in enumerate(flags) if f and (i == 0 or not flags[i - 1]))
+
+
 def classify(w: Any, th: Thresholds, verdict: Any) -> list[Any]:
+    steady, lead_s, tail_s = _steady(w, th)
+    starting = steady is None
+    w = w if starting else steady
     t0, t1 = (w.times[0], w.times[-1]) if w.times else (0.0, 0.0)
 
     def make(kind: str, severity: str, confidence: float, summary: str, evidence: dict[str, Any],
@@ -85,6 +135,8 @@ def classify(w: Any, th: Thresholds, verdict: Any) -> list[Any]:
         return [make("gpu_lost", "critical", 1.0, f"GPU {w.gpu} is lost (NVML cannot reach it).", {})]
     if len(w.times) < th.min_samples or t1 - t0 < th.min_window_s:
         return []
+    if starting:  # no primary verdict on a few seconds of work; side verdicts still hold
+        return _side(w, th, make)
     sm_all = _vals(w, "gpu_sm_active_ratio")
     sm, util = _median(sm_all), _median(_vals(w, "gpu_utilization_ratio"))
     tensor, dram = _median(_vals(w, "gpu_tensor_active_ratio")), _median(_vals(w, "gpu_dram_active_ratio"))
@@ -99,8 +151,12 @@ def classify(w: Any, th: Thresholds, verdict: Any) -> list[Any]:
                             "dram_active": dram, "pcie_bytes_per_s": pcie, "window_s": t1 - t0}
     if cpu_known:
         base["busiest_cpu_thread"] = busiest
+    if lead_s or tail_s:
+        base["left_out_idle_s"] = {"start": round(lead_s, 1), "end": round(tail_s, 1)}
     out: list[Any] = []
 
+    if any(p.profile_error for p in w.processes):
+        base["stack_sampling"] = next(p.profile_error for p in w.processes if p.profile_error)
     if sm is None:  # no GPM: NVML utilization alone cannot name a bottleneck
         out.append(make("underutilized" if (util or 0) < th.sm_busy else "healthy", "info", 0.2,
                         f"GPU {w.gpu}: only NVML utilization ({_pct(util)}) is available here (no GPM); it "
@@ -131,11 +187,21 @@ def classify(w: Any, th: Thresholds, verdict: Any) -> list[Any]:
         idle_share = sum(1 for v in sm_all if v < th.sm_idle) / len(sm_all)
         p90 = _q(sm_all, 0.9) or 0.0
         held = mem[-1] if mem else 0.0
-        if idle_share >= th.idle_share and p90 >= th.burst_sm:
+        bursts = _runs([v >= th.burst_sm for v in sm_all])
+        utils = _vals(w, "gpu_utilization_ratio")
+        gap_flags = [v < th.gap_util for v in utils]
+        gaps, gap_share = _runs(gap_flags), (sum(gap_flags) / len(utils) if utils else 0.0)
+        step_s = (t1 - t0) / max(1, len(w.times) - 1)
+        mean_gap_s = sum(gap_flags) * step_s / gaps if gaps else 0.0
+        saturated = cpu_known and busiest >= th.thread_saturated
+        intermittent = (gaps >= th.min_bursts and gap_share >= th.gap_share
+                        and any(v >= th.util_active for v in utils) and (saturated or mean_gap_s <= 1.0))
+        prof = _profile_of(w, th)
+        if idle_share >= th.idle_share and p90 >= th.burst_sm and bursts >= th.min_bursts:
             out.append(make("input_starved", "warning", 0.7,
                             f"GPU {w.gpu} works in bursts (SMs idle {idle_share * 100:.0f} % of the time, "
-                            f"{_pct(p90)} busy in the bursts): it waits for input.",
-                            {**base, "idle_share": idle_share, "sm_active_p90": p90}))
+                            f"{_pct(p90)} busy in {bursts} bursts): it waits for input.",
+                            {**base, "idle_share": idle_share, "sm_active_p90": p90, "bursts": bursts}))
         elif pcie >= th.pcie_busy_bytes_per_s and sm < th.sm_idle:
             pageable = pcie < th.pcie_pageable_below_bytes_per_s and cpu_known and busiest >= th.thread_saturated
             out.append(make("transfer_bound", "warning", 0.8,
@@ -143,11 +209,25 @@ def classify(w: Any, th: Thresholds, verdict: Any) -> list[Any]:
                             f"{_pct(sm)} busy (NVML 'utilization' says {_pct(util)})"
                             + ("; the rate and a saturated CPU thread point to pageable (unpinned) memory."
                                if pageable else "."), {**base, "pageable_likely": pageable}))
-        elif (util or 0.0) >= th.util_active and cpu_known and busiest >= th.thread_saturated:
+        elif saturated and prof is not None:
+            out.append(_host_verdict(w, prof, base, sm, util, busiest, th, make))
+        elif intermittent:
+            # The GPU stops completely, again and again, between short bursts of real work: it is fed
+            # too slowly. Steady small work (launch- or sync-bound) never leaves it fully idle.
+            out.append(make("input_starved", "warning", 0.7 if saturated else 0.5,
+                            f"GPU {w.gpu} works intermittently: fully idle in {gap_share * 100:.0f} % of the samples "
+                            f"({gaps} gaps of {mean_gap_s:.1f} s on average), SMs {_pct(sm)} busy overall"
+                            + (f", while its process's busiest thread runs at {_pct(busiest)} of a core: the host "
+                               "side (data loading, preprocessing) is too slow." if saturated
+                               else ": it waits for input."),
+                            {**base, "idle_gap_share": gap_share, "idle_gaps": gaps, "mean_gap_s": mean_gap_s}))
+        elif (util or 0.0) >= th.util_active and saturated:
             out.append(make("launch_or_sync_bound", "warning", 0.7,
                             f"GPU {w.gpu} waits on the CPU: SMs {_pct(sm)} busy while a process thread runs "
                             f"at {_pct(busiest)} of a core" + (" and kernels are tiny (launch-bound likely)"
-                                                               if sm < 0.02 else "") + ".", base))
+                                                               if sm < 0.02 else "")
+                            + ". Launches, synchronisations or data preparation: the thread's stacks tell which"
+                            + (f" ({base['stack_sampling']})" if "stack_sampling" in base else "") + ".", base))
         elif (cpu_known and busiest >= th.thread_saturated and (util or 0.0) < th.util_active
               and any(v > 0 for v in _vals(w, "gpu_utilization_ratio"))):
             # The GPU runs now and then, the process's thread is saturated, yet it is not launching
@@ -170,6 +250,37 @@ def classify(w: Any, th: Thresholds, verdict: Any) -> list[Any]:
 
     out.extend(_side(w, th, make))
     return out
+
+
+def _profile_of(w: Any, th: Thresholds) -> Any:
+    """The stack profile of the busiest process of the window, if one was taken and says enough."""
+    profs = [p for p in w.processes if getattr(p, "profile", None) is not None]
+    profs.sort(key=lambda p: -(p.thread_cpu_max_ratio or 0.0))
+    return profs[0].profile if profs and profs[0].profile.samples >= th.stack_min_samples else None
+
+
+def _host_verdict(w: Any, prof: Any, base: dict[str, Any], sm: float, util: float | None, busiest: float,
+                  th: Thresholds, make: Any) -> Any:
+    """The GPU waits on a saturated host thread, and its stacks say what the thread does."""
+    sh = prof.shares
+    ev = {**base, **prof.as_evidence()}
+    head = f"GPU {w.gpu} waits on its process's CPU thread (SMs {_pct(sm)} busy, the thread at {_pct(busiest)} of a core)"
+    if sh["data"] >= th.stack_data and prof.dominant() == "data":
+        return make("input_starved", "warning", 0.85,
+                    f"{head}: {sh['data'] * 100:.0f} % of its time goes to preparing data, at {prof.where('data')}.",
+                    ev)
+    if sh["sync"] >= th.stack_sync:
+        return make("sync_bound", "warning", 0.8,
+                    f"{head}: it waits for the GPU {sh['sync'] * 100:.0f} % of its time, at {prof.where('sync')}, "
+                    "so GPU and host take turns instead of overlapping.", ev)
+    if sh["launch"] >= th.stack_launch:
+        tiny = util is not None and util > 0 and sm / util < 0.1
+        return make("launch_bound", "warning", 0.8,
+                    f"{head}: {sh['launch'] * 100:.0f} % of its time goes to issuing GPU work, at "
+                    f"{prof.where('launch')}" + (", and the kernels are tiny." if tiny else "."), ev)
+    top = prof.dominant()
+    return make("host_bound", "warning", 0.6,
+                f"{head}: its time goes mostly to {top} work, at {prof.where(top)}.", ev)
 
 
 def _side(w: Any, th: Thresholds, make: Any) -> list[Any]:

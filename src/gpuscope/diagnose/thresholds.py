@@ -50,6 +50,29 @@ class Thresholds:
     #: Share of samples with idle SMs while the rest are busy bursts.
     idle_share: float = 0.40
     burst_sm: float = 0.30
+    #: Bursts must repeat: one idle->busy change is a start-up, not starvation.
+    min_bursts: int = 2
+    #: NVML utilization below this in a sample means no kernel or copy ran at all in its period.
+    gap_util: float = 0.01
+    #: Share of such fully idle samples (in at least `min_bursts` separate gaps) that makes the GPU's
+    #: work intermittent: it stops and waits, rather than running small work steadily.
+    gap_share: float = 0.20
+
+    # -- the host thread's stacks (when py-spy may sample them) ----------------------------------
+    #: Fewer samples than this say nothing.
+    stack_min_samples: int = 20
+    #: Share of the busy thread's samples spent preparing data that names input starvation.
+    stack_data: float = 0.40
+    #: Share spent waiting for the GPU (.item(), .cpu(), synchronize()) that names sync-bound: the GPU
+    #: and the host take turns instead of overlapping.
+    stack_sync: float = 0.20
+    #: Share spent issuing PyTorch GPU work that names launch-bound.
+    stack_launch: float = 0.40
+
+    # -- start-up and wind-down ----------------------------------------------------------------
+    #: Fully idle samples at the start (torch import, model build) or the end of a window are left
+    #: out when the rest still spans `min_window_s`: a job that starts is not a job that waits.
+    trim_idle_edges: bool = True
 
     # -- idle allocated ------------------------------------------------------------------------
     #: Memory held while nothing runs: above this many bytes someone reserved the GPU.
