@@ -157,12 +157,13 @@ def evaluate_metric(rule: Rule, snaps: Sequence[Snapshot]) -> list[Observation]:
             (dict(base), {"gpu": "", "model": ""}, lambda s: s.host.values if s.host is not None else None)]
     else:
         units = []
-        for g in last.gpus:
+        for pos, g in enumerate(last.gpus):
             ident = g.identity
             if match.get("gpu", ident.label) != ident.label:
                 continue
             labels = {**base, "gpu": ident.label, "uuid": ident.uuid}
-            units.append((labels, {"gpu": ident.label, "model": ident.name}, _gpu_values(ident.label)))
+            units.append((labels, {"gpu": ident.label, "model": ident.name},
+                          _gpu_values(ident.label, pos)))
     for labels, ctx, values_of in units:
         latest = values_of(last)
         if not latest:
@@ -186,9 +187,12 @@ def evaluate_metric(rule: Rule, snaps: Sequence[Snapshot]) -> list[Observation]:
     return out
 
 
-def _gpu_values(label: str) -> Any:
+def _gpu_values(label: str, pos: int) -> Any:
     def get(s: Snapshot) -> dict[str, float] | None:
-        for g in s.gpus:
+        gpus = s.gpus
+        if pos < len(gpus) and gpus[pos].identity.label == label:  # GPUs keep their order between snapshots
+            return gpus[pos].values
+        for g in gpus:
             if g.identity.label == label:
                 return g.values
         return None
