@@ -164,3 +164,22 @@ def test_busy_gpus_are_never_sampled():
     calls = []
     diagnose([w], profiler=lambda pid: calls.append(pid) or (None, "x"))
     assert calls == []
+
+
+def test_run_samples_only_its_own_processes():
+    from gpuscope.report.processes import RunProcesses
+
+    root = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
+                             "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(20)']); time.sleep(20)"])
+    try:
+        time.sleep(1.0)
+        import psutil
+        grandchild = psutil.Process(root.pid).children()[0].pid
+        procs = RunProcesses(root.pid)
+        assert procs.ours(root.pid) and procs.ours(grandchild)
+        assert not procs.ours(subprocess.os.getpid())  # the caller itself is no descendant
+    finally:
+        for p in psutil.Process(root.pid).children(recursive=True):
+            p.kill()
+        root.kill()
+        root.wait()

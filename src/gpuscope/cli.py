@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="read from this agent (default: the local agent if one answers, else sample here)")
     dg.add_argument("--token", default=None, help="the agent's bearer token (default $GPUSCOPE_TOKEN or its file)")
     dg.add_argument("--json", action="store_true", help="print the verdicts as JSON")
+    dg.add_argument("--stacks", action="store_true",
+                    help="when a GPU waits on a busy CPU thread, sample that process's Python stacks for 2 s "
+                         "(py-spy; needs permission to trace it) to tell launch-, sync- and input-bound apart")
 
     r = sub.add_parser("run", help="run a command, watch the GPUs meanwhile, say what limited it",
                        description="Runs CMD (and its children), samples the GPUs at 10 Hz, shows a live status "
@@ -102,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--html", metavar="FILE",
                    help="where to write the HTML report (default gpuscope-run-YYYYmmdd-HHMMSS.html here)")
     r.add_argument("--no-html", action="store_true", help="write no HTML report")
+    r.add_argument("--no-stacks", action="store_true",
+                   help="never sample the command's Python stacks (py-spy) to tell launch-, sync- and input-bound apart")
     r.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
 
     a = sub.add_parser("agent", help="run the agent: sampler, on-disk history, /metrics and the query API",
@@ -406,7 +411,10 @@ def _diagnose(args: argparse.Namespace) -> int:
             time.sleep(args.seconds)
         finally:
             sampler.stop()
-        verdicts = diagnose(windows_from_snapshots(list(sampler.history)))
+        from .diagnose import Profiler
+
+        profiler = Profiler() if args.stacks and sampler.simulated is None else None
+        verdicts = diagnose(windows_from_snapshots(list(sampler.history)), profiler=profiler)
         data = {"simulated": sampler.simulated, "verdicts": [asdict(v) for v in verdicts]}
     if args.json:
         print(json.dumps(data, indent=1, default=str))
@@ -446,7 +454,7 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError("--html and --no-html contradict each other; give one.")
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     try:
-        code, report = runcmd.run(cmd, simulate=args.simulate, gpus=args.gpus)
+        code, report = runcmd.run(cmd, simulate=args.simulate, gpus=args.gpus, stacks=not args.no_stacks)
     except runcmd.RunError as e:
         print(f"gpuscope: {e}", file=sys.stderr)
         return e.code

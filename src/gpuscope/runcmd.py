@@ -27,7 +27,7 @@ from typing import Any
 import psutil
 
 from ._redact import redact_cmdline
-from .diagnose import diagnose, windows_from_snapshots
+from .diagnose import Profiler, diagnose, windows_from_snapshots
 from .diagnose.thresholds import DEFAULT
 from .report.processes import RunProcesses
 from .report.timeline import GpuTimeline
@@ -140,8 +140,11 @@ def _start(cmd: list[str]) -> subprocess.Popen[bytes]:
 
 
 def run(cmd: list[str], *, simulate: str | None = None, gpus: int | None = None, interval: float = 0.1,
-        out: Any = sys.stderr, max_points: int = 6144) -> tuple[int, dict[str, Any]]:
-    """Run `cmd`, watch the GPUs meanwhile; return (the exit code to use, the report dict)."""
+        out: Any = sys.stderr, max_points: int = 6144, stacks: bool = True) -> tuple[int, dict[str, Any]]:
+    """Run `cmd`, watch the GPUs meanwhile; return (the exit code to use, the report dict).
+
+    With `stacks`, a GPU that waits on a saturated thread of the command's processes (never another
+    user's) has that process's Python stacks sampled for 2 s (py-spy), at most every 30 s."""
     _check(cmd)  # before touching the GPUs: a typo gets its sentence at once
     sampler = Sampler(SamplerConfig(interval=interval), simulate=simulate, gpus=gpus)
     sampler.open()
@@ -172,6 +175,14 @@ def run(cmd: list[str], *, simulate: str | None = None, gpus: int | None = None,
             pass
 
     procs = RunProcesses(child.pid, simulated=sampler.simulated is not None)
+    profiler = None
+    if stacks and sampler.simulated is None:
+        sample = Profiler(seconds=2.0, every_s=30.0)
+
+        def profiler(pid: int) -> tuple[Any, str | None]:
+            if not procs.ours(pid):
+                return None, f"process {pid} is not the command's, so its stacks were not sampled"
+            return sample(pid)
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     collector = _Collector(t0, procs, max_points)
     sampler.subscribe(collector)
@@ -197,7 +208,7 @@ def run(cmd: list[str], *, simulate: str | None = None, gpus: int | None = None,
                 print(("\r" + line + "\033[K") if tty else line, end="" if tty else "\n", file=out, flush=True)
                 last_status = now
             if now >= next_verdict:
-                made = _verdicts(sampler, t0, last_end)
+                made = _verdicts(sampler, t0, last_end, profiler=profiler)
                 segments.extend(made)
                 # Until the history is long enough for a verdict, look again soon.
                 next_verdict = now + (EVERY_S if made or now - mono0 > WINDOW_S else 0.5)
@@ -214,7 +225,7 @@ def run(cmd: list[str], *, simulate: str | None = None, gpus: int | None = None,
             signal.signal(s, h)
         if tty:
             print("\r\033[K", end="", file=out, flush=True)  # the live line gives way to the summary
-        segments.extend(_verdicts(sampler, t0, last_end, final=True))
+        segments.extend(_verdicts(sampler, t0, last_end, final=True, profiler=profiler))
         last = sampler.latest()
         sampler.stop()
     duration = time.time() - t0
@@ -276,7 +287,8 @@ def _energy(snap: Any) -> dict[str, float]:
     return out
 
 
-def _verdicts(sampler: Sampler, t0: float, last_end: dict[str, float], final: bool = False) -> list[Segment]:
+def _verdicts(sampler: Sampler, t0: float, last_end: dict[str, float], final: bool = False,
+              profiler: Any = None) -> list[Segment]:
     history = list(sampler.history)
     if not history:
         return []
@@ -291,7 +303,7 @@ def _verdicts(sampler: Sampler, t0: float, last_end: dict[str, float], final: bo
     out = []
     primary_seen: set[str] = set()
     ends: dict[str, float] = {}
-    for v in diagnose(windows_from_snapshots(window)):
+    for v in diagnose(windows_from_snapshots(window), profiler=profiler):
         if not (v.primary or v.severity != "info"):
             continue
         # One primary verdict per GPU and window (the rules give it first); any other, such as a

@@ -165,6 +165,16 @@ class RunProcesses:
                         self.gpu_start_s = t
                     self.gpu_start_by_gpu.setdefault(rec.gpu, t)
 
+    def ours(self, pid: int) -> bool:
+        """Whether `pid` is the run's command or one of its descendants (never another user's)."""
+        with self._lock:
+            known = self._ours.get(pid)
+        if known is None:
+            known = pid == self.root_pid or self.root_pid in self._ancestors(pid)
+            with self._lock:
+                self._ours[pid] = known
+        return known
+
     def _belongs(self, rec: Any) -> bool:
         if self.simulated:
             return True
