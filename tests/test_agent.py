@@ -352,3 +352,18 @@ def test_diagnose_from_the_agent(agent):
     p = subprocess.run([sys.executable, "-m", "gpuscope.cli", "diagnose", "--url", f"http://127.0.0.1:{free_port()}"],
                        env=env(), capture_output=True, text=True, timeout=60)
     assert p.returncode == 1 and "No gpuscope agent answers" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_diagnose_a_past_range_from_the_agents_store(agent):
+    time.sleep(7.5)  # > min window, flushed (1 s flush interval)
+    code, data = get(agent, "/api/v1/diagnose?start=-60s&end=now")
+    assert code == 200, data
+    assert data["simulated"] == "healthy" and set(data["share"]) == {"0", "1"}
+    assert all(set(s) == {"healthy"} for s in data["share"].values()), data["share"]
+    assert all(s["kind"] == "healthy" for s in data["spans"] if s["primary"])
+    code, data = get(agent, "/api/v1/diagnose?start=-3h&end=-2h")
+    assert code == 400 and "no GPU samples" in data["error"]
+    p = subprocess.run([sys.executable, "-m", "gpuscope.cli", "diagnose", "--url", f"http://127.0.0.1:{agent.port}",
+                        "--since", "1m", "--json"], env=env(), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert set(json.loads(p.stdout)["share"]) == {"0", "1"}

@@ -91,6 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="read from this agent (default: the local agent if one answers, else sample here)")
     dg.add_argument("--token", default=None, help="the agent's bearer token (default $GPUSCOPE_TOKEN or its file)")
     dg.add_argument("--json", action="store_true", help="print the verdicts as JSON")
+    dg.add_argument("--since", default=None,
+                    help="diagnose a past range from the store instead, e.g. --since 1h (verdict spans and shares)")
+    dg.add_argument("--start", default=None, help="start of a past range (with --end; instead of --since)")
+    dg.add_argument("--end", default="now", help="end of a past range (default now)")
+    dg.add_argument("--data-dir", default=None, help="the agent's data directory (for a past range without --url)")
     dg.add_argument("--stacks", action="store_true",
                     help="when a GPU waits on a busy CPU thread, sample that process's Python stacks for 2 s "
                          "(py-spy; needs permission to trace it) to tell launch-, sync- and input-bound apart")
@@ -395,6 +400,8 @@ def _diagnose(args: argparse.Namespace) -> int:
     from .diagnose.thresholds import DEFAULT
 
     _check_sim(args)
+    if args.since is not None or args.start is not None:
+        return _diagnose_range(args)
     if args.seconds < DEFAULT.min_window_s:
         raise UsageError(f"--seconds must be at least {DEFAULT.min_window_s:g}: a shorter window is no steady state.")
     data = None
@@ -428,6 +435,64 @@ def _diagnose(args: argparse.Namespace) -> int:
         print(f"{mark} GPU {v['gpu']:<5} {v['kind']:<22} {v['summary']}")
         for r in v["recommendations"][:1] if v["kind"] not in ("healthy", "idle") else []:
             print(f"{'':31}-> {r}")
+    return EXIT_OK
+
+
+def _diagnose_range(args: argparse.Namespace) -> int:
+    """Verdict spans over a past range: from --url's agent, else from the local store (read-only)."""
+    from .agent.timeparse import TimeError, parse_time
+    from .diagnose.history import NoData, diagnose_range, range_as_dict
+
+    if args.simulate is not None:
+        raise UsageError("--since/--start read the store's history; --simulate has none (run an agent with it).")
+    try:
+        now = time.time()
+        start_ns = parse_time(args.start or f"-{args.since}", now, "--start" if args.start else "--since")
+        end_ns = parse_time(args.end, now, "--end")
+    except TimeError as e:
+        raise UsageError(str(e)) from None
+    if end_ns <= start_ns:
+        raise UsageError("--end must be after --start.")
+    if args.url:
+        from .agent.client import find_token, get_json
+
+        data = get_json(args.url, "/api/v1/diagnose", {"start": f"{start_ns / 1e9:.3f}", "end": f"{end_ns / 1e9:.3f}"},
+                        find_token(args.token, args.data_dir), timeout=60.0)
+    else:
+        from .agent.config import default_data_dir
+        from .store import Store, StoreError
+
+        path = os.path.join(os.path.expanduser(args.data_dir) if args.data_dir else str(default_data_dir()), "store")
+        if not os.path.isdir(path):
+            print(f"gpuscope: No gpuscope store at {path}; point --data-dir at the agent's data directory "
+                  "or --url at a running agent.", file=sys.stderr)
+            return EXIT_UNAVAILABLE
+        try:
+            store = Store(path, readonly=True)
+            try:
+                data = range_as_dict(diagnose_range(store, start_ns, end_ns))
+            finally:
+                store.close()
+        except NoData as e:
+            print(f"gpuscope: {e}", file=sys.stderr)
+            return EXIT_UNAVAILABLE
+        except StoreError as e:
+            print(f"gpuscope: {e}", file=sys.stderr)
+            return EXIT_USAGE
+    if args.json:
+        print(json.dumps(data, indent=1, default=str))
+        return EXIT_OK
+    if data.get("simulated"):
+        print(f"SIMULATED node — scenario '{data['simulated']}'")
+    t0 = data["start"]
+    print(f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(t0))} .. "
+          f"{time.strftime('%H:%M:%S', time.localtime(data['end']))}, windows of {data['window_s']:.0f} s")
+    for gpu, share in sorted(data["share"].items()):
+        print(f"  GPU {gpu}: " + ", ".join(f"{k} {v * 100:.0f} %" for k, v in sorted(share.items(), key=lambda kv: -kv[1])))
+    for sp in data["spans"]:
+        mark = {"critical": "!!", "warning": "! ", "info": "  "}[sp["severity"]]
+        print(f"{mark} GPU {sp['gpu']:<5} {sp['start'] - t0:7.0f}-{sp['end'] - t0:<7.0f}s {sp['kind']:<22} "
+              f"{sp['summary']}")
     return EXIT_OK
 
 

@@ -143,7 +143,8 @@ class Api:
                 "/api/v1/query_range": "?metric=NAME&start=-1h&end=now&step=1s&agg=mean|max|min|last|count|sum|p50|p99"
                                        "&LABEL=VALUE",
                 "/api/v1/events": "?start=-1h&end=now&kind=xid&gpu=0",
-                "/api/v1/diagnose": "verdicts over the last ?window=30s (at most the sampler's in-memory history)",
+                "/api/v1/diagnose": "verdicts over the last ?window=30s (the in-memory history), or over a past "
+                                    "?start=&end= range from the store (spans, share, overall)",
                 "/api/v1/alerts": "firing, pending and recently resolved alerts, the rules and the notifiers",
             },
         })
@@ -234,6 +235,21 @@ class Api:
     async def diagnose(self, request: web.Request) -> web.Response:
         from ..diagnose import diagnose, windows_from_snapshots
 
+        if "start" in request.query or "end" in request.query:  # a past range, from the store
+            from ..diagnose.history import NoData, diagnose_range, range_as_dict
+
+            now = time.time()
+            start = parse_time(request.query.get("start", "-1h"), now, "start")
+            end = parse_time(request.query.get("end", "now"), now, "end")
+            if end <= start:
+                raise BadRequest("end must be after start.")
+            store = self.agent.store
+            try:
+                result = await asyncio.get_running_loop().run_in_executor(
+                    None, lambda: diagnose_range(store, start, end))
+            except NoData as e:
+                raise BadRequest(str(e)) from None
+            return _json(range_as_dict(result))
         window = parse_duration(request.query.get("window", "30s"), "window")
         sampler = self.agent.sampler
         held = len(sampler.history) * sampler.config.interval

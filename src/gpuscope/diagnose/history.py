@@ -1,0 +1,206 @@
+"""Verdicts over a past time range, read from the store: `gpuscope diagnose --since 1h`.
+
+The range is cut into windows (at least `min_window` long, at most `max_windows` of them); each
+window gets its verdicts as if it had been watched live, and equal neighbours merge into spans.
+Series come from the finest tier that keeps the point count bounded (raw 10 Hz for short ranges,
+the 1 s / 1 min rollups for long ones), so a day's diagnosis costs about what ten minutes' does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..catalog import CLOCK_EVENT_REASONS
+from . import SERIES, GpuWindow, ProcessView, Verdict, diagnose
+from .thresholds import DEFAULT, Thresholds
+
+_REASON_BIT = {name: bit for bit, name in CLOCK_EVENT_REASONS.items()}
+#: Counters read as their last value per bucket; everything else as the bucket mean.
+_LAST = ("gpu_ecc_uncorrected_errors_total", "gpu_row_remap_pending", "gpu_row_remap_failure")
+
+
+class NoData(LookupError):
+    """The range holds no GPU samples; the message is one sentence."""
+
+
+@dataclass
+class Span:
+    gpu: str
+    kind: str
+    start_ns: int
+    end_ns: int
+    severity: str
+    summary: str  # of the span's first window
+    windows: int = 1
+    primary: bool = True
+    recommendations: list[str] = field(default_factory=list)
+
+
+@dataclass
+class RangeDiagnosis:
+    start_ns: int
+    end_ns: int
+    step_s: float
+    window_s: float
+    spans: list[Span]
+    overall: list[Verdict]  # the whole range as one window
+    simulated: str | None = None
+
+    def share(self) -> dict[str, dict[str, float]]:
+        """Per GPU, the share of the diagnosed time each primary verdict held."""
+        out: dict[str, dict[str, float]] = {}
+        for s in self.spans:
+            if s.primary:
+                d = out.setdefault(s.gpu, {})
+                d[s.kind] = d.get(s.kind, 0.0) + (s.end_ns - s.start_ns)
+        for d in out.values():
+            total = sum(d.values()) or 1.0
+            for k in d:
+                d[k] /= total
+        return out
+
+
+def _step(span_ns: int, max_points: int = 3000, finest_s: float = 0.1) -> float:
+    return max(finest_s, span_ns / 1e9 / max_points)
+
+
+def windows_from_store(store: Any, start_ns: int, end_ns: int, step_s: float | None = None) -> list[GpuWindow]:
+    """Per GPU, the diagnosis series over [start_ns, end_ns) at `step_s` (chosen when None)."""
+    step = step_s or _step(end_ns - start_ns)
+    step_ns = max(1, round(step * 1e9))
+    n = max(1, math.ceil((end_ns - start_ns) / step_ns))
+    grid: dict[str, dict[str, np.ndarray]] = {}
+
+    def put(gpu: str, key: str, ts: np.ndarray, vals: np.ndarray) -> None:
+        cols = grid.setdefault(gpu, {})
+        col = cols.setdefault(key, np.full(n, np.nan))
+        idx = ((ts - start_ns) // step_ns).astype(np.int64)
+        ok = (idx >= 0) & (idx < n)
+        col[idx[ok]] = vals[ok]
+
+    for key in SERIES:
+        if key == "gpu_clock_event_reasons":
+            continue
+        for r in store.query(key, start_ns, end_ns, step, agg="last" if key in _LAST else "mean"):
+            put(r.labels.get("gpu", ""), key, np.asarray(r.timestamps_ns), np.asarray(r.values, dtype=float))
+    # Throttle reasons from the throttled-seconds counters: exact at any step, unlike a mean of bitmasks.
+    masks: dict[str, np.ndarray] = {}
+    for r in store.query("gpu_throttle_seconds_total", start_ns, end_ns, step, agg="last"):
+        bit = _REASON_BIT.get(r.labels.get("reason", ""))
+        gpu = r.labels.get("gpu", "")
+        if bit is None or len(r) < 2:
+            continue
+        ts, vals = np.asarray(r.timestamps_ns), np.asarray(r.values, dtype=float)
+        dt = np.diff(ts) / 1e9
+        on = np.diff(vals) >= 0.5 * dt
+        m = masks.setdefault(gpu, np.zeros(n, dtype=np.int64))
+        idx = ((ts[1:] - start_ns) // step_ns).astype(np.int64)
+        ok = (idx >= 0) & (idx < n)
+        m[idx[ok & on]] |= bit
+    for gpu, m in masks.items():
+        if gpu in grid:
+            grid[gpu]["gpu_clock_event_reasons"] = m.astype(float)
+
+    node = store.node()
+    ident = {str(g.label if hasattr(g, "label") else g.index): g for g in node.get("gpus", [])}
+    procs = _processes(store, start_ns, end_ns, step)
+    events: dict[str, list[Any]] = {}
+    for e in store.events(start_ns, end_ns):
+        events.setdefault(str(e.gpu), []).append(e)
+    out = []
+    for gpu in sorted(grid, key=lambda g: (len(g), g)):
+        cols = grid[gpu]
+        have = np.zeros(n, dtype=bool)
+        for k, c in cols.items():
+            if k != "gpu_clock_event_reasons":  # derived from counters: zero where nothing was sampled
+                have |= ~np.isnan(c)
+        rows = np.nonzero(have)[0]
+        if not len(rows):
+            continue
+        times = [(start_ns + int(i) * step_ns) / 1e9 for i in rows]
+        series = {k: [None if math.isnan(v) else float(v) for v in cols[k][rows]] if k in cols else [None] * len(rows)
+                  for k in SERIES}
+        g = ident.get(gpu)
+        out.append(GpuWindow(gpu, times, series,
+                             memory_total_bytes=float(g.memory_total_bytes) if g is not None else None,
+                             sm_clock_max_hertz=g.sm_clock_max_hertz if g is not None else None,
+                             processes=procs.get(gpu, []), events=events.get(gpu, []),
+                             name=g.name if g is not None else ""))
+    return out
+
+
+def _processes(store: Any, start_ns: int, end_ns: int, step: float) -> dict[str, list[ProcessView]]:
+    """Per GPU, the processes seen in the range with their mean CPU numbers over the range."""
+    views: dict[tuple[str, str], ProcessView] = {}
+    for metric, attr in (("gpu_process_memory_used_bytes", "gpu_memory_bytes"), ("process_cpu_cores", "cpu_cores"),
+                         ("process_thread_cpu_max_ratio", "thread_cpu_max_ratio")):
+        for r in store.query(metric, start_ns, end_ns, step, agg="mean"):
+            gpu, pid = r.labels.get("gpu", ""), r.labels.get("pid", "")
+            if not pid.isdigit():
+                continue
+            vals = np.asarray(r.values, dtype=float)
+            vals = vals[~np.isnan(vals)]
+            if not len(vals):
+                continue
+            v = views.setdefault((gpu, pid), ProcessView(int(pid), r.labels.get("process", "")))
+            setattr(v, attr, float(vals.max() if attr == "gpu_memory_bytes" else np.median(vals)))
+    out: dict[str, list[ProcessView]] = {}
+    for (gpu, _), v in sorted(views.items()):
+        out.setdefault(gpu, []).append(v)
+    return out
+
+
+def _slice(w: GpuWindow, a: float, b: float) -> GpuWindow:
+    idx = [i for i, t in enumerate(w.times) if a <= t < b]
+    if not idx:
+        return GpuWindow(w.gpu, [], {k: [] for k in w.series}, w.memory_total_bytes, w.sm_clock_max_hertz,
+                         w.healthy, w.processes, [], w.name)
+    i0, i1 = idx[0], idx[-1] + 1
+    return GpuWindow(w.gpu, w.times[i0:i1], {k: v[i0:i1] for k, v in w.series.items()}, w.memory_total_bytes,
+                     w.sm_clock_max_hertz, w.healthy, w.processes,
+                     [e for e in w.events if a <= e.time_ns / 1e9 < b], w.name)
+
+
+def diagnose_range(store: Any, start_ns: int, end_ns: int, *, min_window_s: float = 10.0, max_windows: int = 60,
+                   thresholds: Thresholds = DEFAULT) -> RangeDiagnosis:
+    """Verdict spans over [start_ns, end_ns) from the store, and one verdict set for the whole range."""
+    if end_ns <= start_ns:
+        raise NoData("The range is empty: its end is not after its start.")
+    span_s = (end_ns - start_ns) / 1e9
+    window_s = max(min_window_s, span_s / max_windows)
+    step = _step(end_ns - start_ns)
+    windows = windows_from_store(store, start_ns, end_ns, step)
+    if not windows:
+        raise NoData("The store holds no GPU samples in that range; widen it or check that the agent was running.")
+    th = thresholds
+    if step * th.min_samples > th.min_window_s:  # coarse rollups: fewer, wider samples are still a steady state
+        th = Thresholds(**{**th.__dict__, "min_samples": max(3, int(th.min_window_s / step))})
+    spans: list[Span] = []
+    t = start_ns / 1e9
+    while t < end_ns / 1e9 - 1e-9:
+        b = min(end_ns / 1e9, t + window_s)
+        cut = [_slice(w, t, b) for w in windows]
+        for v in diagnose([c for c in cut if c.times], th):
+            if not v.primary and v.severity == "info":
+                continue
+            last = next((s for s in reversed(spans) if s.gpu == v.gpu and s.primary == v.primary), None)
+            if last is not None and last.kind == v.kind and last.end_ns >= int(t * 1e9) - 1:
+                last.end_ns, last.windows = int(b * 1e9), last.windows + 1
+            else:
+                spans.append(Span(v.gpu, v.kind, int(t * 1e9), int(b * 1e9), v.severity, v.summary, 1, v.primary,
+                                  list(v.recommendations)))
+        t = b
+    overall = diagnose(windows, th)
+    return RangeDiagnosis(start_ns, end_ns, step, window_s, spans, overall, store.node().get("simulated"))
+
+
+def range_as_dict(r: RangeDiagnosis) -> dict[str, Any]:
+    """JSON-ready: the range, its spans, the share of each verdict per GPU, the whole-range verdicts."""
+    return {"start": r.start_ns / 1e9, "end": r.end_ns / 1e9, "step_s": r.step_s, "window_s": r.window_s,
+            "simulated": r.simulated, "share": r.share(),
+            "spans": [{**asdict(s), "start": s.start_ns / 1e9, "end": s.end_ns / 1e9} for s in r.spans],
+            "verdicts": [asdict(v) for v in r.overall]}

@@ -1,0 +1,100 @@
+"""Verdicts over a past range from the store: `gpuscope diagnose --since`, the agent's ?start=&end=."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from gpuscope import Sampler
+from gpuscope.diagnose.history import NoData, diagnose_range
+from gpuscope.store import Store
+
+HOUR = 3600
+
+
+def _fill(path, end_s: float) -> None:
+    """An hour at 1 Hz on GPU 0: 30 min on the tensor cores (thermally throttled in its last 10 min),
+    then 30 min holding 20 GiB with nothing running."""
+    with Sampler(simulate="healthy", gpus=1) as s, Store(path) as store:
+        store.append(s.sample_once())  # the node's identity (memory size, max clock)
+        t = np.arange(end_s - HOUR, end_s - 5, 1.0)
+        busy = t < end_s - HOUR / 2
+        hot = busy & (t >= end_s - HOUR / 2 - 600)
+        g = {"gpu": "0"}
+        cols = [
+            ("gpu_sm_active_ratio", g, np.where(busy, 0.95, 0.0)),
+            ("gpu_tensor_active_ratio", g, np.where(busy, 0.9, 0.0)),
+            ("gpu_dram_active_ratio", g, np.where(busy, 0.2, 0.0)),
+            ("gpu_utilization_ratio", g, np.where(busy, 1.0, 0.0)),
+            ("gpu_memory_used_bytes", g, np.full(len(t), 20.0 * 2**30)),
+            ("gpu_sm_clock_hertz", g, np.where(hot, 1.2e9, 1.98e9)),
+            ("gpu_throttle_seconds_total", {"gpu": "0", "reason": "sw_thermal"}, np.cumsum(hot.astype(float))),
+            ("process_thread_cpu_max_ratio", {"gpu": "0", "pid": "77", "process": "python"}, np.full(len(t), 0.4)),
+        ]
+        store.append_batch([(m, lab) for m, lab, _ in cols], (t * 1e9).astype(np.int64),
+                           np.column_stack([v for _, _, v in cols]))
+        store.flush()
+
+
+def test_an_hour_from_the_store_gives_spans_and_shares(tmp_path):
+    now = time.time()
+    _fill(tmp_path, now)
+    with Store(tmp_path, readonly=True) as store:
+        r = diagnose_range(store, int((now - HOUR) * 1e9), int(now * 1e9))
+    primary = [(s.kind, round((s.end_ns - s.start_ns) / 1e9 / 60)) for s in r.spans if s.primary and s.gpu == "0"]
+    kinds = [k for k, _ in primary]
+    assert kinds[0] == "compute_bound" and kinds[-1] == "idle_allocated", primary
+    share = r.share()["0"]
+    assert share["compute_bound"] == pytest.approx(0.5, abs=0.05)
+    assert share["idle_allocated"] == pytest.approx(0.5, abs=0.05)
+    side = [s for s in r.spans if not s.primary and s.kind == "throttled"]
+    assert len(side) == 1 and "sw_thermal" in side[0].summary
+    # the throttled span lies in minutes 20..30 of the hour
+    a, b = (side[0].start_ns / 1e9 - (now - HOUR)) / 60, (side[0].end_ns / 1e9 - (now - HOUR)) / 60
+    assert 18 <= a <= 22 and 28 <= b <= 32, (a, b)
+
+
+def test_an_empty_range_is_one_sentence(tmp_path):
+    _fill(tmp_path, time.time())
+    with Store(tmp_path, readonly=True) as store:
+        with pytest.raises(NoData, match="no GPU samples"):
+            diagnose_range(store, int((time.time() - 10 * HOUR) * 1e9), int((time.time() - 9 * HOUR) * 1e9))
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "gpuscope.cli", "diagnose", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_cli_since_reads_the_store(tmp_path):
+    _fill(tmp_path / "store", time.time())
+    p = _cli("--since", "1h", "--data-dir", str(tmp_path), "--json")
+    assert p.returncode == 0, p.stderr
+    data = json.loads(p.stdout)
+    assert {"compute_bound", "idle_allocated"} <= set(data["share"]["0"])
+    assert any(s["kind"] == "throttled" for s in data["spans"])
+    p = _cli("--since", "1h", "--data-dir", str(tmp_path))
+    assert p.returncode == 0 and "compute_bound" in p.stdout and "idle_allocated" in p.stdout
+
+
+@pytest.mark.parametrize("args, code, words", [
+    (["--since", "yesterday-ish"], 2, "--since"),
+    (["--start=-1h", "--end=-2h"], 2, "after"),
+    (["--since", "1h", "--simulate", "healthy"], 2, "history"),
+    (["--since", "1h", "--data-dir", "/nonexistent/dir"], 1, "No gpuscope store"),
+])
+def test_cli_range_bad_input(args, code, words):
+    p = _cli(*args)
+    assert p.returncode == code, (p.returncode, p.stderr)
+    assert words in p.stderr and "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_cli_range_with_no_data(tmp_path):
+    _fill(tmp_path / "store", time.time())
+    p = _cli("--start=-10h", "--end=-9h", "--data-dir", str(tmp_path))
+    assert p.returncode == 1 and "no GPU samples" in p.stderr and "Traceback" not in p.stderr
