@@ -93,6 +93,7 @@ class Agent:
         self.sampler: Any = None
         self.remote: Any = None
         self.alerts: Any = None
+        self.baselines: Any = None
         self._render_cache: dict[str, tuple[int, bytes]] = {}
         self._render_lock = threading.Lock()
         self._stop: asyncio.Event | None = None
@@ -186,6 +187,21 @@ class Agent:
             self.sampler.subscribe(self.remote.add)
         self.sampler.start()
         self._start_alerts()
+        self._start_baselines()
+
+    def _start_baselines(self) -> None:
+        """Per GPU x metric x job, what is usual: learnt every 30 s, kept in the data directory."""
+        from ..diagnose.baseline import Baselines, Tracker
+
+        path = self.cfg.data_path / "baselines.json"
+        try:
+            baselines = Baselines.load(path)
+        except ValueError as e:
+            log.warning("%s Starting new baselines; the old file is kept as %s.", e, path.name + ".damaged",
+                        extra={"f_event": "baselines"})
+            path.replace(path.with_name(path.name + ".damaged"))
+            baselines = Baselines()
+        self.baselines = Tracker(self.sampler, path, baselines=baselines).start()
 
     def _start_alerts(self) -> None:
         """Rules were validated with the config; the service evaluates on its own thread."""
@@ -217,6 +233,9 @@ class Agent:
             self.shutdown()
 
     def shutdown(self) -> None:
+        if self.baselines is not None:
+            self.baselines.stop()
+            self.baselines = None
         if self.alerts is not None:
             self.alerts.stop()
             self.alerts = None

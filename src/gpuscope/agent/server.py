@@ -259,7 +259,14 @@ class Api:
         def run() -> list[Any]:
             cutoff = time.time_ns() - int(window * 1e9)
             snaps = [s for s in list(sampler.history) if s.time_ns >= cutoff]
-            return diagnose(windows_from_snapshots(snaps))
+            verdicts = diagnose(windows_from_snapshots(snaps))
+            tracker = self.agent.baselines
+            if tracker is not None and tracker.findings:  # against each GPU's own history (every 30 s)
+                from ..diagnose import Verdict
+                from ..diagnose.baseline import as_verdicts
+
+                verdicts.extend(as_verdicts(tracker.findings, Verdict))
+            return verdicts
 
         verdicts = await asyncio.get_running_loop().run_in_executor(None, run)
         return _json({"window_s": window, "simulated": sampler.simulated, "verdicts": [asdict(v) for v in verdicts]})

@@ -29,7 +29,8 @@ SERIES = ("gpu_utilization_ratio", "gpu_sm_active_ratio", "gpu_sm_occupancy_rati
           "gpu_fp32_active_ratio", "gpu_fp16_active_ratio", "gpu_fp64_active_ratio", "gpu_dram_active_ratio",
           "gpu_pcie_rx_bytes_per_second", "gpu_pcie_tx_bytes_per_second", "gpu_power_watts",
           "gpu_memory_used_bytes", "gpu_clock_event_reasons", "gpu_sm_clock_hertz",
-          "gpu_ecc_uncorrected_errors_total", "gpu_row_remap_pending", "gpu_row_remap_failure")
+          "gpu_ecc_uncorrected_errors_total", "gpu_row_remap_pending", "gpu_row_remap_failure",
+          "gpu_temperature_celsius")
 
 
 @dataclass
@@ -124,5 +125,14 @@ def diagnose(windows: Iterable[GpuWindow], thresholds: Thresholds = DEFAULT,
                 busiest.profile, busiest.profile_error = profiler(busiest.pid)
                 mine = classify(w, thresholds, Verdict)
         verdicts.extend(mine)
-    verdicts.extend(node_verdicts(ws, verdicts, thresholds, Verdict))
+    node = node_verdicts(ws, verdicts, thresholds, Verdict)
+    verdicts.extend(node)
+    from .baseline import as_verdicts, peer_outliers  # noqa: PLC0415 - it imports this module
+
+    straggling = {v.gpu for v in node if v.kind == "imbalance"}  # SM activity already said there
+    t0 = min((w.times[0] for w in ws if w.times), default=0.0)
+    t1 = max((w.times[-1] for w in ws if w.times), default=0.0)
+    verdicts.extend(as_verdicts([f for f in peer_outliers(ws) if not (f.gpu in straggling
+                                                                      and f.metric == "gpu_sm_active_ratio")],
+                                Verdict, t0, t1))
     return verdicts
