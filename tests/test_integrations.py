@@ -30,7 +30,8 @@ def test_only_the_main_process_monitors_unless_asked(tmp_path):
 
 
 def test_core_marks_steps_hands_out_prefixed_metrics_and_writes_the_report(tmp_path):
-    core = CallbackCore(tmp_path / "steps.jsonl", simulate="compute_bound", interval=0.05, print_report=False)
+    core = CallbackCore(tmp_path / "steps.jsonl", simulate="compute_bound", interval=0.05, print_report=False,
+                        flush_interval=0.2)
     core.begin(main_process=True)
     for _ in range(5):
         time.sleep(0.05)
@@ -82,7 +83,8 @@ def test_hf_callback_hooks_with_transformers_state_objects(tmp_path):
     transformers = pytest.importorskip("transformers", reason="transformers is not installed (not a test dependency)")
     from gpuscope.integrations.hf import GpuscopeCallback
 
-    cb = GpuscopeCallback(tmp_path / "steps.jsonl", simulate="healthy", interval=0.05, print_report=False)
+    cb = GpuscopeCallback(tmp_path / "steps.jsonl", simulate="healthy", interval=0.05, print_report=False,
+                          flush_interval=0.2)
     assert isinstance(cb, transformers.TrainerCallback)
     args = SimpleNamespace(per_device_train_batch_size=4, gradient_accumulation_steps=2,
                            output_dir=str(tmp_path / "out"), process_index=0)
@@ -115,7 +117,8 @@ def test_lightning_callback_hooks(tmp_path):
         pl = pytest.importorskip("pytorch_lightning", reason="Lightning needs torch; it runs in tests/gpu")
     from gpuscope.integrations.lightning import GpuscopeCallback
 
-    cb = GpuscopeCallback(simulate="healthy", interval=0.05, print_report=False, report_path=tmp_path / "r.json")
+    cb = GpuscopeCallback(simulate="healthy", interval=0.05, print_report=False, report_path=tmp_path / "r.json",
+                          flush_interval=0.2)
     assert isinstance(cb, pl.Callback)
     logged = []
     trainer = SimpleNamespace(local_rank=0, global_rank=0, log_every_n_steps=1, log_dir=None)

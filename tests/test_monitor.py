@@ -16,7 +16,7 @@ import gpuscope
 from gpuscope import MonitorError, Sampler, SamplerConfig
 from gpuscope._records import GpuIdentity, GpuRecord, ProcessRecord, Snapshot
 from gpuscope.diagnose import diagnose, windows_from_snapshots
-from gpuscope.integrations._joiner import Joiner
+from gpuscope.integrations._joiner import Joiner, rows
 from gpuscope.integrations._steplog import FIELDS
 from gpuscope.integrations._tracks import Track
 from gpuscope.sim import PROFILES
@@ -95,7 +95,7 @@ def test_steps_are_joined_time_weighted_with_the_windows_they_overlap():
                   "gpu_memory_used_bytes": 1e9}) for t, v in sm]
     j = Joiner(_ns(t0 + 0.2), ScriptedSource(snaps), warmup=0)
     j.feed([_ns(t0 + 0.8), (_ns(t0 + 1.2), 32, 4096), _ns(t0 + 2.6), _ns(t0 + 3.6)])
-    recs = j.process(final=True)
+    recs = rows(j.process(final=True))
     assert [r["step"] for r in recs] == [0, 1, 2, 3]
     a, b, c, d = recs
     assert a["duration_s"] == pytest.approx(0.6) and a["gpu_busy_ratio"] == pytest.approx(1.0)
@@ -120,10 +120,10 @@ def test_steps_wait_for_the_window_that_covers_their_end():
     src = ScriptedSource(snaps)
     j = Joiner(_ns(t0), src, warmup=0)
     j.feed([_ns(t0 + 0.1), _ns(t0 + 0.65)])
-    recs = j.process()
+    recs = rows(j.process())
     assert [r["step"] for r in recs] == [0]  # the second step's end is not covered by a settled window yet
     assert len(j.pending) == 1
-    assert [r["step"] for r in j.process(final=True)] == [1]
+    assert [r["step"] for r in rows(j.process(final=True))] == [1]
 
 
 def test_the_steps_are_joined_with_the_gpus_this_process_uses():
@@ -132,10 +132,10 @@ def test_the_steps_are_joined_with_the_gpus_this_process_uses():
     src = ScriptedSource(snaps, pid_on="1", labels=("0", "1"))
     j = Joiner(_ns(t0 + 0.2), src, warmup=0)
     j.feed([_ns(t0 + 0.8)])
-    assert j.process(final=True)[0]["gpus"] == ["1"]
+    assert rows(j.process(final=True))[0]["gpus"] == ["1"]
     j2 = Joiner(_ns(t0 + 0.2), ScriptedSource(snaps, pid_on="1", labels=("0", "1")), warmup=0, devices="all")
     j2.feed([_ns(t0 + 0.8)])
-    assert j2.process(final=True)[0]["gpus"] == ["0", "1"]
+    assert rows(j2.process(final=True))[0]["gpus"] == ["0", "1"]
 
 
 def _steps(m, n, seconds, **kw):
@@ -365,7 +365,7 @@ def test_the_verdict_over_the_run_is_the_diagnosis_of_its_windows():
 
 
 def test_metrics_and_printed_report(capsys):
-    with gpuscope.monitor(interval=0.05, simulate="compute_bound", print_report=True) as m:
+    with gpuscope.monitor(interval=0.05, simulate="compute_bound", print_report=True, flush_interval=0.2) as m:
         _steps(m, 4, 0.05)
         time.sleep(0.6)
         live = m.metrics()
@@ -396,3 +396,21 @@ def test_import_gpuscope_does_not_import_the_frameworks():
 
 def test_shared_state_is_clean_after_the_tests():
     assert not sys.modules["gpuscope.integrations.monitor"]._shared
+
+
+def test_the_jsonl_encoder_writes_what_json_would(tmp_path):
+    from gpuscope.integrations._steplog import JsonlLog
+
+    t0 = time.monotonic() - 10
+    src = ScriptedSource([(t0 + 0.1 * k, {"gpu_sm_active_ratio": 0.25 + 0.01 * k, "gpu_power_watts": 200.0})
+                          for k in range(12)])
+    j = Joiner(_ns(t0 + 0.2), src, warmup=1)
+    j.feed([("phase", "data", _ns(t0 + 0.25), _ns(t0 + 0.3)), ("mark", "eval \"1\"", _ns(t0 + 0.5)),
+            _ns(t0 + 0.4), (_ns(t0 + 0.6), 3, 2.5), _ns(t0 + 1.6)])
+    cols = j.process(final=True)
+    log = JsonlLog(str(tmp_path / "s.jsonl"))
+    log.write(cols)
+    log.close()
+    lines = (tmp_path / "s.jsonl").read_text().splitlines()
+    assert [json.loads(x) for x in lines] == json.loads(json.dumps(rows(cols)))
+    assert [json.loads(x)["flags"] for x in lines][:1] == [["warmup"]]

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from .._records import Snapshot
 from ._report import StepReport, VerdictShare
-from ._steplog import StepLog
+from ._steplog import FIELDS, StepLog
 from ._tracks import NAN, Track
 
 #: step field -> (series, how GPUs combine, which nominal window the series' values average over)
@@ -112,7 +112,7 @@ class Joiner:
         self.verdict_last: dict[tuple[str, str], Any] = {}
         self.next_verdict_t: float | None = None
         self.gpus_seen: list[str] = []
-        self.latest: list[dict[str, Any]] = []  # records of the latest batch (for metrics())
+        self.latest: dict[str, Any] | None = None  # the latest joined batch (for metrics())
         self.log_error: str | None = None
         windows = {"fast": 0.1, "medium": 0.2, "gpm": 0.2}
         if source is not None:
@@ -169,11 +169,12 @@ class Joiner:
         own = {p.gpu for p in snap.processes if p.pid == self.pid}
         return [lab for lab in labels if lab in own] or labels
 
-    def process(self, final: bool = False) -> list[dict[str, Any]]:
-        """Join the steps whose GPU data is complete (all of them when `final`); returns their records."""
+    def process(self, final: bool = False) -> dict[str, Any] | None:
+        """Join the steps whose GPU data is complete (all of them when `final`). Returns the batch as
+        columns (lists; NaN where a number is unknown; `rows()` makes records)."""
         self.ingest()
         if not self.pending:
-            return []
+            return None
         now = time.monotonic()
         horizon = self.last_snap_t - self.settle_s
         n = 0
@@ -183,82 +184,73 @@ class Joiner:
                 break
             n += 1
         if n == 0:
-            return []
+            return None
         batch = self.pending[:n]
-        records = self._join(batch)  # a failure here leaves the steps pending (joined again without GPU data)
+        cols = self._join(batch)  # a failure here leaves the steps pending (joined again without GPU data)
         self.pending = self.pending[n:]
-        self._account(records)
+        self._account(cols)
         self._prune(batch[-1][1] / 1e9)
-        if self.log is not None and records:
+        if self.log is not None:
             try:
-                self.log.write(records)
+                self.log.write(cols)
             except Exception as e:  # noqa: BLE001 - a full disk loses the log, not the run
                 self.log_error = f"writing the step log failed ({type(e).__name__}: {e}); it stops here"
                 self.log = None
-        self.latest = records
-        return records
+        self.latest = cols
+        return cols
 
-    def _join(self, batch: list[list[Any]]) -> list[dict[str, Any]]:
-        import numpy as np
-
-        starts = np.array([b[0] for b in batch], dtype=float) / 1e9
-        ends = np.array([b[1] for b in batch], dtype=float) / 1e9
-        dur = np.maximum(ends - starts, 1e-12)
+    def _join(self, batch: list[list[Any]]) -> dict[str, Any]:
+        n = len(batch)
+        starts = [b[0] / 1e9 for b in batch]
+        ends = [b[1] / 1e9 for b in batch]
+        dur = [max(e - s, 1e-12) for s, e in zip(starts, ends, strict=True)]
         labels = [lab for lab in self.selected() if lab in self.tracks]
         if labels:
             self.gpus_seen = labels
-        cols: dict[str, Any] = {}
-        cov = None
-        with np.errstate(invalid="ignore", divide="ignore"):
-            for f, (_, agg, _) in METRICS.items():
-                avgs, covs = [], []
-                for lab in labels:
-                    integ, known = self.tracks[lab][f].integrate(starts, ends)
-                    avgs.append(np.where(known > 0, integ / np.where(known > 0, known, 1.0), NAN))
-                    covs.append(known / dur)
-                if not avgs:
-                    cols[f] = np.full(len(batch), NAN)
-                    continue
-                a = np.vstack(avgs)
-                have = ~np.isnan(a)
-                cnt = have.sum(axis=0)
-                tot = np.where(have, a, 0.0).sum(axis=0)
-                cols[f] = np.where(cnt > 0, tot / np.maximum(cnt, 1) if agg == "mean" else tot, NAN)
-                if cov is None and f in _COVERAGE_FROM and np.any(cnt > 0):
-                    cov = np.clip(np.mean(np.vstack(covs), axis=0), 0.0, 1.0)
-        if cov is None:
-            cov = np.zeros(len(batch))
-        energy = cols["power_watts"] * dur
-        off = time.time_ns() - time.monotonic_ns()
-        phases = self._phase_seconds(batch)
-        marks = self._marks(batch)
+        off = (time.time_ns() - time.monotonic_ns()) / 1e9
+        cols: dict[str, Any] = {"step": list(range(self.index, self.index + n)),
+                                "start_time": [s + off for s in starts], "duration_s": dur}
+        cov: list[float] | None = None
+        for f, (_, agg, _) in METRICS.items():
+            per_gpu = [self.tracks[lab][f].integrate(starts, ends) for lab in labels]
+            col = []
+            for i in range(n):
+                tot, cnt = 0.0, 0
+                for integ, known in per_gpu:
+                    if known[i] > 0:
+                        tot += integ[i] / known[i]
+                        cnt += 1
+                col.append(NAN if cnt == 0 else tot / cnt if agg == "mean" else tot)
+            cols[f] = col
+            if cov is None and per_gpu and f in _COVERAGE_FROM and any(x == x for x in col):
+                g = len(per_gpu)
+                cov = [min(1.0, sum(k[i] for _, k in per_gpu) / g / dur[i]) for i in range(n)]
+        cols["energy_joules"] = [p * d for p, d in zip(cols["power_watts"], dur, strict=True)]
+        cols["gpu_coverage_ratio"] = cov = cov if cov is not None else [0.0] * n
+        samples = [b[2] for b in batch]
+        tokens = [b[3] for b in batch]
+        cols["samples"], cols["tokens"] = samples, tokens
+        cols["samples_per_second"] = [NAN if x is None else x / d for x, d in zip(samples, dur, strict=True)]
+        cols["tokens_per_second"] = [NAN if x is None else x / d for x, d in zip(tokens, dur, strict=True)]
+        cols["phases"] = self._phase_seconds(batch)
+        cols["marks"] = self._marks(batch)
+        # Flags: warm-up, slow against the running median before this batch, short of GPU data.
+        warm = max(0, min(n, self.warmup - self.index))
         med = sorted(self.recent)[len(self.recent) // 2] if len(self.recent) >= 5 else None
-        out = []
-        lists = {f: cols[f].tolist() for f in METRICS}
-        dur_l, cov_l, en_l = dur.tolist(), cov.tolist(), energy.tolist()
-        for i, b in enumerate(batch):
-            d = dur_l[i]
-            flags = []
-            if self.index < self.warmup:
-                flags.append("warmup")
-            else:
-                if med is not None and d > self.slow_factor * med:
-                    flags.append("slow")
-                self.recent.append(d)
-            if self.source is not None and cov_l[i] < 0.5:
-                flags.append("no_gpu_data")
-            samples, tokens = b[2], b[3]
-            rec = {
-                "step": self.index, "start_time": (b[0] + off) / 1e9, "duration_s": d,
-                **{f: lists[f][i] for f in METRICS}, "energy_joules": en_l[i], "gpu_coverage_ratio": cov_l[i],
-                "samples": samples, "tokens": tokens,
-                "samples_per_second": samples / d if samples is not None else None,
-                "tokens_per_second": tokens / d if tokens is not None else None,
-                "phases": phases[i], "marks": marks[i], "flags": flags, "gpus": labels,
-            }
-            out.append(rec)
-            self.index += 1
-        return out
+        slow_above = self.slow_factor * med if med is not None else math.inf
+        check_cov = self.source is not None
+        flags: list[list[str]] = []
+        for i in range(n):
+            fl = ["warmup"] if i < warm else (["slow"] if dur[i] > slow_above else [])
+            if check_cov and cov[i] < 0.5:
+                fl.append("no_gpu_data")
+            flags.append(fl)
+        cols["flags"] = flags
+        cols["gpus"] = labels
+        cols["warmup"] = warm
+        self.recent.extend(dur[warm:])
+        self.index += n
+        return cols
 
     def _phase_seconds(self, batch: list[list[Any]]) -> list[dict[str, float]]:
         out: list[dict[str, float]] = [{} for _ in batch]
@@ -288,33 +280,37 @@ class Joiner:
         self.loose_marks = [m for m in keep if m[0] > batch[-1][1]]
         return out
 
-    def _account(self, records: list[dict[str, Any]]) -> None:
+    def _account(self, cols: dict[str, Any]) -> None:
         s = self.stats
-        for r in records:
-            if "warmup" in r["flags"]:
-                continue
-            d = r["duration_s"]
-            s.durations.append(d)
-            s.seconds += d
-            c = r["gpu_coverage_ratio"] * d
-            s.covered += c
-            for k in _WEIGHTED:
-                v = r[k]
-                if v is not None and not math.isnan(v) and c > 0:
-                    s.weighted[k][0] += v * c
-                    s.weighted[k][1] += c
-            e = r["energy_joules"]
-            if e is not None and not math.isnan(e):
+        w = cols["warmup"]
+        d = cols["duration_s"][w:]
+        if not d:
+            return
+        s.durations.extend(d)
+        s.seconds += sum(d)
+        c = [r * x for r, x in zip(cols["gpu_coverage_ratio"][w:], d, strict=True)]
+        s.covered += sum(c)
+        for k in _WEIGHTED:
+            acc = s.weighted[k]
+            for v, ci in zip(cols[k][w:], c, strict=True):
+                if v == v and ci > 0:
+                    acc[0] += v * ci
+                    acc[1] += ci
+        for e in cols["energy_joules"][w:]:
+            if e == e:
                 s.energies.append(e)
                 s.energy += e
-            for key, acc in (("samples", s.samples), ("tokens", s.tokens)):
-                if r[key] is not None:
-                    acc[0] += r[key]
-                    acc[1] += d
-            for name, sec in r["phases"].items():
+        for key, acc in (("samples", s.samples), ("tokens", s.tokens)):
+            vals = cols[key][w:]
+            if any(x is not None for x in vals):
+                for x, sec in zip(vals, d, strict=True):
+                    if x is not None:
+                        acc[0] += x
+                        acc[1] += sec
+        for ph in cols["phases"][w:]:
+            for name, sec in ph.items():
                 s.phases[name] += sec
-            if "slow" in r["flags"]:
-                s.slow += 1
+        s.slow += sum("slow" in f for f in cols["flags"][w:])
 
     def _prune(self, before: float) -> None:
         keep = before - 2 * self.settle_s
@@ -391,17 +387,31 @@ class Joiner:
 
     def metrics(self) -> dict[str, float]:
         """The latest joined batch, averaged: what the callbacks log."""
-        recs = [r for r in self.latest if "warmup" not in r["flags"]] or self.latest
-        out: dict[str, float] = {}
-        if not recs:
-            return out
-        secs = sum(r["duration_s"] for r in recs)
-        out["step_seconds"] = secs / len(recs)
+        cols = self.latest
+        if not cols or not cols["duration_s"]:
+            return {}
+        w = cols["warmup"] if cols["warmup"] < len(cols["duration_s"]) else 0
+        d = cols["duration_s"][w:]
+        out = {"step_seconds": sum(d) / len(d)}
         for k in ("gpu_busy_ratio", "nvml_utilization_ratio", "tensor_active_ratio", "power_watts"):
-            vals = [(r[k], r["duration_s"]) for r in recs if r[k] is not None and not math.isnan(r[k])]
-            if vals:
-                out[k] = sum(v * d for v, d in vals) / sum(d for _, d in vals)
-        en = [r["energy_joules"] for r in recs if not math.isnan(r["energy_joules"])]
-        if en:
-            out["energy_joules_per_step"] = sum(en) / len(en)
+            pairs = [(v, x) for v, x in zip(cols[k][w:], d, strict=True) if v == v]
+            if pairs:
+                out[k] = sum(v * x for v, x in pairs) / sum(x for _, x in pairs)
+        e = [x for x in cols["energy_joules"][w:] if x == x]
+        if e:
+            out["energy_joules_per_step"] = sum(e) / len(e)
         return out
+
+
+def rows(cols: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """A joined batch as one record per step (None where unknown), in the step log's field order."""
+    if not cols:
+        return []
+    out = []
+    for i in range(len(cols["step"])):
+        r: dict[str, Any] = {}
+        for k in FIELDS:
+            v = cols[k] if k == "gpus" else cols[k][i]
+            r[k] = None if isinstance(v, float) and math.isnan(v) else v
+        out.append(r)
+    return out

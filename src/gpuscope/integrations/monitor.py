@@ -101,7 +101,7 @@ class Monitor:
     def __init__(self, *, interval: float = 0.1, log: str | os.PathLike[str] | None = None,
                  simulate: str | None = None, gpus: int | None = None, devices: Sequence[int | str] | str | None = None,
                  sampler: Any = None, warmup_steps: int = 1, slow_factor: float = 1.5,
-                 print_report: bool = False, flush_interval: float = 0.25) -> None:
+                 print_report: bool = False, flush_interval: float = 1.0) -> None:
         if warmup_steps < 0:
             raise MonitorError(f"warmup_steps must be 0 or more, got {warmup_steps}.")
         if not slow_factor > 1.0:
@@ -119,7 +119,8 @@ class Monitor:
         self._notes: list[str] = []
         self._joiner: Joiner | None = None
         self._report: StepReport | None = None
-        self._marked = 0
+        self.cpu_seconds = 0.0  # the monitor thread's CPU (join, log, verdicts)
+        self.stop_cpu_seconds = 0.0  # CPU of the last join at stop(), on the caller's thread
         self.devices = devices
         self.warmup_steps = warmup_steps
         self.slow_factor = slow_factor
@@ -217,6 +218,7 @@ class Monitor:
 
     def _finish(self) -> None:
         j = self._joiner
+        c0 = time.thread_time()
         try:
             if j is not None:
                 j.feed(self._drain())
@@ -232,6 +234,7 @@ class Monitor:
             if self._shared_key is not None and self._sampler is not None:
                 self._guard("sampler", lambda: _release(self._shared_key))  # type: ignore[arg-type]
             _live.discard(self)
+            self.stop_cpu_seconds = time.thread_time() - c0
 
     def _wait_for_gpu_data(self, j: Joiner) -> None:
         """Give the sampler the one window it needs to cover the last step (at most ~0.3 s)."""
@@ -326,6 +329,7 @@ class Monitor:
     def _run(self) -> None:
         j = self._joiner
         assert j is not None
+        c0 = time.thread_time()
         while not self._stop_evt.wait(self.flush_interval):
             items = self._drain()
             with self._lock:
@@ -334,6 +338,7 @@ class Monitor:
                     self._degrade(j)
             self._check_log(j)
             self._guard("diagnose", j.diagnose)
+            self.cpu_seconds = time.thread_time() - c0
 
     def _check_log(self, j: Joiner) -> None:
         if j.log_error is not None and "log" not in self._errors:
@@ -365,7 +370,7 @@ class Monitor:
 def monitor(interval: float = 0.1, log: str | os.PathLike[str] | None = None, *, simulate: str | None = None,
             gpus: int | None = None, devices: Sequence[int | str] | str | None = None, sampler: Any = None,
             warmup_steps: int = 1, slow_factor: float = 1.5, print_report: bool = False,
-            flush_interval: float = 0.25) -> Monitor:
+            flush_interval: float = 1.0) -> Monitor:
     """A training-loop monitor: `with gpuscope.monitor() as m: ... m.step()`.
 
     interval: the sampler's period in seconds. log: a step log, `.jsonl` or `.parquet` (pyarrow).
