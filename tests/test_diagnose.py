@@ -6,6 +6,7 @@ import gzip
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,14 @@ def simulated_window(scenario: str, seconds: float = 12.0, gpus: int | None = No
         snap = s._tick(1000.0 + t[0])
         snap.time_ns = int((1000.0 + t[0]) * 1e9)
         snaps.append(snap)
+    if scenario == "xid_storm":  # events come from their own thread, in real time: let it deliver
+        for _ in range(50):
+            if any(sn.events for sn in snaps):
+                break
+            time.sleep(0.1)
+            snap = s._tick(1000.0 + t[0])
+            snap.time_ns = int((1000.0 + t[0]) * 1e9)
+            snaps.append(snap)
     s.stop()
     return windows_from_snapshots(snaps)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from gpuscope import Sampler, SamplerConfig
-from gpuscope.diagnose import SERIES, diagnose, windows_from_snapshots
+from gpuscope.diagnose import SERIES, Profiler, diagnose, windows_from_snapshots
 
 pytestmark = pytest.mark.gpu
 
@@ -28,12 +28,15 @@ EXPECTED = {
     "compute_bound": {"compute_bound"},
     "memory_bound": {"memory_bound"},
     "h2d_pageable": {"transfer_bound"},
-    "launch_bound": {"launch_or_sync_bound"},
+    "launch_bound": {"launch_bound"},
     "input_starved": {"input_starved"},
-    "sync_heavy": {"launch_or_sync_bound"},
+    "sync_heavy": {"sync_bound"},
     "idle_allocated": {"idle_allocated"},
     "healthy_training": {"healthy", "compute_bound"},
 }
+#: Without permission to sample the process's stacks, metrics alone say this, honestly.
+FALLBACK = {"launch_bound": "launch_or_sync_bound", "sync_heavy": "launch_or_sync_bound",
+            "input_starved": "launch_or_sync_bound"}
 
 
 @pytest.mark.parametrize("name", list(EXPECTED))
@@ -46,24 +49,29 @@ def test_workload_verdict(name):
         s.open()
     except Exception as e:  # noqa: BLE001
         pytest.skip(f"no usable NVIDIA GPU: {e}")
-    proc = subprocess.Popen([sys.executable, str(script), "--seconds", "17"], cwd=str(WORKLOADS),
+    proc = subprocess.Popen([sys.executable, str(script), "--seconds", "20"], cwd=str(WORKLOADS),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        time.sleep(4.0)  # import torch, allocate, warm up
-        s.start()
-        time.sleep(11.0)
+        s.start()  # from the launch on: the start-up (torch import, allocation) is part of what it sees
+        time.sleep(17.0)
         s.stop()
+        snaps = list(s.history)
+        window = [sn for sn in snaps if sn.time_ns >= snaps[-1].time_ns - 10 * 10**9]
+        windows = windows_from_snapshots(window)
+        verdicts = diagnose(windows, profiler=Profiler())  # the workload still runs: its stacks can be read
     finally:
         proc.wait(timeout=60)
-    snaps = list(s.history)
-    verdicts = diagnose(windows_from_snapshots(snaps))
     mine = [v for v in verdicts if v.gpu == "0"]
     print(name, [(v.kind, v.summary) for v in mine])
     rec_dir = os.environ.get("GPUSCOPE_RECORD_DIR")
     if rec_dir:
         rows = [{"t": sn.time_ns, **{k: sn.gpus[0].values.get(k) for k in SERIES}} for sn in snaps]
+        views = {v.pid: v for w in windows for v in w.processes}
         procs = [{"pid": p.pid, "cpu_cores": p.cpu_cores, "thread_cpu_max_ratio": p.thread_cpu_max_ratio,
-                  "gpu_memory_bytes": p.gpu_memory_bytes} for p in snaps[-1].processes]
+                  "gpu_memory_bytes": p.gpu_memory_bytes,
+                  "profile": None if views.get(p.pid) is None or views[p.pid].profile is None else {
+                      "samples": views[p.pid].profile.samples, "shares": views[p.pid].profile.shares,
+                      "top": views[p.pid].profile.top}} for p in snaps[-1].processes]
         rec = {"workload": name, "gpu": snaps[0].gpus[0].identity.name,
                "memory_total_bytes": snaps[0].gpus[0].identity.memory_total_bytes,
                "sm_clock_max_hertz": snaps[0].gpus[0].identity.sm_clock_max_hertz,
@@ -71,4 +79,6 @@ def test_workload_verdict(name):
         Path(rec_dir).mkdir(parents=True, exist_ok=True)
         (Path(rec_dir) / f"{name}.json.gz").write_bytes(gzip.compress(json.dumps(rec).encode()))
     primary = {v.kind for v in mine if v.primary}
-    assert primary & EXPECTED[name], (name, [(v.kind, v.summary) for v in mine])
+    sampled = not any("stack_sampling" in v.evidence for v in mine)
+    expected = EXPECTED[name] if sampled or name not in FALLBACK else {FALLBACK[name]}
+    assert primary & expected, (name, [(v.kind, v.summary) for v in mine])

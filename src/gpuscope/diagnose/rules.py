@@ -114,6 +114,18 @@ def _steady(w: Any, th: Thresholds) -> tuple[Any, float, float]:
     return cut, w.times[i0] - w.times[0], w.times[-1] - w.times[i1]
 
 
+def _held_for(w: Any, held: float) -> float:
+    """Seconds up to the window's end during which at least 90 % of `held` bytes were in use."""
+    since = w.times[-1] if w.times else 0.0
+    for t, v in zip(reversed(w.times), reversed(w.series.get("gpu_memory_used_bytes", [])), strict=False):
+        if v is None:
+            continue
+        if v < 0.9 * held:
+            break
+        since = t
+    return (w.times[-1] - since) if w.times else 0.0
+
+
 def _runs(flags: list[bool]) -> int:
     """How many separate runs of True there are."""
     return sum(1 for i, f in enumerate(flags) if f and (i == 0 or not flags[i - 1]))
@@ -195,7 +207,8 @@ def classify(w: Any, th: Thresholds, verdict: Any) -> list[Any]:
         mean_gap_s = sum(gap_flags) * step_s / gaps if gaps else 0.0
         saturated = cpu_known and busiest >= th.thread_saturated
         intermittent = (gaps >= th.min_bursts and gap_share >= th.gap_share
-                        and any(v >= th.util_active for v in utils) and (saturated or mean_gap_s <= 1.0))
+                        and _runs([v >= th.util_active for v in utils]) >= th.min_bursts
+                        and (saturated or mean_gap_s <= 1.0))
         prof = _profile_of(w, th)
         if idle_share >= th.idle_share and p90 >= th.burst_sm and bursts >= th.min_bursts:
             out.append(make("input_starved", "warning", 0.7,
@@ -228,19 +241,16 @@ def classify(w: Any, th: Thresholds, verdict: Any) -> list[Any]:
                                                                if sm < 0.02 else "")
                             + ". Launches, synchronisations or data preparation: the thread's stacks tell which"
                             + (f" ({base['stack_sampling']})" if "stack_sampling" in base else "") + ".", base))
-        elif (cpu_known and busiest >= th.thread_saturated and (util or 0.0) < th.util_active
-              and any(v > 0 for v in _vals(w, "gpu_utilization_ratio"))):
-            # The GPU runs now and then, the process's thread is saturated, yet it is not launching
-            # kernels steadily (that would show as steady utilization): its CPU time goes elsewhere,
-            # typically loading and preparing data.
-            out.append(make("input_starved", "warning", 0.6,
-                            f"GPU {w.gpu} is almost idle (SMs {_pct(sm)}, NVML 'utilization' {_pct(util)}) while "
-                            f"its process's busiest thread runs at {_pct(busiest)} of a core outside CUDA "
-                            "launches: it waits for data (or other host-side work).", base))
+        elif held >= th.held_bytes and (util or 0.0) < 0.02 and sm < 0.01 and _held_for(w, held) < th.min_window_s:
+            # Memory still arriving: a program setting up (CUDA context, model, optimizer), not a
+            # reservation left idle.
+            out.append(make("idle", "info", 0.6,
+                            f"GPU {w.gpu} is idle while its memory grows to {held / 2**30:.1f} GiB: a program is "
+                            "setting up.", {**base, "memory_held_bytes": held}))
         elif held >= th.held_bytes and (util or 0.0) < 0.02 and sm < 0.01:
             out.append(make("idle_allocated", "warning", 0.9,
                             f"GPU {w.gpu} holds {held / 2**30:.1f} GiB with nothing running (SMs {_pct(sm)}).",
-                            {**base, "memory_held_bytes": held}))
+                            {**base, "memory_held_bytes": held, "held_for_s": _held_for(w, held)}))
         elif sm < th.sm_idle and (util or 0.0) < th.util_active:
             out.append(make("idle", "info", 0.9, f"GPU {w.gpu} is idle.", base))
         else:
