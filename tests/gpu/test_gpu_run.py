@@ -82,8 +82,9 @@ def test_run_names_the_workloads_bottleneck(name, tmp_path):
     assert first is not None, (name, spans)
     made_at = first["end_s"]  # a verdict is made at the end of its window
     assert made_at - start <= WITHIN_S, (name, made_at, start, spans)
-    # 2. no other bottleneck named while it runs (the last 2 s, the program ending, aside)
-    steady = [s for s in spans if s["end_s"] > made_at and s["start_s"] < data["duration_s"] - 2.0]
+    # 2. no other bottleneck named while it runs (the last verdict, made as the program exits and
+    #    frees its memory, aside)
+    steady = [s for s in spans if made_at < s["end_s"] < data["duration_s"] - 1.0]
     wrong = [s for s in steady if s["kind"] not in expected]
     assert not wrong, (name, wrong)
     if name == "healthy_training":
