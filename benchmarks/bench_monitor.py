@@ -76,6 +76,7 @@ def bench_thread(args, step_s: float, log_dir: str) -> dict:
     rep = m.report()
     return {"step_s": step_s, "steps": steps, "wall_s": wall,
             "monitor_thread_cpu_s": m.cpu_seconds + m.stop_cpu_seconds, "sampler_thread_cpu_s": smp,
+            "teardown_cpu_s": m.teardown_cpu_seconds,
             "joined": rep.steps, "source": rep.source, "simulated": rep.simulated}
 
 
@@ -157,7 +158,8 @@ def main() -> int:
             t["monitor_cpu_per_step_us"], t["overhead_ratio"] = per_step * 1e6, share
             print(f"steps of {step_s * 1000:g} ms ({t['steps']} steps, JSONL log): monitor thread "
                   f"{per_step * 1e6:.1f} us CPU per step; with m.step(): {share * 100:.3f} % of step time "
-                  f"(goal < 0.1 %); sampler thread {t['sampler_thread_cpu_s'] / t['wall_s'] * 100:.2f} % of a core")
+                  f"(goal < 0.1 %); sampler thread {t['sampler_thread_cpu_s'] / t['wall_s'] * 100:.2f} % of a core; "
+                  f"once at stop (sampler shutdown, not per step): {t['teardown_cpu_s'] * 1000:.1f} ms CPU")
             f = fixed_work(args, step_s, d)
             out["fixed_work"].append(f)
             print(f"fixed-work steps of {step_s * 1000:g} ms (GIL-bound, {f['rounds']} rounds x "

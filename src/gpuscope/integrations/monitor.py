@@ -121,6 +121,7 @@ class Monitor:
         self._report: StepReport | None = None
         self.cpu_seconds = 0.0  # the monitor thread's CPU (join, log, verdicts)
         self.stop_cpu_seconds = 0.0  # CPU of the last join at stop(), on the caller's thread
+        self.teardown_cpu_seconds = 0.0  # CPU of stopping the sampler at stop(), once per run
         self.devices = devices
         self.warmup_steps = warmup_steps
         self.slow_factor = slow_factor
@@ -231,10 +232,14 @@ class Monitor:
             if self._log is not None:
                 self._guard("log", self._log.close)
                 self._log = None
+            self.stop_cpu_seconds = time.thread_time() - c0
+            c1 = time.thread_time()
             if self._shared_key is not None and self._sampler is not None:
                 self._guard("sampler", lambda: _release(self._shared_key))  # type: ignore[arg-type]
             _live.discard(self)
-            self.stop_cpu_seconds = time.thread_time() - c0
+            # Stopping the sampler (NVML shutdown, GPM samples freed) happens once per run: not a
+            # per-step cost, so it is kept apart.
+            self.teardown_cpu_seconds = time.thread_time() - c1
 
     def _wait_for_gpu_data(self, j: Joiner) -> None:
         """Give the sampler the one window it needs to cover the last step (at most ~0.3 s)."""
