@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._records import Event, Snapshot
+from .baseline import as_verdicts, peer_outliers
 from .rules import classify, node_verdicts
 from .stacks import HostProfile, Profiler
 from .thresholds import DEFAULT, Thresholds
@@ -127,8 +128,6 @@ def diagnose(windows: Iterable[GpuWindow], thresholds: Thresholds = DEFAULT,
         verdicts.extend(mine)
     node = node_verdicts(ws, verdicts, thresholds, Verdict)
     verdicts.extend(node)
-    from .baseline import as_verdicts, peer_outliers  # noqa: PLC0415 - it imports this module
-
     straggling = {v.gpu for v in node if v.kind == "imbalance"}  # SM activity already said there
     t0 = min((w.times[0] for w in ws if w.times), default=0.0)
     t1 = max((w.times[-1] for w in ws if w.times), default=0.0)

@@ -17,10 +17,13 @@ Each finding is a side verdict (`anomaly`, `peer_outlier`) whose summary says it
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import statistics
 import tempfile
+import threading
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -225,9 +228,6 @@ class Tracker:
 
     def __init__(self, sampler: Any, path: str | Path | None, every_s: float = 30.0, save_every_s: float = 600.0,
                  baselines: Baselines | None = None) -> None:
-        import logging
-        import threading
-
         self.sampler, self.path, self.every_s, self.save_every_s = sampler, path, every_s, save_every_s
         self.baselines = baselines if baselines is not None else (
             Baselines.load(path) if path is not None else Baselines())
@@ -244,9 +244,7 @@ class Tracker:
 
     def step(self) -> list[Finding]:
         """One window: the last `every_s` of the sampler's history."""
-        import time
-
-        from . import windows_from_snapshots
+        from . import windows_from_snapshots  # the package imports this module
 
         cutoff = time.time_ns() - int(self.every_s * 1e9)
         snaps = [s for s in list(self.sampler.history) if s.time_ns >= cutoff]
@@ -257,8 +255,6 @@ class Tracker:
         return self.findings
 
     def _loop(self) -> None:
-        import time
-
         last_save = time.monotonic()
         while not self._stop.wait(self.every_s):
             try:

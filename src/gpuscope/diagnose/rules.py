@@ -241,16 +241,16 @@ def classify(w: Any, th: Thresholds, verdict: Any) -> list[Any]:
                                                                if sm < 0.02 else "")
                             + ". Launches, synchronisations or data preparation: the thread's stacks tell which"
                             + (f" ({base['stack_sampling']})" if "stack_sampling" in base else "") + ".", base))
-        elif held >= th.held_bytes and (util or 0.0) < 0.02 and sm < 0.01 and _held_for(w, held) < th.min_window_s:
-            # Memory still arriving: a program setting up (CUDA context, model, optimizer), not a
-            # reservation left idle.
-            out.append(make("idle", "info", 0.6,
-                            f"GPU {w.gpu} is idle while its memory grows to {held / 2**30:.1f} GiB: a program is "
-                            "setting up.", {**base, "memory_held_bytes": held}))
         elif held >= th.held_bytes and (util or 0.0) < 0.02 and sm < 0.01:
-            out.append(make("idle_allocated", "warning", 0.9,
-                            f"GPU {w.gpu} holds {held / 2**30:.1f} GiB with nothing running (SMs {_pct(sm)}).",
-                            {**base, "memory_held_bytes": held, "held_for_s": _held_for(w, held)}))
+            held_s = _held_for(w, held)
+            if held_s < th.min_window_s:  # memory still arriving: a program setting up, not a reservation
+                out.append(make("idle", "info", 0.6,
+                                f"GPU {w.gpu} is idle while its memory grows to {held / 2**30:.1f} GiB: a program "
+                                "is setting up.", {**base, "memory_held_bytes": held}))
+            else:
+                out.append(make("idle_allocated", "warning", 0.9,
+                                f"GPU {w.gpu} holds {held / 2**30:.1f} GiB with nothing running (SMs {_pct(sm)}).",
+                                {**base, "memory_held_bytes": held, "held_for_s": held_s}))
         elif sm < th.sm_idle and (util or 0.0) < th.util_active:
             out.append(make("idle", "info", 0.9, f"GPU {w.gpu} is idle.", base))
         else:

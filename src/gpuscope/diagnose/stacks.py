@@ -46,6 +46,7 @@ _DATA_FUNC = re.compile(r"load|batch|augment|transform|collate|decode|preprocess
 _TORCH_PATHS = ("/torch/nn/", "/torch/optim/", "/torch/autograd/", "/torch/_tensor.py", "/torch/functional.py",
                 "/torch/amp/", "/torch/_ops.py", "/torch/overrides.py")
 _LIB_MARKERS = ("/site-packages/", "/dist-packages/", "/lib/python3", "<frozen")
+_MATMUL = re.compile(r"\w\s*@\s*\w")
 _FRAME = re.compile(r"^(?P<func>.*?) \((?P<file>.*?):(?P<line>\d+)\)$")
 
 
@@ -111,7 +112,7 @@ def classify_stack(frames: list[tuple[str, str, int]]) -> tuple[str, tuple[str, 
     in_loader = any(_DATA_FUNC.search(u[0].rpartition(".")[2]) for u in user)  # load_batch, __getitem__, ...
     if any(p in f for f in files for p in _DATA_PATHS) or _DATA_LINE.search(source) or (in_loader and not files):
         return "data", at
-    if any(p in f for f in files for p in _TORCH_PATHS) or "torch." in source or re.search(r"\w\s*@\s*\w", source):
+    if any(p in f for f in files for p in _TORCH_PATHS) or "torch." in source or _MATMUL.search(source):
         return "launch", at
     return "other", at
 
