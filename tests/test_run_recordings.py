@@ -13,29 +13,14 @@ import json
 from pathlib import Path
 
 import pytest
+from workload_labels import EXPECTED, WITHIN_S, steady_start
 
 from gpuscope.diagnose import GpuWindow, ProcessView, diagnose
 from gpuscope.diagnose.stacks import HostProfile
 
 RUNS = Path(__file__).parent / "fixtures" / "recordings" / "runs"
-EXPECTED = {
-    "compute_bound": {"compute_bound"}, "memory_bound": {"memory_bound"}, "h2d_pageable": {"transfer_bound"},
-    "launch_bound": {"launch_bound"}, "input_starved": {"input_starved"}, "sync_heavy": {"sync_bound"},
-    "idle_allocated": {"idle_allocated"}, "healthy_training": {"healthy", "compute_bound"},
-}
-
-
 def load(name: str) -> dict:
     return json.loads(gzip.decompress((RUNS / f"run_{name}.json.gz").read_bytes()))
-
-
-def steady_start(data: dict) -> float:
-    start = data["gpu_start_s"]
-    s = data["series"]["0"]
-    util = s["gpu_utilization_ratio"]["mean"]
-    busy = [t for i, t in enumerate(s["t"]) if t >= start and all(
-        (util[j] or 0) >= 0.01 for j in range(i, min(i + 3, len(util))))]
-    return busy[0] if busy else start
 
 
 def profile_of(data: dict, pid: int) -> HostProfile | None:
@@ -76,7 +61,7 @@ def test_run_recording_replayed(name):
         t += 5.0
     first = next((m for m in made if m[1] in EXPECTED[name]), None)
     assert first is not None, made
-    assert first[0] - steady <= 15.0, (steady, made)
+    assert first[0] - steady <= WITHIN_S, (steady, made)
     assert all(k in EXPECTED[name] for tm, k, _ in made if tm > first[0]), made
     if name == "healthy_training":  # no bottleneck at any time, start-up included
         assert all(sev == "info" for _, _, sev in made), made

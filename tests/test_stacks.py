@@ -53,16 +53,21 @@ def _spawn(tmp_path: Path, name: str, code: str) -> subprocess.Popen:
     return p
 
 
-@needs_pyspy
-def test_a_data_loading_loop_is_data(tmp_path):
-    p = _spawn(tmp_path, "loader", LOADER)
+def _profile_child(tmp_path: Path, name: str, code: str) -> HostProfile:
+    """The stacks of a real child process running `code`, sampled by py-spy for 1.5 s."""
+    p = _spawn(tmp_path, name, code)
     try:
-        prof = profile(p.pid, seconds=1.5)
+        return profile(p.pid, seconds=1.5)
     except ProfileUnavailable as e:
         pytest.skip(f"no ptrace permission here: {e}")
     finally:
         p.kill()
         p.wait()
+
+
+@needs_pyspy
+def test_a_data_loading_loop_is_data(tmp_path):
+    prof = _profile_child(tmp_path, "loader", LOADER)
     assert prof.samples >= 20
     assert prof.dominant() == "data", prof.shares
     assert "loader.py" in prof.where("data") and "load_batch" in prof.where("data")
@@ -70,14 +75,7 @@ def test_a_data_loading_loop_is_data(tmp_path):
 
 @needs_pyspy
 def test_a_loop_reading_values_back_is_sync(tmp_path):
-    p = _spawn(tmp_path, "syncer", SYNCER)
-    try:
-        prof = profile(p.pid, seconds=1.5)
-    except ProfileUnavailable as e:
-        pytest.skip(f"no ptrace permission here: {e}")
-    finally:
-        p.kill()
-        p.wait()
+    prof = _profile_child(tmp_path, "syncer", SYNCER)
     assert prof.shares["sync"] >= 0.2, prof.shares
     assert ".item()" not in prof.where("sync")  # it names the line, not its text
     assert "syncer.py:" in prof.where("sync")

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from workload_labels import EXPECTED, FALLBACK
 
 from gpuscope import Sampler, SamplerConfig
 from gpuscope.diagnose import SERIES, Profiler, diagnose, windows_from_snapshots
@@ -23,21 +24,6 @@ pytestmark = pytest.mark.gpu
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKLOADS = Path(os.environ.get("GPUSCOPE_WORKLOADS", ROOT.parent / "shared" / "workloads"))
-
-EXPECTED = {
-    "compute_bound": {"compute_bound"},
-    "memory_bound": {"memory_bound"},
-    "h2d_pageable": {"transfer_bound"},
-    "launch_bound": {"launch_bound"},
-    "input_starved": {"input_starved"},
-    "sync_heavy": {"sync_bound"},
-    "idle_allocated": {"idle_allocated"},
-    "healthy_training": {"healthy", "compute_bound"},
-}
-#: Without permission to sample the process's stacks, metrics alone say this, honestly.
-FALLBACK = {"launch_bound": "launch_or_sync_bound", "sync_heavy": "launch_or_sync_bound",
-            "input_starved": "launch_or_sync_bound"}
-
 
 @pytest.mark.parametrize("name", list(EXPECTED))
 def test_workload_verdict(name):

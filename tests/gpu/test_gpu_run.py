@@ -15,40 +15,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from workload_labels import EXPECTED, FALLBACK, WITHIN_S, steady_start
 
 pytestmark = pytest.mark.gpu
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKLOADS = Path(os.environ.get("GPUSCOPE_WORKLOADS", ROOT.parent / "shared" / "workloads"))
 SECONDS = float(os.environ.get("GPUSCOPE_RUN_SECONDS", "30"))
-WITHIN_S = 15.0
-
-#: The labelled verdict (../shared/workloads/README.md); host-bound ones are told apart by the
-#: process's stacks, and without permission to sample them the honest 'launch_or_sync_bound'.
-EXPECTED = {
-    "compute_bound": {"compute_bound"},
-    "memory_bound": {"memory_bound"},
-    "h2d_pageable": {"transfer_bound"},
-    "launch_bound": {"launch_bound"},
-    "input_starved": {"input_starved"},
-    "sync_heavy": {"sync_bound"},
-    "idle_allocated": {"idle_allocated"},
-    "healthy_training": {"healthy", "compute_bound"},
-}
-FALLBACK = {"launch_bound": "launch_or_sync_bound", "sync_heavy": "launch_or_sync_bound",
-            "input_starved": "launch_or_sync_bound"}
-
-
-def steady_start(data: dict) -> float:
-    """When the workload reached its steady state: its process on the GPU and, for a workload that
-    computes, its loop started (the GPU busy in three samples in a row after set-up); a workload that
-    never computes (idle_allocated) is steady once it is on the GPU."""
-    start = data["gpu_start_s"]
-    s = data["series"]["0"]
-    util = s["gpu_utilization_ratio"]["mean"]
-    busy = [t for i, t in enumerate(s["t"]) if t >= start and all(
-        (util[j] or 0) >= 0.01 for j in range(i, min(i + 3, len(util))))]
-    return busy[0] if busy else start
 
 
 @pytest.mark.parametrize("name", list(EXPECTED))
