@@ -13,7 +13,7 @@ import signal
 import sys
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -27,6 +27,43 @@ EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE = 0, 1, 2
 
 class UsageError(Exception):
     pass
+
+
+class Unavailable(Exception):
+    """What was asked for is not there (no store, no data in the range): exit 1, one sentence."""
+
+
+def _time_range(args: argparse.Namespace) -> tuple[int, int]:
+    """--start (or --since back from now) and --end, in ns; one sentence when they make no range."""
+    from .agent.timeparse import TimeError, parse_time
+
+    try:
+        now = time.time()
+        start_ns = parse_time(args.start or f"-{args.since}", now, "--start" if args.start else "--since")
+        end_ns = parse_time(args.end, now, "--end")
+    except TimeError as e:
+        raise UsageError(str(e)) from None
+    if end_ns <= start_ns:
+        raise UsageError("--end must be after --start.")
+    return start_ns, end_ns
+
+
+def _with_store(data_dir: str | None, use: Callable[[Any], Any], elsewhere: str = "") -> Any:
+    """`use(store)` on the agent's store, opened read-only (the agent may be writing meanwhile)."""
+    from .agent.config import default_data_dir
+    from .store import Store, StoreError
+
+    path = os.path.join(os.path.expanduser(data_dir) if data_dir else str(default_data_dir()), "store")
+    if not os.path.isdir(path):
+        raise Unavailable(f"No gpuscope store at {path}; point --data-dir at the agent's data directory{elsewhere}.")
+    try:
+        store = Store(path, readonly=True)
+        try:
+            return use(store)
+        finally:
+            store.close()
+    except StoreError as e:
+        raise UsageError(str(e)) from None
 
 
 class _Parser(argparse.ArgumentParser):
@@ -195,7 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"gpuscope: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except (NvmlUnavailable, ClientError) as e:
+    except (NvmlUnavailable, ClientError, Unavailable) as e:
         print(f"gpuscope: {e}", file=sys.stderr)
         return EXIT_UNAVAILABLE
     except KeyboardInterrupt:
@@ -326,15 +363,11 @@ def _agent(args: argparse.Namespace) -> int:
 
 def _query(args: argparse.Namespace) -> int:
     from .agent.client import ClientError, default_url, find_token, format_range, get_json
-    from .agent.timeparse import TimeError, parse_duration, parse_time
+    from .agent.timeparse import TimeError, parse_duration
 
+    start_ns, end_ns = _time_range(args)
+    step = args.step or f"{max(1.0, (end_ns - start_ns) / 1e9 / 60):.3f}s"
     try:
-        now = time.time()
-        start = args.start or f"-{args.since}"
-        start_ns, end_ns = parse_time(start, now, "--start"), parse_time(args.end, now, "--end")
-        if end_ns <= start_ns:
-            raise UsageError("--end must be after --start.")
-        step = args.step or f"{max(1.0, (end_ns - start_ns) / 1e9 / 60):.3f}s"
         parse_duration(step, "--step")
     except TimeError as e:
         raise UsageError(str(e)) from None
@@ -360,37 +393,13 @@ def _query(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from .agent.config import default_data_dir
-    from .agent.timeparse import TimeError, parse_time
-
     fmt = args.format or {".parquet": "parquet", ".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl"}.get(
         os.path.splitext(args.out)[1].lower())
     if fmt is None:
         raise UsageError("Cannot tell the format from the file name; add --format parquet, csv or jsonl.")
-    try:
-        now = time.time()
-        start_ns = parse_time(args.start or f"-{args.since}", now, "--start")
-        end_ns = parse_time(args.end, now, "--end")
-    except TimeError as e:
-        raise UsageError(str(e)) from None
-    if end_ns <= start_ns:
-        raise UsageError("--end must be after --start.")
-    from .store import Store, StoreError
-
-    path = os.path.join(os.path.expanduser(args.data_dir) if args.data_dir else str(default_data_dir()), "store")
-    if not os.path.isdir(path):
-        print(f"gpuscope: No gpuscope store at {path}; point --data-dir at the agent's data directory.",
-              file=sys.stderr)
-        return EXIT_UNAVAILABLE
-    try:
-        store = Store(path, readonly=True)
-        try:
-            n = store.export(start_ns, end_ns, args.out, fmt=fmt, metrics=args.metric)
-        finally:
-            store.close()
-    except StoreError as e:
-        print(f"gpuscope: {e}", file=sys.stderr)
-        return EXIT_USAGE
+    start_ns, end_ns = _time_range(args)
+    n = _with_store(args.data_dir, lambda store: store.export(start_ns, end_ns, args.out, fmt=fmt,
+                                                              metrics=args.metric))
     print(f"wrote {n} rows to {args.out}")
     return EXIT_OK
 
@@ -440,45 +449,22 @@ def _diagnose(args: argparse.Namespace) -> int:
 
 def _diagnose_range(args: argparse.Namespace) -> int:
     """Verdict spans over a past range: from --url's agent, else from the local store (read-only)."""
-    from .agent.timeparse import TimeError, parse_time
     from .diagnose.history import NoData, diagnose_range, range_as_dict
 
     if args.simulate is not None:
         raise UsageError("--since/--start read the store's history; --simulate has none (run an agent with it).")
-    try:
-        now = time.time()
-        start_ns = parse_time(args.start or f"-{args.since}", now, "--start" if args.start else "--since")
-        end_ns = parse_time(args.end, now, "--end")
-    except TimeError as e:
-        raise UsageError(str(e)) from None
-    if end_ns <= start_ns:
-        raise UsageError("--end must be after --start.")
+    start_ns, end_ns = _time_range(args)
     if args.url:
         from .agent.client import find_token, get_json
 
         data = get_json(args.url, "/api/v1/diagnose", {"start": f"{start_ns / 1e9:.3f}", "end": f"{end_ns / 1e9:.3f}"},
                         find_token(args.token, args.data_dir), timeout=60.0)
     else:
-        from .agent.config import default_data_dir
-        from .store import Store, StoreError
-
-        path = os.path.join(os.path.expanduser(args.data_dir) if args.data_dir else str(default_data_dir()), "store")
-        if not os.path.isdir(path):
-            print(f"gpuscope: No gpuscope store at {path}; point --data-dir at the agent's data directory "
-                  "or --url at a running agent.", file=sys.stderr)
-            return EXIT_UNAVAILABLE
         try:
-            store = Store(path, readonly=True)
-            try:
-                data = range_as_dict(diagnose_range(store, start_ns, end_ns))
-            finally:
-                store.close()
+            data = _with_store(args.data_dir, lambda store: range_as_dict(diagnose_range(store, start_ns, end_ns)),
+                               " or --url at a running agent")
         except NoData as e:
-            print(f"gpuscope: {e}", file=sys.stderr)
-            return EXIT_UNAVAILABLE
-        except StoreError as e:
-            print(f"gpuscope: {e}", file=sys.stderr)
-            return EXIT_USAGE
+            raise Unavailable(str(e)) from None
     if args.json:
         print(json.dumps(data, indent=1, default=str))
         return EXIT_OK
