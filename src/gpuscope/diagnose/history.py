@@ -9,6 +9,7 @@ the 1 s / 1 min rollups for long ones), so a day's diagnosis costs about what te
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -155,11 +156,7 @@ def _processes(store: Any, start_ns: int, end_ns: int, step: float) -> dict[str,
 
 
 def _slice(w: GpuWindow, a: float, b: float) -> GpuWindow:
-    idx = [i for i, t in enumerate(w.times) if a <= t < b]
-    if not idx:
-        return GpuWindow(w.gpu, [], {k: [] for k in w.series}, w.memory_total_bytes, w.sm_clock_max_hertz,
-                         w.healthy, w.processes, [], w.name)
-    i0, i1 = idx[0], idx[-1] + 1
+    i0, i1 = bisect_left(w.times, a), bisect_left(w.times, b)  # times are sorted: [a, b)
     return GpuWindow(w.gpu, w.times[i0:i1], {k: v[i0:i1] for k, v in w.series.items()}, w.memory_total_bytes,
                      w.sm_clock_max_hertz, w.healthy, w.processes,
                      [e for e in w.events if a <= e.time_ns / 1e9 < b], w.name)
