@@ -130,7 +130,6 @@ def _check(cmd: list[str]) -> None:
 
 
 def _start(cmd: list[str]) -> subprocess.Popen[bytes]:
-    _check(cmd)
     try:
         return subprocess.Popen(cmd)
     except PermissionError:
@@ -149,19 +148,14 @@ def run(cmd: list[str], *, simulate: str | None = None, gpus: int | None = None,
     sampler = Sampler(SamplerConfig(interval=interval), simulate=simulate, gpus=gpus)
     sampler.open()
     started_at = time.time()
-    first = sampler.sample_once()
-    try:
-        child = _start(cmd)
-    except RunError:
-        sampler.stop()
-        raise
-    t0 = time.time()
     interrupts = 0
+    child: subprocess.Popen[bytes] | None = None
+    procs: RunProcesses | None = None
 
     def forward(signum: int, _frame: Any) -> None:
         nonlocal interrupts
         interrupts += 1
-        if child.poll() is not None:
+        if child is None or child.poll() is not None:
             return
         try:
             if interrupts >= 2:
@@ -169,32 +163,31 @@ def run(cmd: list[str], *, simulate: str | None = None, gpus: int | None = None,
             elif signum != signal.SIGINT or not _terminal_reaches(os.getpgid(child.pid)):
                 # As a terminal's Ctrl-C would: the child and every process it started.
                 child.send_signal(signum)
-                for p in procs.live_descendants():
+                for p in procs.live_descendants() if procs is not None else []:
                     p.send_signal(signum)
         except (OSError, psutil.Error):  # gone meanwhile
             pass
 
-    procs = RunProcesses(child.pid, simulated=sampler.simulated is not None)
-    profiler = None
-    if stacks and sampler.simulated is None:
-        sample = Profiler(seconds=2.0, every_s=30.0)
-
-        def profiler(pid: int) -> tuple[Any, str | None]:
-            if not procs.ours(pid):
-                return None, f"process {pid} is not the command's, so its stacks were not sampled"
-            return sample(pid)
+    # From here on a signal is ours to handle, and whatever happens, the child is not left behind.
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-    collector = _Collector(t0, procs, max_points)
-    sampler.subscribe(collector)
     tty = hasattr(out, "isatty") and out.isatty()
-    mono0 = time.monotonic()
     segments: list[Segment] = []
     last_end: dict[str, float] = {}
-    next_verdict = mono0 + EVERY_S
-    next_tree = mono0 + 0.3  # a first look soon: short-lived children should be seen
-    last_status = 0.0 if tty else mono0  # without a terminal: a line every 10 s, the first at 10 s
-    terminated_at: float | None = None
     try:
+        first = sampler.sample_once()
+        child = _start(cmd)
+        t0 = time.time()
+        if interrupts:  # a Ctrl-C while it started: the command hears of it too
+            child.send_signal(signal.SIGINT)
+        procs = RunProcesses(child.pid, simulated=sampler.simulated is not None)
+        profiler = _profiler(procs) if stacks and sampler.simulated is None else None
+        collector = _Collector(t0, procs, max_points)
+        sampler.subscribe(collector)
+        mono0 = time.monotonic()
+        next_verdict = mono0 + EVERY_S
+        next_tree = mono0 + 0.3  # a first look soon: short-lived children should be seen
+        last_status = 0.0 if tty else mono0  # without a terminal: a line every 10 s, the first at 10 s
+        terminated_at: float | None = None
         sampler.start()
         while child.poll() is None:
             time.sleep(0.1)
@@ -218,16 +211,18 @@ def run(cmd: list[str], *, simulate: str | None = None, gpus: int | None = None,
                 elif now - terminated_at > TERM_GRACE_S:
                     child.kill()
     finally:
-        _reap(child)
-        if interrupts:  # interrupted: nothing the command started may outlive it
-            _reap_all(procs.live_descendants())
+        if child is not None:
+            _reap(child)
+            if interrupts and procs is not None:  # interrupted: nothing the command started may outlive it
+                _reap_all(procs.live_descendants())
         for s, h in old.items():
             signal.signal(s, h)
-        if tty:
-            print("\r\033[K", end="", file=out, flush=True)  # the live line gives way to the summary
-        segments.extend(_verdicts(sampler, t0, last_end, final=True, profiler=profiler))
-        last = sampler.latest()
         sampler.stop()
+        if tty and child is not None:
+            print("\r\033[K", end="", file=out, flush=True)  # the live line gives way to the summary
+    assert child is not None and procs is not None  # the try ends no other way
+    segments.extend(_verdicts(sampler, t0, last_end, final=True, profiler=profiler))
+    last = sampler.latest()
     duration = time.time() - t0
     rc = child.returncode
     code = 128 - rc if rc is not None and rc < 0 else (rc if rc is not None else 1)
@@ -242,6 +237,18 @@ def run(cmd: list[str], *, simulate: str | None = None, gpus: int | None = None,
         "killed_by_signal": -rc if rc is not None and rc < 0 else None,
     })
     return code, report
+
+
+def _profiler(procs: RunProcesses) -> Any:
+    """Stack sampling for the diagnosis, restricted to the command's own processes."""
+    sample = Profiler(seconds=2.0, every_s=30.0)
+
+    def profiler(pid: int) -> tuple[Any, str | None]:
+        if not procs.ours(pid):
+            return None, f"process {pid} is not the command's, so its stacks were not sampled"
+        return sample(pid)
+
+    return profiler
 
 
 def _reap(child: subprocess.Popen[bytes]) -> None:
