@@ -88,7 +88,8 @@ class RunProcesses:
         self._gpu: dict[tuple[int, str], _GpuUse] = {}
         self.gpu_start_s: float | None = None
         self.gpu_start_by_gpu: dict[str, float] = {}
-        self._handles: dict[int, psutil.Process] = {}  # the tree's processes, to signal them later
+        self._handles: dict[int, psutil.Process] = {}  # the tree's live processes, to signal them later
+        self._last_records: list[Any] = []
 
     # -- the process tree (main thread) ---------------------------------------------------------
     def poll_tree(self, t: float) -> None:
@@ -100,6 +101,12 @@ class RunProcesses:
                     self._handles[pid] = psutil.Process(pid)
                 except psutil.Error:
                     pass
+        # Keep a handle that left the tree only while it runs (re-parented): the dict stays as small
+        # as the live tree, however many short-lived processes the command starts.
+        current = set(pids)
+        for pid in [pid for pid in self._handles if pid not in current]:
+            if not _running(self._handles[pid]):
+                del self._handles[pid]
         infos = [(pid, self._reader.read(pid)) for pid in pids]
         with self._lock:
             for pid, info in infos:
@@ -128,19 +135,17 @@ class RunProcesses:
                     seen[pid] = psutil.Process(pid)
                 except psutil.Error:
                     pass
-        out = []
-        for pid, p in seen.items():
-            try:
-                if pid != self.root_pid and p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                    out.append(p)
-            except psutil.Error:
-                pass
-        return out
+        return [p for pid, p in seen.items() if pid != self.root_pid and _running(p)]
 
     # -- GPU processes (sampler thread) ---------------------------------------------------------
     def observe(self, snap: Any, t: float) -> None:
-        for rec in snap.processes:
-            ours = self._belongs(rec)
+        # The sampler rereads processes every second; the ticks between repeat the same records.
+        recs = snap.processes
+        if len(recs) == len(self._last_records) and all(a is b for a, b in zip(recs, self._last_records, strict=True)):
+            return
+        self._last_records = list(recs)
+        for rec in recs:
+            ours = self.simulated or self.ours(rec.pid, visible=bool(rec.host_visible))
             with self._lock:
                 p = self._procs.get(rec.pid)
                 if p is None:
@@ -165,23 +170,15 @@ class RunProcesses:
                         self.gpu_start_s = t
                     self.gpu_start_by_gpu.setdefault(rec.gpu, t)
 
-    def ours(self, pid: int) -> bool:
-        """Whether `pid` is the run's command or one of its descendants (never another user's)."""
+    def ours(self, pid: int, visible: bool = True) -> bool:
+        """Whether `pid` is the run's command or one of its descendants (never another user's).
+        `visible=False`: a GPU process outside our pid namespace, whose ancestry cannot be read here."""
         with self._lock:
             known = self._ours.get(pid)
         if known is None:
-            known = pid == self.root_pid or self.root_pid in self._ancestors(pid)
+            known = visible and self.root_pid in self._ancestors(pid)
             with self._lock:
                 self._ours[pid] = known
-        return known
-
-    def _belongs(self, rec: Any) -> bool:
-        if self.simulated:
-            return True
-        known = self._ours.get(rec.pid)
-        if known is None:
-            known = bool(rec.host_visible) and self.root_pid in self._ancestors(rec.pid)
-            self._ours[rec.pid] = known
         return known
 
     # -- the table ------------------------------------------------------------------------------
@@ -207,6 +204,14 @@ class RunProcesses:
                                  "gpu_memory_max_bytes": u.memory_max_bytes, "sm_ratio_mean": u.sm.mean})
         rows.sort(key=lambda r: (not r["ours"], r["pid"], r["gpu"] or ""))
         return rows
+
+
+def _running(p: psutil.Process) -> bool:
+    """Alive and not a zombie (pid reuse excluded)."""
+    try:
+        return bool(p.is_running()) and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def _children(pid: int) -> list[int]:
