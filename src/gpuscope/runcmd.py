@@ -30,7 +30,7 @@ from ._redact import redact_cmdline
 from .diagnose import Profiler, diagnose, windows_from_snapshots
 from .diagnose.thresholds import DEFAULT
 from .report.processes import RunProcesses
-from .report.timeline import GpuTimeline
+from .report.timeline import GpuTimeline, gpu_order
 from .sampler import Sampler, SamplerConfig
 
 WINDOW_S = 10.0  # each verdict looks at this much history
@@ -231,9 +231,9 @@ def run(cmd: list[str], *, simulate: str | None = None, gpus: int | None = None,
     report.update({
         "command": redact_cmdline(cmd), "started_at": started_at, "hostname": first.hostname,
         "gpu_start_s": procs.gpu_start_s, "gpu_start_by_gpu": procs.gpu_start_by_gpu,
-        "gpus": [collector.gpus[k] for k in sorted(collector.gpus, key=_gpu_order)],
+        "gpus": [collector.gpus[k] for k in sorted(collector.gpus, key=gpu_order)],
         "processes": procs.table(),
-        "series": {k: collector.timelines[k].points() for k in sorted(collector.timelines, key=_gpu_order)},
+        "series": {k: collector.timelines[k].points() for k in sorted(collector.timelines, key=gpu_order)},
         "killed_by_signal": -rc if rc is not None and rc < 0 else None,
     })
     return code, report
@@ -278,11 +278,6 @@ def _reap_all(procs: list[psutil.Process]) -> None:
         except psutil.Error:
             pass
     psutil.wait_procs(alive, timeout=1.0)
-
-
-def _gpu_order(label: str) -> tuple[int, str]:
-    head = label.split("/")[0]
-    return (int(head) if head.isdigit() else 1 << 30, label)
 
 
 def _energy(snap: Any) -> dict[str, float]:
@@ -338,7 +333,7 @@ def spans(segments: list[Segment], primary: bool = True) -> list[dict[str, Any]]
         if s.primary == primary:
             by_gpu[s.gpu].append(s)
     out: list[dict[str, Any]] = []
-    for gpu in sorted(by_gpu, key=_gpu_order):
+    for gpu in sorted(by_gpu, key=gpu_order):
         open_: dict[str, dict[str, Any]] = {}  # side verdicts can overlap each other: one open span per kind
         cur: dict[str, Any] | None = None
         for s in sorted(by_gpu[gpu], key=lambda s: s.start_s):
@@ -413,7 +408,7 @@ def render(report: dict[str, Any]) -> str:
         lines.append(f"  the run's processes first used a GPU at {report['gpu_start_s']:.1f} s")
     if not report["verdict_share"]:
         lines.append("  no verdict: the GPUs were never watched for a steady 5 s.")
-    for gpu, kinds in sorted(report["verdict_share"].items(), key=lambda kv: _gpu_order(kv[0])):
+    for gpu, kinds in sorted(report["verdict_share"].items(), key=lambda kv: gpu_order(kv[0])):
         lines.append(f"  GPU {gpu}: " + ", ".join(f"{k} {v * 100:.0f} %" for k, v in
                                                    sorted(kinds.items(), key=lambda kv: -kv[1])))
         tl = [f"{_secs(s['start_s'])}–{_secs(s['end_s'])} s {s['kind']}" for s in report["spans"] if s["gpu"] == gpu]

@@ -16,8 +16,9 @@ from html import escape
 from typing import Any
 
 from .. import __version__
-from ..catalog import decode_clock_event_reasons
+from ..catalog import CLOCK_EVENT_REASONS
 from .svg import Axis, Band, Line, fmt_time, panel
+from .timeline import gpu_order
 
 #: Colours per verdict kind; anything else gets a grey.
 VERDICT_COLORS = {
@@ -27,8 +28,8 @@ VERDICT_COLORS = {
     "gpu_lost": "#222222", "throttled": "#e4572e", "power_capped": "#f0a35e", "memory_growth": "#b5179e",
     "hardware": "#8b0000", "imbalance": "#5c6bc0",
 }
-SLOWDOWN = ("sw_power_cap", "hw_slowdown", "sw_thermal", "hw_thermal", "hw_power_brake", "sync_boost",
-            "board_limit", "reliability", "display_clock", "applications_clocks")
+#: Every clock-event reason but an idle GPU: those that hold the clocks below what the work could use.
+SLOWDOWN = {bit: name for bit, name in CLOCK_EVENT_REASONS.items() if name != "gpu_idle"}
 
 _CSS = """
 :root{--fg:#1d2330;--muted:#5b6475;--line:#dfe3ea;--bg:#f6f7f9;--card:#fff}
@@ -130,7 +131,7 @@ def _summary(r: dict[str, Any]) -> str:
     out.append("<h2>Time share per verdict</h2>")
     if not share:
         out.append('<p class="muted">No verdict: the GPUs were never watched for a steady 5 s.</p>')
-    for gpu, kinds in sorted(share.items(), key=lambda kv: _order(kv[0])):
+    for gpu, kinds in sorted(share.items(), key=lambda kv: gpu_order(kv[0])):
         ordered = sorted(kinds.items(), key=lambda kv: -kv[1])
         bar = "".join(f'<span style="width:{v * 100:.2f}%;background:{_color(k)}" title="{_e(k)} {v * 100:.0f} %">'
                       "</span>" for k, v in ordered)
@@ -153,7 +154,7 @@ def _summary(r: dict[str, Any]) -> str:
 
 def _timeline_table(r: dict[str, Any]) -> str:
     spans = [(s, True) for s in r.get("spans") or []] + [(s, False) for s in r.get("side_spans") or []]
-    spans.sort(key=lambda sp: (_order(sp[0]["gpu"]), sp[0]["start_s"], not sp[1]))
+    spans.sort(key=lambda sp: (gpu_order(sp[0]["gpu"]), sp[0]["start_s"], not sp[1]))
     out = ["<h2>Verdict timeline</h2>"]
     if not spans:
         return out[0] + '<p class="muted">No verdicts.</p>'
@@ -236,13 +237,16 @@ def _gpu_section(r: dict[str, Any], info: dict[str, Any]) -> str:
 
 def _clock_events(gpu: str, t: list[float], masks: list[int], t0: float, t1: float, bands: list[Band]) -> str:
     """A strip per slowdown reason seen: where the clocks were held down, and why."""
-    seen = [r for r in SLOWDOWN if any(r in decode_clock_event_reasons(int(m)) for m in masks if m)]
+    union = 0
+    for m in masks:
+        union |= int(m)
+    seen = [(bit, name) for bit, name in SLOWDOWN.items() if union & bit]
     if not seen:
         return '<p class="muted">Clock-event reasons: no slowdown (power cap, thermal, …) seen.</p>'
     palette = ["#e4572e", "#f0a35e", "#8b0000", "#b5179e", "#5c6bc0", "#c8a400", "#1f8a9e", "#555", "#999", "#333"]
     lines = []
-    for k, reason in enumerate(seen):
-        on = [(k + 1) * 1.0 if reason in decode_clock_event_reasons(int(m)) else None for m in masks]
+    for k, (bit, reason) in enumerate(seen):
+        on = [(k + 1) * 1.0 if int(m) & bit else None for m in masks]
         lines.append(Line(reason, palette[k % len(palette)], t, on))
     axis = Axis("reason", 1.0, 0.0, len(seen) + 1.0, lambda v: "")
     legend = _legend([(ln.label, ln.color, False) for ln in lines])
@@ -275,11 +279,6 @@ def _processes(r: dict[str, Any]) -> str:
             f"<td class=num>{_e(_bytes(p.get('rss_max_bytes')))}</td><td><code>{_e(p.get('cmdline'))}</code></td></tr>")
     out.append("</tbody></table>")
     return "".join(out)
-
-
-def _order(label: str) -> tuple[int, str]:
-    head = str(label).split("/")[0]
-    return (int(head) if head.isdigit() else 1 << 30, str(label))
 
 
 def render_html(report: dict[str, Any]) -> str:

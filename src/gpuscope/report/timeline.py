@@ -30,6 +30,12 @@ MASK = "gpu_clock_event_reasons"
 NAN = float("nan")
 
 
+def gpu_order(label: str) -> tuple[int, str]:
+    """Sort key for GPU labels: by index ("2" before "10"), MIG instances ("0/1") beside their GPU."""
+    head = str(label).split("/")[0]
+    return (int(head) if head.isdigit() else 1 << 30, str(label))
+
+
 class _Column:
     """Mean, min, max and count of one series per bucket."""
 
