@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from datetime import datetime, timezone
@@ -15,13 +16,16 @@ class TimeError(ValueError):
     pass
 
 
-def parse_duration(text: str, what: str = "duration") -> float:
+def parse_duration(text: str, what: str = "duration", *, allow_zero: bool = False) -> float:
+    """Seconds from '250ms', '30s', '5m', '1h', '7d', '1w' or a bare number of seconds."""
     m = _DUR.match(text or "")
     if not m:
         raise TimeError(f"{what} {text!r} is not a duration such as 1s, 30s, 5m or 1h.")
     v = float(m.group(1)) * _UNITS[m.group(2)]
-    if v <= 0:
-        raise TimeError(f"{what} must be positive, not {text!r}.")
+    if not math.isfinite(v):
+        raise TimeError(f"{what} {text!r} is too long.")
+    if v < 0 or (v == 0 and not allow_zero):
+        raise TimeError(f"{what} must be {'non-negative' if allow_zero else 'positive'}, not {text!r}.")
     return v
 
 

@@ -40,6 +40,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from ..agent.timeparse import TimeError, parse_duration
 from ..catalog import CATALOG, Kind
 
 if sys.version_info >= (3, 11):
@@ -64,8 +65,6 @@ _GPU_SOURCES = ("nvml", "gpm", "events")
 _HOST_SOURCES = ("host",)
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _CONDITION = re.compile(r"^\s*(>=|<=|==|!=|>|<)\s*([-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?)\s*$")
-_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|h|d|w)?\s*$")
-_UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0, None: 1.0}
 #: Labels the engine sets itself; a rule may not set them.
 RESERVED_LABELS = ("alertname", "severity", "gpu", "hostname", "uuid", "simulated")
 #: Fields a summary or description may use, e.g. "GPU {gpu} at {value:.0f} C".
@@ -204,11 +203,16 @@ def _unknown(where: str, what: str, word: str, choices: Iterable[str], listing: 
 
 
 def _duration(v: Any, where: str, allow_zero: bool = True) -> float:
-    if isinstance(v, int | float) and not isinstance(v, bool):
+    """Seconds from a number or a duration string (the agent's forms: 250ms, 30s, 5m, 1h, 7d, 1w)."""
+    s: float | None = None
+    if isinstance(v, str):
+        try:
+            s = parse_duration(v, where, allow_zero=True)
+        except TimeError:
+            pass
+    elif isinstance(v, int | float) and not isinstance(v, bool):
         s = float(v)
-    elif isinstance(v, str) and (m := _DURATION.match(v)):
-        s = float(m.group(1)) * _UNITS[m.group(2)]
-    else:
+    if s is None:
         raise RuleError(f"{where} must be a duration such as \"30s\", \"5m\" or \"1h\", not {v!r}.")
     if not math.isfinite(s) or s < 0 or (s == 0 and not allow_zero):
         raise RuleError(f"{where} must be a {'non-negative' if allow_zero else 'positive'} duration, not {v!r}.")
