@@ -302,7 +302,7 @@ def parse_rule(raw: Any, where: str) -> Rule:
             raise RuleError(f"{where} needs a condition such as condition = \"> 0.9\".")
         cond = _string(raw["condition"], f"{where}: condition")
         m = _CONDITION.match(cond)
-        if not m:
+        if not m or not math.isfinite(float(m.group(2))):
             raise RuleError(f"{where}: condition {cond!r} must be an operator ({', '.join(OPS)}) and a number, "
                             "such as \"> 85\".")
         kw["op"], kw["threshold"] = m.group(1), float(m.group(2))
