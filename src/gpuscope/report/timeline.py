@@ -70,16 +70,20 @@ class _Column:
         self.n[i] = n + 1
 
     def halve(self) -> None:
+        """Merge buckets pairwise (a lone last bucket stays as it is). Runs on the sampler thread:
+        one pass over paired slices, not an index walk."""
+        m, lo, hi, n = self.mean, self.lo, self.hi, self.n
         out = _Column()
-        for i in range(0, len(self.n), 2):
-            j = min(i + 1, len(self.n) - 1)
-            ns = self.n[i] + (self.n[j] if j != i else 0)
-            if ns == 0:
-                self._push(out, NAN, NAN, NAN, 0)
-                continue
-            parts = [(self.mean[k], self.lo[k], self.hi[k], self.n[k]) for k in {i, j} if self.n[k]]
-            self._push(out, sum(m * c for m, _, _, c in parts) / ns, min(p[1] for p in parts),
-                       max(p[2] for p in parts), ns)
+        for ma, mb, la, lb, ha, hb, na, nb in zip(m[0::2], m[1::2], lo[0::2], lo[1::2], hi[0::2], hi[1::2],
+                                                  n[0::2], n[1::2], strict=False):
+            if not nb:  # an empty bucket holds NaN and a count of 0: the other one stands as it is
+                self._push(out, ma, la, ha, na)
+            elif not na:
+                self._push(out, mb, lb, hb, nb)
+            else:
+                self._push(out, (ma * na + mb * nb) / (na + nb), min(la, lb), max(ha, hb), na + nb)
+        if len(n) % 2:
+            self._push(out, m[-1], lo[-1], hi[-1], n[-1])
         self.mean, self.lo, self.hi, self.n = out.mean, out.lo, out.hi, out.n
 
 
@@ -132,9 +136,13 @@ class GpuTimeline:
         n = len(self.t_start)
         # The last bucket may be a lone one (odd count): it merges with nothing and keeps its own count.
         last_alone = n % 2 == 1
-        self.t_start = array("d", self.t_start[0::2])
-        self.t_end = array("d", [self.t_end[min(i + 1, n - 1)] for i in range(0, n, 2)])
-        self.masks = array("q", [self.masks[i] | self.masks[min(i + 1, n - 1)] for i in range(0, n, 2)])
+        self.t_start = self.t_start[0::2]
+        t_end, masks = self.t_end[1::2], array("q", (a | b for a, b in zip(self.masks[0::2], self.masks[1::2],
+                                                                           strict=False)))
+        if last_alone:
+            t_end.append(self.t_end[-1])
+            masks.append(self.masks[-1])
+        self.t_end, self.masks = t_end, masks
         for c in self.cols.values():
             c.halve()
         self._in_last = self._in_last if last_alone else self.samples_per_bucket + self._in_last
