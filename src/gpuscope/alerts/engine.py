@@ -248,13 +248,10 @@ class Engine:
         self.resolved: deque[Alert] = deque(maxlen=keep_resolved)
         #: The latest diagnosis per verdict window (VERDICT_WINDOW_S always): exported as gpu_verdict.
         self.verdicts: dict[float, list[Any]] = {}
-        self.evaluations = 0
-        self.last_eval_seconds = 0.0
 
     def evaluate(self, snaps: Sequence[Snapshot], now: float | None = None) -> list[Notification]:
         """Evaluate every rule on the history; the notifications to send (transitions and repeats)."""
         now = time.time() if now is None else now
-        t0 = time.perf_counter()
         notes: list[Notification] = []
         verdicts: dict[float, list[Any]] = {}
         if snaps:
@@ -282,8 +279,6 @@ class Engine:
                     alert.state, alert.resolved_at = "resolved", now
                     self.resolved.append(alert)
                     notes.append(self._note(alert, "resolved", now))
-        self.evaluations += 1
-        self.last_eval_seconds = time.perf_counter() - t0
         return notes
 
     def step(self, rule: Rule, observations: Iterable[Observation], now: float) -> list[Notification]:
@@ -348,7 +343,7 @@ class Engine:
         """Pending and firing alerts, firing first."""
         return sorted(self.alerts.values(), key=lambda a: (a.state != "firing", a.active_at))
 
-    def firing(self, now: float) -> list[Notification]:
+    def firing(self) -> list[Notification]:
         """Every firing alert as a notification, without counting as a send (for Alertmanager's resends)."""
         return [Notification("firing", a.fingerprint, dict(a.labels), dict(a.annotations), a.active_at, None,
                              a.value, self.generator_url, True)

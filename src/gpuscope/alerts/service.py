@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,9 +35,8 @@ class AlertService:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._verdicts: dict[float, list[Any]] = {}
+        self._verdict_series: dict[str, float] = {}
         self._errors = 0
-        self._notifications = 0
         self._last_error = ""
 
     def start(self) -> AlertService:
@@ -63,9 +61,8 @@ class AlertService:
             snaps = list(self.sampler.history)
             with self._lock:
                 notes = self.engine.evaluate(snaps, now)
-                firing = self.engine.firing(time.time() if now is None else now)
-                self._verdicts = dict(self.engine.verdicts)
-            self._notifications += len(notes)
+                firing = self.engine.firing()
+                self._verdict_series = _verdict_series(self.engine.verdicts)
             self.dispatcher.submit(notes, firing)
         except Exception as e:  # noqa: BLE001 - alerts must never take the agent down
             self._errors += 1
@@ -90,10 +87,7 @@ class AlertService:
         """gpu_verdict{gpu,kind,window} (confidence) for each verdict that holds, and the alerts' own counters."""
         out: dict[str, float] = {}
         with self._lock:
-            for window, verdicts in self._verdicts.items():
-                w = _fmt_duration(window)
-                for v in verdicts:
-                    out[series_key("gpu_verdict", gpu=v.gpu, kind=v.kind, window=w)] = float(v.confidence)
+            out.update(self._verdict_series)
             firing = sum(1 for a in self.engine.alerts.values() if a.state == "firing")
             pending = len(self.engine.alerts) - firing
         out[series_key("gpuscope_alerts", state="firing")] = float(firing)
@@ -103,3 +97,13 @@ class AlertService:
             out[series_key("gpuscope_alert_notifications_total", notifier=name)] = float(st["sent"])
             out[series_key("gpuscope_alert_notification_failures_total", notifier=name)] = float(st["failures"])
         return out
+
+
+def _verdict_series(verdicts: dict[float, list[Any]]) -> dict[str, float]:
+    """gpu_verdict{gpu,kind,window} = confidence, built once per evaluation rather than per scrape."""
+    out: dict[str, float] = {}
+    for window, vs in verdicts.items():
+        w = _fmt_duration(window)
+        for v in vs:
+            out[series_key("gpu_verdict", gpu=v.gpu, kind=v.kind, window=w)] = float(v.confidence)
+    return out
