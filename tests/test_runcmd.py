@@ -147,6 +147,14 @@ def test_report_write_failures_are_one_sentence_and_keep_the_exit_code(tmp_path)
     assert "cannot write the HTML report" in err and "cannot write" in err and "Traceback" not in err
 
 
+def test_one_path_for_both_reports_is_refused_before_the_run(tmp_path):
+    same = str(tmp_path / "r")
+    p = gpuscope("run", "--simulate", "healthy", "--html", same, "--json", same, "--", sys.executable, "-c", "pass")
+    _, err = p.communicate(timeout=30)
+    assert p.returncode == 2 and "--html and --json both name" in err and len(err.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_default_html_name_in_the_working_directory(tmp_path):
     p = gpuscope("run", "--simulate", "healthy", "--", sys.executable, "-c", "pass", cwd=tmp_path)
     _, err = p.communicate(timeout=30)

@@ -498,11 +498,13 @@ def _diagnose_from_agent(args: argparse.Namespace) -> dict[str, Any] | None:
 
 def _run(args: argparse.Namespace) -> int:
     from . import runcmd
-    from .report import write_html
+    from .report.htmlpage import write_atomic, write_html
 
     _check_sim(args)
     if args.html and args.no_html:
         raise UsageError("--html and --no-html contradict each other; give one.")
+    if args.html and args.json and os.path.abspath(args.html) == os.path.abspath(args.json):
+        raise UsageError(f"--html and --json both name {args.json}; give each report its own file.")
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     try:
         code, report = runcmd.run(cmd, simulate=args.simulate, gpus=args.gpus, stacks=not args.no_stacks)
@@ -513,10 +515,9 @@ def _run(args: argparse.Namespace) -> int:
     # Writing failures are one sentence each; the exit code stays the command's.
     if args.json:
         try:
-            with open(args.json, "w") as f:
-                json.dump(report, f, indent=1, default=str)
+            write_atomic(args.json, json.dumps(report, indent=1, default=str))
         except OSError as e:
-            print(f"gpuscope: cannot write {args.json}: {e.strerror or e}.", file=sys.stderr)
+            print(f"gpuscope: cannot write the JSON report {args.json}: {e.strerror or e}.", file=sys.stderr)
     if not args.no_html:
         path = args.html or time.strftime("gpuscope-run-%Y%m%d-%H%M%S.html", time.localtime(report["started_at"]))
         try:

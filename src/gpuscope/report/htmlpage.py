@@ -310,9 +310,14 @@ def render_html(report: dict[str, Any]) -> str:
 
 def write_html(report: dict[str, Any], path: str, render: Callable[[dict[str, Any]], str] = render_html) -> None:
     """Write the report atomically (a reader never sees half a file). Raises OSError."""
-    text = render(report)
+    write_atomic(path, render(report))
+
+
+def write_atomic(path: str, text: str) -> None:
+    """Write `text` to `path` through a temporary file beside it: all of it or, on failure, nothing
+    (no half-written report, no temporary file left). Raises OSError."""
     d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".gpuscope-report-", suffix=".html", dir=d)
+    fd, tmp = tempfile.mkstemp(prefix=".gpuscope-report-", dir=d)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
