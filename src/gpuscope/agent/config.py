@@ -52,6 +52,7 @@ import math
 import os
 import re
 import sys
+import urllib.parse
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -89,6 +90,16 @@ def parse_duration(v: Any, where: str) -> float:
         except TimeError:
             pass
     raise ConfigError(f"{where} must be a duration such as \"250ms\" or \"1s\", not {v!r}.")
+
+
+def _is_http_url(url: str) -> bool:
+    """http(s)://HOST[:PORT]... that urllib can send to: parseable, a host, a valid port, no whitespace."""
+    try:
+        p = urllib.parse.urlsplit(url)
+        p.port  # noqa: B018 - raises ValueError for a port that is no number or out of range
+    except ValueError:
+        return False
+    return p.scheme in ("http", "https") and bool(p.hostname) and not re.search(r"\s", url)
 
 
 def parse_size(v: Any, where: str) -> int:
@@ -296,10 +307,13 @@ def validate(cfg: Config) -> None:
     al = cfg.alerts
     for key in ("webhook_urls", "slack_urls", "alertmanager_urls"):
         for u in getattr(al, key):
-            if not re.match(r"^https?://[^/\s]+", u):
+            if not _is_http_url(u):
                 from ..alerts.notifiers import redact_url
 
                 raise ConfigError(f"{src}[alerts] {key} must hold http:// or https:// URLs, not {redact_url(u)!r}.")
+    for name, value in al.webhook_headers.items():
+        if not re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", name) or "\r" in value or "\n" in value:
+            raise ConfigError(f"{src}[alerts] webhook_headers: {name!r} must be a header name with a one-line value.")
     if al.enabled and (al.rule_files or not al.builtins):
         from ..alerts.rules import RuleError, load_rules
 
