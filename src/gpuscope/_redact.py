@@ -9,15 +9,17 @@ command lines in the TUI, the web page and exported labels, so every command lin
     >>> redact_text("https://user:hunter2@example.com/repo.git")
     'https://user:***@example.com/repo.git'
 
-Both functions never raise: monitoring must not break on a strange command line. When in doubt they
-hide too much rather than too little.
+`redact_url` hides more of a URL that is shown whole (a notifier's). The functions never raise:
+monitoring must not break on a strange command line. When in doubt they hide too much rather than too
+little.
 """
 
 from __future__ import annotations
 
 import re
+import urllib.parse
 
-__all__ = ["redact_cmdline", "redact_text"]
+__all__ = ["redact_cmdline", "redact_text", "redact_url"]
 
 MASK = "***"
 # argv strings come from NUL-separated /proc data, so NUL cannot occur in them: it marks a redacted
@@ -360,3 +362,27 @@ def redact_cmdline(argv: list[str]) -> str:
     except Exception:
         out.append(MASK)
     return " ".join(out)
+
+
+def redact_url(url: str) -> str:
+    """A URL to show (logs, messages) where a service's secret may sit anywhere: its password, query
+    values and every path segment but the first hidden (a Slack webhook's secret is its path).
+
+    >>> redact_url("https://user:pw@hooks.slack.com/services/T0/B0/XYZ?token=abc")
+    'https://user:***@hooks.slack.com/services/***?token=***'
+    """
+    try:
+        p = urllib.parse.urlsplit(url)
+        host = p.hostname or ""
+        if ":" in host:
+            host = f"[{host}]"
+        if p.port:
+            host = f"{host}:{p.port}"
+        if p.username is not None:
+            host = f"{p.username}:{MASK}@{host}" if p.password is not None else f"{p.username}@{host}"
+        segs = [s for s in p.path.split("/") if s]
+        path = ("/" + segs[0] + (f"/{MASK}" if len(segs) > 1 else "")) if segs else p.path
+        query = "&".join(f"{k}={MASK}" for k, _ in urllib.parse.parse_qsl(p.query, keep_blank_values=True))
+        return urllib.parse.urlunsplit((p.scheme, host, path, query, ""))
+    except ValueError:
+        return "<a URL that cannot be parsed>"

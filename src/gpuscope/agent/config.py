@@ -57,6 +57,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from .._redact import redact_url
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -308,8 +310,6 @@ def validate(cfg: Config) -> None:
     for key in ("webhook_urls", "slack_urls", "alertmanager_urls"):
         for u in getattr(al, key):
             if not _is_http_url(u):
-                from ..alerts.notifiers import redact_url
-
                 raise ConfigError(f"{src}[alerts] {key} must hold http:// or https:// URLs, not {redact_url(u)!r}.")
     for name, value in al.webhook_headers.items():
         if not re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", name) or "\r" in value or "\n" in value:

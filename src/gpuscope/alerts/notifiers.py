@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import Any, Protocol
 
+from .._redact import redact_url
 from .engine import Notification
 
 log = logging.getLogger("gpuscope.alerts")
@@ -44,27 +45,6 @@ class Notifier(Protocol):
 
     def send(self, notes: Sequence[Notification]) -> None:
         """Deliver the notifications or raise NotifyError (the dispatcher retries)."""
-
-
-def redact_url(url: str) -> str:
-    """The URL with its password, query values and every path segment but the first hidden.
-
-    >>> redact_url("https://user:pw@hooks.slack.com/services/T0/B0/XYZ?token=abc")
-    'https://user:***@hooks.slack.com/services/***?token=***'
-    """
-    try:
-        p = urllib.parse.urlsplit(url)
-        host = p.hostname or ""
-        if p.port:
-            host = f"{host}:{p.port}"
-        if p.username is not None:
-            host = f"{p.username}:***@{host}" if p.password is not None else f"{p.username}@{host}"
-        segs = [s for s in p.path.split("/") if s]
-        path = ("/" + segs[0] + ("/***" if len(segs) > 1 else "")) if segs else p.path
-        query = "&".join(f"{k}=***" for k, _ in urllib.parse.parse_qsl(p.query, keep_blank_values=True))
-        return urllib.parse.urlunsplit((p.scheme, host, path, query, ""))
-    except ValueError:
-        return "<a URL that cannot be parsed>"
 
 
 def iso(t: float) -> str:
