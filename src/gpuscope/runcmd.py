@@ -127,6 +127,8 @@ def _check(cmd: list[str]) -> None:
         raise RunError(f"Command not found: {cmd[0]}.", 127)
     if os.sep in cmd[0] and not os.path.exists(cmd[0]):
         raise RunError(f"Command not found: {cmd[0]} does not exist.", 127)
+    if os.sep in cmd[0] and os.path.isdir(cmd[0]):
+        raise RunError(f"Cannot run {cmd[0]}: it is a directory.", 126)
 
 
 def _start(cmd: list[str]) -> subprocess.Popen[bytes]:
@@ -407,7 +409,7 @@ def render(report: dict[str, Any]) -> str:
     if report.get("gpu_start_s") is not None:
         lines.append(f"  the run's processes first used a GPU at {report['gpu_start_s']:.1f} s")
     if not report["verdict_share"]:
-        lines.append("  no verdict: the GPUs were never watched for a steady 5 s.")
+        lines.append(f"  no verdict: the GPUs were never watched for a steady {DEFAULT.min_window_s:.0f} s.")
     for gpu, kinds in sorted(report["verdict_share"].items(), key=lambda kv: gpu_order(kv[0])):
         lines.append(f"  GPU {gpu}: " + ", ".join(f"{k} {v * 100:.0f} %" for k, v in
                                                    sorted(kinds.items(), key=lambda kv: -kv[1])))

@@ -17,6 +17,7 @@ from typing import Any
 
 from .. import __version__
 from ..catalog import CLOCK_EVENT_REASONS
+from ..diagnose.thresholds import DEFAULT
 from .svg import Axis, Band, Line, fmt_time, panel
 from .timeline import gpu_order
 
@@ -130,7 +131,8 @@ def _summary(r: dict[str, Any]) -> str:
     share = r.get("verdict_share") or {}
     out.append("<h2>Time share per verdict</h2>")
     if not share:
-        out.append('<p class="muted">No verdict: the GPUs were never watched for a steady 5 s.</p>')
+        out.append(f'<p class="muted">No verdict: the GPUs were never watched for a steady '
+                   f'{DEFAULT.min_window_s:.0f} s.</p>')
     for gpu, kinds in sorted(share.items(), key=lambda kv: gpu_order(kv[0])):
         ordered = sorted(kinds.items(), key=lambda kv: -kv[1])
         bar = "".join(f'<span style="width:{v * 100:.2f}%;background:{_color(k)}" title="{_e(k)} {v * 100:.0f} %">'
