@@ -69,8 +69,7 @@ def _with_store(data_dir: str | None, use: Callable[[Any], Any], elsewhere: str 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one sentence, exit 2, no usage dump
         message = message.rstrip(".")
-        verb = self.prog.split()[-1]
-        where = "gpuscope --help" if verb == "gpuscope" else f"gpuscope {verb} --help"
+        where = " ".join(["gpuscope", *self.prog.split()[1:], "--help"])  # 'gpuscope alerts check --help'
         raise UsageError(f"{message[0].upper()}{message[1:]} (see '{where}').")
 
 
@@ -535,6 +534,8 @@ def _alerts(args: argparse.Namespace) -> int:
         raise UsageError("Say what to do: gpuscope alerts check|export-rules|list (see 'gpuscope alerts --help').")
     if args.alerts_verb == "list":
         return _alerts_list(args)
+    if args.alerts_verb == "export-rules" and not args.group.strip():
+        raise UsageError("--group must name the rule group, such as --group gpuscope.")
     try:
         rules = load_rules(args.files, builtins=not args.no_builtins)
     except RuleError as e:
@@ -552,7 +553,7 @@ def _alerts(args: argparse.Namespace) -> int:
         with open(args.out, "w") as f:
             f.write(text)
     except OSError as e:
-        raise UsageError(f"Cannot write {args.out}: {e.strerror}.") from None
+        raise UsageError(f"Cannot write {args.out}: {e.strerror or e}.") from None
     print(f"wrote {len(rules)} rule(s) to {args.out}", file=sys.stderr)
     return EXIT_OK
 

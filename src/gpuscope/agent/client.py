@@ -40,6 +40,10 @@ def find_token(explicit: str | None, data_dir: str | None) -> str | None:
 def get_json(url: str, path: str, params: dict[str, str], token: str | None, timeout: float = 30.0) -> Any:
     if not url.startswith(("http://", "https://")):
         raise ClientError(f"--url must start with http:// or https://, not {url!r}.")
+    try:
+        _ = urllib.parse.urlsplit(url).port  # a bad host or port raises here, not as a traceback from urlopen
+    except ValueError as e:
+        raise ClientError(f"--url {url!r} is not a usable URL: {e}.") from None
     full = url.rstrip("/") + path + ("?" + urllib.parse.urlencode(params) if params else "")
     req = urllib.request.Request(full, headers={"Authorization": f"Bearer {token}"} if token else {})
     try:
