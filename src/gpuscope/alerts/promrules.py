@@ -20,7 +20,7 @@ import string
 from collections.abc import Sequence
 from typing import Any
 
-from ..catalog import CATALOG
+from ..catalog import CATALOG, series_key
 from .rules import Rule, _fmt_duration
 
 __all__ = ["rule_to_prometheus", "to_prometheus"]
@@ -31,14 +31,10 @@ _LABEL_FIELDS = {"gpu": "gpu", "hostname": "hostname", "model": "model"}
 
 
 def _selector(rule: Rule) -> str:
+    """The series the rule reads, as a PromQL selector (the agent's own series key is one)."""
     if rule.is_verdict:
-        return f'gpu_verdict{{kind="{rule.verdict}",window="{_fmt_duration(rule.window_s)}"}}'
-    sel = ",".join(f'{k}="{_esc(v)}"' for k, v in rule.match)
-    return f"{rule.metric}{{{sel}}}" if sel else rule.metric
-
-
-def _esc(v: str) -> str:
-    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+        return series_key("gpu_verdict", kind=rule.verdict, window=_fmt_duration(rule.window_s))
+    return series_key(rule.metric, **dict(rule.match))
 
 
 def _value_expr(rule: Rule) -> str:
