@@ -245,13 +245,16 @@ class Monitor:
         """Give the sampler the one window it needs to cover the last step (at most ~0.3 s)."""
         if j.source is None or not j.pending:
             return
-        end = j.pending[-1][1] / 1e9
+        want = j.pending[-1][1] / 1e9 + j.settle_s
         deadline = time.monotonic() + j.settle_s + 0.2
-        while time.monotonic() < deadline:
+        while True:
             self._guard("ingest", j.ingest)
-            if j.last_snap_t >= end + j.settle_s:
+            now = time.monotonic()
+            if j.last_snap_t >= want or now >= deadline:
                 return
-            time.sleep(0.02)
+            # No snapshot can cover the step before `want`: sleep until then rather than poll (each poll
+            # copies the sampler's history).
+            time.sleep(min(max(want - now, 0.0) + 0.02, deadline - now))
 
     def __enter__(self) -> Monitor:
         return self.start()
