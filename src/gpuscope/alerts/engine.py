@@ -168,19 +168,22 @@ def evaluate_metric(rule: Rule, snaps: Sequence[Snapshot]) -> list[Observation]:
         latest = values_of(last)
         if not latest:
             continue
+        first_vals = values_of(win[0])
         for key in _keys(latest, rule.metric):
-            name, own = split_series_key(key)
+            _, own = split_series_key(key)
             if any(own.get(k) != v for k, v in match.items() if k != "gpu"):
                 continue
-            points = []
-            for s in win:
-                vals = values_of(s)
-                v = vals.get(key) if vals else None
-                if v is not None:
-                    points.append((s.time_ns / 1e9, v))
-            first_vals = values_of(win[0])
-            born = bool(first_vals) and key not in first_vals
-            value = _aggregate(rule.agg, points, born, t_start)
+            if rule.agg == "last":  # the key is in the latest snapshot: no need to walk the window
+                value: float | None = latest[key]
+            else:
+                points = []
+                for s in win:
+                    vals = values_of(s)
+                    v = vals.get(key) if vals else None
+                    if v is not None:
+                        points.append((s.time_ns / 1e9, v))
+                born = bool(first_vals) and key not in first_vals
+                value = _aggregate(rule.agg, points, born, t_start)
             if value is None:
                 continue
             out.append(Observation({**labels, **own}, value, context={**ctx, **own}))
