@@ -339,9 +339,10 @@ class Joiner:
         snaps = src.recent(max(span, 0.0))
         if len(snaps) < 2 or (snaps[-1].time_ns - snaps[0].time_ns) / 1e9 < DEFAULT.min_window_s:
             return
+        # Only this run's GPUs: a primary verdict is each GPU's own (the node-level ones are side verdicts).
         mine = set(self.selected())
-        for v in diagnose(windows_from_snapshots(snaps)):
-            if v.primary and v.gpu in mine:
+        for v in diagnose([w for w in windows_from_snapshots(snaps) if w.gpu in mine]):
+            if v.primary:
                 self.verdict_counts[(v.gpu, v.kind)] += 1
                 self.verdict_last[(v.gpu, v.kind)] = v
 
