@@ -97,6 +97,15 @@ class Track:
         for s, e in zip(starts, ends, strict=True):
             while j < last - 1 and b[j + 1] <= s:
                 j += 1
+            if j < last and b[j] <= s and e <= b[j + 1]:  # within one segment: most steps
+                val = v[j]
+                if val == val and e > s:
+                    integ_out.append(val * (e - s))
+                    known_out.append(e - s)
+                else:
+                    integ_out.append(0.0)
+                    known_out.append(0.0)
+                continue
             integ = known = 0.0
             k = j
             while k < last and b[k] < e:
