@@ -213,18 +213,18 @@ class Joiner:
         cov: list[float] | None = None
         for f, (_, agg, _) in METRICS.items():
             per_gpu = [self.tracks[lab][f].integrate(starts, ends) for lab in labels]
-            col = []
-            for i in range(n):
-                tot, cnt = 0.0, 0
-                for integ, known in per_gpu:
-                    if known[i] > 0:
-                        tot += integ[i] / known[i]
-                        cnt += 1
-                col.append(NAN if cnt == 0 else tot / cnt if agg == "mean" else tot)
+            means = [[i / k if k > 0 else NAN for i, k in zip(integ, known, strict=True)] for integ, known in per_gpu]
+            if len(means) == 1:  # the usual case: one GPU's mean is the column, whether GPUs add or average
+                col = means[0]
+            elif means:
+                col = [_combine(vals, agg == "mean") for vals in zip(*means, strict=True)]
+            else:
+                col = [NAN] * n
             cols[f] = col
             if cov is None and per_gpu and f in _COVERAGE_FROM and any(x == x for x in col):
                 g = len(per_gpu)
-                cov = [min(1.0, sum(k[i] for _, k in per_gpu) / g / dur[i]) for i in range(n)]
+                known = per_gpu[0][1] if g == 1 else [sum(ks) for ks in zip(*(k for _, k in per_gpu), strict=True)]
+                cov = [min(1.0, k / g / d) for k, d in zip(known, dur, strict=True)]
         cols["energy_joules"] = [p * d for p, d in zip(cols["power_watts"], dur, strict=True)]
         cols["gpu_coverage_ratio"] = cov = cov if cov is not None else [0.0] * n
         samples = [b[2] for b in batch]
@@ -402,6 +402,14 @@ class Joiner:
         if e:
             out["energy_joules_per_step"] = sum(e) / len(e)
         return out
+
+
+def _combine(vals: tuple[float, ...], mean: bool) -> float:
+    """GPUs' values for one step: their mean or their sum, over the GPUs that had data (NaN if none)."""
+    known = [v for v in vals if v == v]
+    if not known:
+        return NAN
+    return sum(known) / len(known) if mean else sum(known)
 
 
 def rows(cols: dict[str, Any] | None) -> list[dict[str, Any]]:
