@@ -57,6 +57,7 @@ headers = { X-Scope-OrgID = "gpu" }
     ("[store]\nmax_size = \"lots\"\n", "must be a size"),
     ("[prometheus]\nnaming = \"otel\"\n", "must be one of canonical, dcgm"),
     ("[remote_write]\nurl = \"victoria:8428\"\n", "must be an http:// or https:// URL"),
+    ("[remote_write]\nurl = \"http://vm:99999/api/v1/write\"\n", "must be an http:// or https:// URL"),
     ("[remote_write]\nheaders = { a = 1 }\n", "must be a table of strings"),
     ("agent = 3\n", "must be a table"),
     ("[agent\n", "is not valid TOML"),

@@ -304,7 +304,7 @@ def validate(cfg: Config) -> None:
     if cfg.prometheus.top_processes < 0:
         raise ConfigError(f"{src}[prometheus] top_processes must be 0 or more.")
     url = cfg.remote_write.url
-    if url and not re.match(r"^https?://[^/\s]+", url):
+    if url and not _is_http_url(url):
         raise ConfigError(f"{src}[remote_write] url must be an http:// or https:// URL, not {url!r}.")
     al = cfg.alerts
     for key in ("webhook_urls", "slack_urls", "alertmanager_urls"):
