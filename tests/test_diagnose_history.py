@@ -87,6 +87,7 @@ def test_cli_since_reads_the_store(tmp_path):
     (["--start=-1h", "--end=-2h"], 2, "after"),
     (["--since", "1h", "--simulate", "healthy"], 2, "history"),
     (["--since", "1h", "--data-dir", "/nonexistent/dir"], 1, "No gpuscope store"),
+    (["--since", "1h", "--bogus"], 2, "see 'gpuscope diagnose --help'"),
 ])
 def test_cli_range_bad_input(args, code, words):
     p = _cli(*args)

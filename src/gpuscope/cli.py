@@ -214,7 +214,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # argparse would blame the top-level parser; point at the verb's help instead
+            where = " ".join(["gpuscope", *([args.verb] if args.verb else []), "--help"])
+            raise UsageError(f"Unrecognized arguments: {' '.join(extra)} (see '{where}').")
     except UsageError as e:
         print(f"gpuscope: {e}", file=sys.stderr)
         return EXIT_USAGE
