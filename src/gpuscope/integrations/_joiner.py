@@ -72,7 +72,10 @@ class SamplerSource:
         if not hist:
             return []
         since = hist[-1].time_ns - int(seconds * 1e9)
-        return [s for s in hist if s.time_ns >= since]
+        k = len(hist)  # from the newest back: the window is ~100 of up to `history` (3000) snapshots
+        while k > 0 and hist[k - 1].time_ns >= since:
+            k -= 1
+        return hist[k:]
 
 
 @dataclass
