@@ -238,10 +238,30 @@ def test_parquet_without_pyarrow_is_refused_at_monitor_time(tmp_path, monkeypatc
     ({"interval": 0}, "interval must be positive"),
     ({"simulate": "nope"}, "Unknown scenario"),
     ({"warmup_steps": -1}, "warmup_steps"),
+    ({"warmup_steps": 1.5}, "warmup_steps must be a whole number"),
+    ({"interval": "0.1"}, "interval must be a number"),
+    ({"slow_factor": "2"}, "slow_factor must be a number above 1"),
+    ({"flush_interval": None}, "flush_interval"),
+    ({"simulate": True}, "simulate must be a scenario name"),
+    ({"simulate": "healthy", "gpus": 0}, "gpus must be between 1 and 64"),
+    ({"gpus": 2}, "simulated node"),
+    ({"simulate": "healthy", "devices": [0.5]}, "devices must be GPU indices or UUIDs"),
+    ({"log": 5}, "must be a file path"),
 ])
 def test_bad_arguments_are_refused_at_monitor_time(kw, words):
-    with pytest.raises(MonitorError, match=words):
+    with pytest.raises(MonitorError, match=words) as ei:
         gpuscope.monitor(**kw)
+    assert str(ei.value).endswith(".") and "\n" not in str(ei.value)
+
+
+def test_devices_take_one_gpu_alone_and_say_when_none_is_on_the_node():
+    with gpuscope.monitor(interval=0.05, simulate="healthy", devices=0) as m:
+        _steps(m, 3, 0.05)
+    assert m.report().gpus == ["0"]
+    with gpuscope.monitor(interval=0.05, simulate="healthy", devices="GPU-not-here") as m:
+        _steps(m, 3, 0.05)
+    rep = m.report()
+    assert rep.steps == 3 and rep.gpus == [] and any("none of devices" in n for n in rep.notes)
 
 
 def test_the_users_exception_propagates_unchanged_and_the_monitor_stops(tmp_path):

@@ -138,7 +138,10 @@ class ParquetLog:
 
 def check_log_path(path: str | os.PathLike[str]) -> Path:
     """What can be said before the file is created: its suffix, its directory, pyarrow. Raises LogError."""
-    p = Path(path).expanduser()
+    try:
+        p = Path(path).expanduser()
+    except (TypeError, RuntimeError):  # not a path; RuntimeError: '~user' without a home
+        raise LogError(f"The step log must be a file path ending in .jsonl or .parquet, got {path!r}.") from None
     suffix = p.suffix.lower()
     if suffix not in (".jsonl", ".ndjson", ".json", ".parquet", ".pq"):
         raise LogError(f"The step log {str(path)!r} must end in .jsonl or .parquet.")

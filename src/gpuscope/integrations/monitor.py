@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import os
 import sys
 import threading
@@ -27,6 +28,7 @@ import weakref
 from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from numbers import Integral
 from typing import Any
 
 from ._joiner import Joiner, SamplerSource
@@ -40,6 +42,24 @@ _now = time.monotonic_ns
 
 class MonitorError(ValueError):
     """A monitor() argument cannot work. The message is one sentence."""
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _check_devices(devices: Any) -> tuple[str, ...] | str | None:
+    """None, "all", or the GPUs as labels or UUIDs (one index or UUID alone is a list of one)."""
+    if devices is None or (isinstance(devices, str) and devices == "all"):
+        return devices
+    items = [devices] if isinstance(devices, str | Integral) else devices
+    try:
+        items = list(items)
+    except TypeError:
+        items = []
+    if not items or not all(isinstance(d, str | Integral) and not isinstance(d, bool) for d in items):
+        raise MonitorError(f"devices must be GPU indices or UUIDs, 'all' or None, got {devices!r}.")
+    return tuple(str(d) for d in items)
 
 
 # -- one sampler per process --------------------------------------------------------------------
@@ -102,12 +122,23 @@ class Monitor:
                  simulate: str | None = None, gpus: int | None = None, devices: Sequence[int | str] | str | None = None,
                  sampler: Any = None, warmup_steps: int = 1, slow_factor: float = 1.5,
                  print_report: bool = False, flush_interval: float = 1.0) -> None:
-        if warmup_steps < 0:
-            raise MonitorError(f"warmup_steps must be 0 or more, got {warmup_steps}.")
-        if not slow_factor > 1.0:
-            raise MonitorError(f"slow_factor must be above 1, got {slow_factor}.")
-        if not 0.01 <= flush_interval <= 60:
-            raise MonitorError(f"flush_interval must be between 0.01 and 60 seconds, got {flush_interval}.")
+        if not _is_number(interval):
+            raise MonitorError(f"interval must be a number of seconds, got {interval!r}.")
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise MonitorError(f"warmup_steps must be a whole number, 0 or more, got {warmup_steps!r}.")
+        if not (_is_number(slow_factor) and slow_factor > 1.0):
+            raise MonitorError(f"slow_factor must be a number above 1, got {slow_factor!r}.")
+        if not (_is_number(flush_interval) and 0.01 <= flush_interval <= 60):
+            raise MonitorError(f"flush_interval must be between 0.01 and 60 seconds, got {flush_interval!r}.")
+        if simulate is not None and not isinstance(simulate, str):
+            raise MonitorError(f"simulate must be a scenario name, got {simulate!r}.")
+        if gpus is not None:
+            if simulate is None:
+                raise MonitorError("gpus is the GPU count of a simulated node; pass simulate='SCENARIO' with it "
+                                   "(devices picks GPUs).")
+            if isinstance(gpus, bool) or not isinstance(gpus, int) or not 1 <= gpus <= 64:
+                raise MonitorError(f"gpus must be between 1 and 64, got {gpus!r}.")
+        devices = _check_devices(devices)
         self._queue: deque[Any] = deque()
         self._active = False
         self._forked = False
@@ -302,6 +333,10 @@ class Monitor:
             if rep.source == "sampler" and rep.gpus and rep.gpu_busy_ratio is None and rep.steps > 0:
                 rep.notes.append("no SM activity on these GPUs (GPM needs a Hopper or newer data-center GPU); "
                                  "NVML 'utilization' alone cannot say how busy the SMs were")
+            if (isinstance(self.devices, tuple) and rep.source == "sampler" and not rep.gpus
+                    and j is not None and j.last_snap is not None):
+                rep.notes.append(f"none of devices={list(self.devices)} is a GPU on this node (indices or UUIDs); "
+                                 "steps are timed without GPU data")
             self._report = rep
             return rep
         except Exception as e:  # noqa: BLE001
