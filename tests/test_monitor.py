@@ -395,6 +395,14 @@ def test_metrics_and_printed_report(capsys):
     assert "gpuscope: 4 steps" in err and "GPU busy" in err
 
 
+def test_stop_inside_the_with_block_then_leaving_it_returns_the_same_report():
+    with gpuscope.monitor(interval=0.05, simulate="healthy") as m:
+        _steps(m, 2, 0.02)
+        first = m.stop()
+        m.step()  # after stop: ignored
+    assert first.steps == 2 and m.stop().steps == 2
+
+
 def test_step_costs_nothing_before_start_and_after_stop():
     m = gpuscope.monitor(simulate="healthy")
     m.step()

@@ -223,10 +223,10 @@ class Monitor:
         """Join the last steps, close the log, release the sampler; returns the report. Never raises."""
         if self._forked:
             return self.report()
-        with self._lock:
-            if self._stopped:
-                return self.report()
-            self._stopped = True
+        with self._lock:  # report() takes the lock too: it is called after this block, never in it
+            already, self._stopped = self._stopped, True
+        if already:
+            return self.report()
         was_active, self._active = self._active, False
         if not was_active:
             return self.report()
