@@ -312,6 +312,31 @@ def test_internal_failures_never_reach_the_users_code(sampler, tmp_path, caplog)
     assert 1 <= len(warnings) <= 2 and all("logged once" in r.getMessage() for r in warnings)
 
 
+def test_start_never_raises_without_a_thread_or_with_an_odd_sampler(monkeypatch):
+    class OddSampler:
+        config = object()  # no interval, no windows
+
+        def start(self):
+            return self
+
+    with gpuscope.monitor(sampler=OddSampler()) as m:
+        _steps(m, 2, 0.01)
+    assert m.report().steps == 2 and m.report().source == "none"
+    import threading
+
+    start = threading.Thread.start
+
+    def no_monitor_thread(self):
+        if self.name == "gpuscope-monitor":
+            raise RuntimeError("can't start new thread")
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", no_monitor_thread)
+    with gpuscope.monitor(interval=0.05, simulate="healthy") as m:
+        m.step()
+    assert m.report().steps == 0 and not sys.modules["gpuscope.integrations.monitor"]._shared
+
+
 def test_no_gpu_warns_once_and_still_times_the_steps(caplog):
     s = Sampler(SamplerConfig(interval=0.05), nvml=FakeNVML(available=False))
     with caplog.at_level(logging.WARNING, logger="gpuscope.monitor"):

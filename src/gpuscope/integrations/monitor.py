@@ -192,9 +192,11 @@ class Monitor:
         if self._stopped:
             self._warn("restart", "a monitor cannot be started again after stop(); create a new one")
             return self
-        source = None
+        t0 = _now()
+        kw: dict[str, Any] = {"log": self._log, "devices": self.devices, "warmup": self.warmup_steps,
+                              "slow_factor": self.slow_factor}
         try:
-            source = SamplerSource(self._open_sampler())
+            self._joiner = Joiner(t0, SamplerSource(self._open_sampler()), **kw)
         except Exception as e:  # noqa: BLE001 - no GPU data, but the steps are still timed
             from .._nvml import NvmlUnavailable
 
@@ -202,12 +204,16 @@ class Monitor:
                    if isinstance(e, NvmlUnavailable) else f"no GPU data ({type(e).__name__}: {e}); steps are timed")
             self._warn("open", msg)
             self._notes.append(msg)
-        self._joiner = Joiner(_now(), source, log=self._log, devices=self.devices, warmup=self.warmup_steps,
-                              slow_factor=self.slow_factor)
+            self._joiner = Joiner(t0, None, **kw)
         self._active = True
         _live.add(self)
         self._thread = threading.Thread(target=self._run, name="gpuscope-monitor", daemon=True)
-        self._thread.start()
+        try:
+            self._thread.start()
+        except RuntimeError as e:  # no thread to be had (a process at its limit): the run goes unmonitored
+            self._warn("start", f"the monitor thread could not start ({e}); this run is not monitored")
+            self._active, self._stopped, self._thread = False, True, None
+            self._guard("stop", self._finish)
         return self
 
     def _open_sampler(self) -> Any:
