@@ -26,7 +26,7 @@ class CallbackCore:
                 check_log_path(self.log_path.replace("{rank}", "0"))
             except LogError as e:
                 raise MonitorError(str(e)) from None
-        Monitor(**{k: v for k, v in monitor_kwargs.items() if k != "log"})  # argument errors now, not mid-run
+        Monitor(**monitor_kwargs)  # argument errors now, not mid-run (opens nothing until start)
         self.prefix = prefix
         self.print_report = print_report
         self.report_path = None if report_path is None else str(report_path)
@@ -61,13 +61,13 @@ class CallbackCore:
         if m is None:
             return self.report
         self.report = m.stop()
-        path = self.report_path or (os.path.join(default_dir, "gpuscope_report.json") if default_dir else None)
-        if path:
-            try:
+        try:
+            path = self.report_path or (os.path.join(default_dir, "gpuscope_report.json") if default_dir else None)
+            if path:
                 Path(path).parent.mkdir(parents=True, exist_ok=True)
                 Path(path).write_text(json.dumps(self.report.to_dict(), indent=1, default=str) + "\n")
-            except Exception as e:  # noqa: BLE001
-                self.fail("report", e)
+        except Exception as e:  # noqa: BLE001 - an odd output_dir loses the report file, not the run
+            self.fail("report", e)
         return self.report
 
     def fail(self, where: str, e: BaseException) -> None:
