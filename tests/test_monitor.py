@@ -337,6 +337,19 @@ def test_start_never_raises_without_a_thread_or_with_an_odd_sampler(monkeypatch)
     assert m.report().steps == 0 and not sys.modules["gpuscope.integrations.monitor"]._shared
 
 
+def test_odd_sample_counts_are_left_out_not_the_run(tmp_path, caplog):
+    path = tmp_path / "steps.jsonl"
+    with caplog.at_level(logging.WARNING, logger="gpuscope.monitor"):
+        with gpuscope.monitor(interval=0.05, simulate="healthy", log=path) as m:
+            for x in ("a batch", 8, 2.5):
+                time.sleep(0.03)
+                m.step(samples=x)
+    rep = m.report()
+    assert rep.steps == 3 and rep.gpu_busy_ratio is not None and rep.samples_per_second > 0
+    assert [json.loads(x)["samples"] for x in path.read_text().splitlines()] == [None, 8, 2.5]
+    assert not [r for r in caplog.records if r.name == "gpuscope.monitor"]
+
+
 def test_no_gpu_warns_once_and_still_times_the_steps(caplog):
     s = Sampler(SamplerConfig(interval=0.05), nvml=FakeNVML(available=False))
     with caplog.at_level(logging.WARNING, logger="gpuscope.monitor"):

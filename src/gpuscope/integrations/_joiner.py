@@ -9,6 +9,7 @@ import time
 from array import array
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from numbers import Integral
 from typing import Any, Protocol
 
 from .._records import Snapshot
@@ -230,8 +231,8 @@ class Joiner:
                 cov = [min(1.0, k / g / d) for k, d in zip(known, dur, strict=True)]
         cols["energy_joules"] = [p * d for p, d in zip(cols["power_watts"], dur, strict=True)]
         cols["gpu_coverage_ratio"] = cov = cov if cov is not None else [0.0] * n
-        samples = [b[2] for b in batch]
-        tokens = [b[3] for b in batch]
+        samples = [b[2] if b[2] is None else _count(b[2]) for b in batch]
+        tokens = [b[3] if b[3] is None else _count(b[3]) for b in batch]
         cols["samples"], cols["tokens"] = samples, tokens
         cols["samples_per_second"] = [NAN if x is None else x / d for x, d in zip(samples, dur, strict=True)]
         cols["tokens_per_second"] = [NAN if x is None else x / d for x, d in zip(tokens, dur, strict=True)]
@@ -405,6 +406,17 @@ class Joiner:
         if e:
             out["energy_joules_per_step"] = sum(e) / len(e)
         return out
+
+
+def _count(x: Any) -> float | int | None:
+    """samples/tokens as the user gave them to step(): a whole number stays an int, anything number-like
+    (a 0-d tensor, a numpy float) a float, anything else None."""
+    if isinstance(x, Integral) and not isinstance(x, bool):
+        return int(x)
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return None
 
 
 def _combine(vals: tuple[float, ...], mean: bool) -> float:

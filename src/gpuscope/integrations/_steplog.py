@@ -34,16 +34,9 @@ def _num(v: float) -> str:
     return "null" if v != v else repr(v)  # NaN -> null
 
 
-def _opt(v: Any) -> str:
-    """samples/tokens as the user gave them: an int stays an int; anything else number-like a float."""
-    if v is None:
-        return "null"
-    if isinstance(v, int) and not isinstance(v, bool):
-        return str(v)
-    try:
-        return _num(float(v))
-    except (TypeError, ValueError):
-        return "null"
+def _opt(v: int | float | None) -> str:
+    """samples/tokens: an int stays an int (the join made them int, float or None)."""
+    return "null" if v is None else str(v) if isinstance(v, int) else _num(v)
 
 
 _NUMS = ("gpu_busy_ratio", "tensor_active_ratio", "dram_active_ratio", "nvml_utilization_ratio", "power_watts",
