@@ -229,3 +229,26 @@ def test_xid_storm_bursts():
     finally:
         s.stop()
 
+
+
+def test_processes_are_dealt_over_the_gpus_and_share_memory():
+    with Sampler(SamplerConfig(interval=0.05), simulate="mixed", gpus=8, processes=100) as s:
+        s.start()
+        deadline = time.time() + 5
+        while (snap := s.latest()) is None or len(snap.processes) < 100:
+            assert time.time() < deadline, "the simulated node never reported its 100 processes"
+            time.sleep(0.05)
+    per_gpu: dict[str, list] = {}
+    for p in snap.processes:
+        per_gpu.setdefault(p.gpu, []).append(p)
+    assert sorted(len(v) for v in per_gpu.values()) == [12, 12, 12, 12, 13, 13, 13, 13]
+    assert len({p.pid for p in snap.processes}) == 100
+    for g in snap.gpus:
+        procs = per_gpu[str(g.index)]
+        assert sum(p.gpu_memory_bytes for p in procs) <= g.values["gpu_memory_used_bytes"]
+        assert len({p.cmdline for p in procs}) == len(procs)  # each rank tells itself apart
+
+
+def test_process_count_out_of_range_is_one_sentence():
+    with pytest.raises(UnknownScenario, match="1 to 4096 processes"):
+        SimulatedNode("healthy", processes=0)

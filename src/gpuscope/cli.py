@@ -83,12 +83,15 @@ def _interval(text: str) -> float:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _add_source_args(p: argparse.ArgumentParser) -> None:
+def _add_source_args(p: argparse.ArgumentParser, processes: bool = False) -> None:
     from .sim import SCENARIOS
 
     p.add_argument("--simulate", metavar="SCENARIO",
                    help=f"use a simulated node instead of the real GPUs; one of: {', '.join(SCENARIOS)}")
     p.add_argument("--gpus", type=int, metavar="N", help="number of simulated GPUs (with --simulate)")
+    if processes:
+        p.add_argument("--processes", type=int, metavar="N",
+                       help="number of simulated processes, dealt over the GPUs (with --simulate; default one per GPU)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("sample", help="print snapshots: per GPU the true SM activity beside NVML utilization",
                        description="Samples the GPUs and prints one line per GPU per snapshot "
                                    "(or JSON lines with --json). Ctrl-C stops.")
-    _add_source_args(s)
+    _add_source_args(s, processes=True)
     s.add_argument("--interval", type=_interval, default=0.1, help="sampling interval (default 100ms)")
     s.add_argument("--every", type=_interval, default=1.0, help="print every this often (default 1s)")
     s.add_argument("--count", type=int, default=0, help="stop after this many prints (default: run until Ctrl-C)")
@@ -161,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--interval", type=_interval, help="sampling interval (default 100ms)")
     a.add_argument("--naming", choices=("canonical", "dcgm"), help="metric names on /metrics")
     a.add_argument("--log-format", choices=("text", "json"), help="log lines as text or JSON")
-    _add_source_args(a)
+    _add_source_args(a, processes=True)
 
     q = sub.add_parser("query", help="query a running agent's history",
                        description="Reads a metric's history from a running agent (--url, default the local "
@@ -253,6 +256,11 @@ def _check_sim(args: argparse.Namespace) -> None:
             f"Unknown scenario '{args.simulate}'; choose one of: {', '.join(SCENARIOS)}.")))
     if args.gpus is not None and not 1 <= args.gpus <= 64:
         raise UsageError(f"--gpus must be between 1 and 64, not {args.gpus}.")
+    processes = getattr(args, "processes", None)
+    if processes is not None and args.simulate is None:
+        raise UsageError("--processes only applies to a simulated node; add --simulate SCENARIO.")
+    if processes is not None and not 1 <= processes <= 4096:
+        raise UsageError(f"--processes must be between 1 and 4096, not {processes}.")
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -293,7 +301,8 @@ def _sample(args: argparse.Namespace) -> int:
         raise UsageError(f"--count must be 0 (no limit) or more, not {args.count}.")
     if args.every < args.interval:
         raise UsageError("--every must not be shorter than --interval.")
-    sampler = Sampler(SamplerConfig.for_interval(args.interval), simulate=args.simulate, gpus=args.gpus)
+    sampler = Sampler(SamplerConfig.for_interval(args.interval), simulate=args.simulate, gpus=args.gpus,
+                      processes=args.processes)
     stop = {"now": False}
 
     def _term(*_: object) -> None:
@@ -357,7 +366,7 @@ def _agent(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
     setup_logging(cfg.agent.log_format, "debug" if args.verbose else cfg.agent.log_level)
     try:
-        return Agent(cfg, simulate=args.simulate, gpus=args.gpus).run()
+        return Agent(cfg, simulate=args.simulate, gpus=args.gpus, processes=args.processes).run()
     except AgentError as e:
         print(f"gpuscope: {e}", file=sys.stderr)
         return EXIT_UNAVAILABLE

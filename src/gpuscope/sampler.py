@@ -107,6 +107,7 @@ class Sampler:
         host_source: Any = None,
         simulate: str | None = None,
         gpus: int | None = None,
+        processes: int | None = None,
     ) -> None:
         self.config = config or SamplerConfig()
         self.config.validate()
@@ -114,7 +115,7 @@ class Sampler:
         if simulate is not None:
             from .sim import SimulatedNode
 
-            node = SimulatedNode(simulate, gpus=gpus)
+            node = SimulatedNode(simulate, gpus=gpus, processes=processes)
             nvml, host_reader = node.nvml, node.host_reader
             host_source = host_source or node.host_source
             self.simulated = node.scenario

@@ -158,9 +158,10 @@ class _GpuDriver:
         gpu.memory_used_bytes = int((mem + 520) * MIB)
         self.cpu = max(0.0, p.cpu / 100.0 * (1 + 0.02 * r.gauss(0, 1)))
         self.thread_cpu = min(1.0, self.cpu)
+        share = 1.0 / max(1, len(gpu.processes))
         for proc in gpu.processes:
-            proc.used_memory_bytes = int(mem * MIB)
-            proc.sm_percent = int(round(sm))
+            proc.used_memory_bytes = int(mem * MIB * share)
+            proc.sm_percent = int(round(sm * share))
             proc.mem_percent = int(round(gpu.util_mem))
 
 
@@ -176,9 +177,11 @@ class _SimHostReader:
                 if proc.pid == pid:
                     cmd = {"idle_allocated": "jupyter-kernel --notebook analysis.ipynb",
                            "launch_bound": "python serve.py --batch-size 1"}.get(drv.name, "python train.py --batch-size 64")
+                    share = 1.0 / max(1, len(gpu.processes))
+                    rank = f" --rank {proc.pid % 10_000}" if len(gpu.processes) > 1 else ""
                     return HostProcInfo(
-                        pid=pid, name="python", user="sim", cmdline=f"{cmd} --gpu {drv.index}",
-                        cpu_cores=drv.cpu, thread_cpu_max_ratio=drv.thread_cpu, rss_bytes=float(8 << 30),
+                        pid=pid, name="python", user="sim", cmdline=f"{cmd} --gpu {drv.index}{rank}",
+                        cpu_cores=drv.cpu * share, thread_cpu_max_ratio=drv.thread_cpu, rss_bytes=float(8 << 30),
                         threads=24, started_at=self.node.started_at, pod="", namespace="",
                         container="", pod_uid="", slurm_job="",
                     )
@@ -216,7 +219,8 @@ class _SimHostSource:
 class SimulatedNode:
     """A named scenario on `gpus` simulated H200s. `nvml`, `host_reader`, `host_source` plug into Sampler."""
 
-    def __init__(self, scenario: str, gpus: int | None = None, seed: int = 1) -> None:
+    def __init__(self, scenario: str, gpus: int | None = None, seed: int = 1,
+                 processes: int | None = None) -> None:
         scenario = scenario.replace("-", "_")
         if scenario not in DESCRIPTIONS:
             raise UnknownScenario(
@@ -224,6 +228,11 @@ class SimulatedNode:
         n = gpus if gpus is not None else _DEFAULT_GPUS.get(scenario, 1)
         if not 1 <= n <= 64:
             raise UnknownScenario(f"A simulated node has 1 to 64 GPUs, not {n}.")
+        if processes is not None and not 1 <= processes <= 4096:
+            raise UnknownScenario(f"A simulated node runs 1 to 4096 processes, not {processes}.")
+        # Processes are dealt round-robin over the GPUs (at least one per GPU); one GPU's processes
+        # share its memory and SM time.
+        per_gpu = [1] * n if processes is None else [processes // n + (1 if i < processes % n else 0) for i in range(n)]
         self.scenario = scenario
         self.started_at = time.time()
         self.drivers: list[_GpuDriver] = []
@@ -234,7 +243,8 @@ class SimulatedNode:
                 prof = "healthy"
             drv = _GpuDriver(prof, i, seed * 1000 + i)
             g = FakeGPU(index=i, uuid=f"GPU-5171a7ed-0000-4000-8000-{i:012d}", name="NVIDIA H200 (simulated)",
-                        processes=[FakeProcess(pid=_BASE_PID + 100 * i)], dynamics=drv)
+                        processes=[FakeProcess(pid=_BASE_PID + 10_000 * i + k) for k in range(per_gpu[i])],
+                        dynamics=drv)
             self.drivers.append(drv)
             fake_gpus.append(g)
         self.nvml = FakeNVML(fake_gpus)

@@ -80,10 +80,11 @@ def load_or_create_token(path: Path) -> str:
 
 class Agent:
     def __init__(self, cfg: Config, simulate: str | None = None, gpus: int | None = None,
-                 announce: Any = print) -> None:
+                 announce: Any = print, processes: int | None = None) -> None:
         self.cfg = cfg
         self.simulate = simulate
         self.gpus = gpus
+        self.processes = processes
         self.announce = announce
         self.naming = cfg.prometheus.naming
         self.top_processes = cfg.prometheus.top_processes
@@ -218,7 +219,8 @@ class Agent:
 
     def run(self) -> int:
         # NVML first: on a machine without a GPU nothing is written before it says so.
-        self.sampler = Sampler(self.sampler_config(), simulate=self.simulate, gpus=self.gpus)
+        self.sampler = Sampler(self.sampler_config(), simulate=self.simulate, gpus=self.gpus,
+                               processes=self.processes)
         try:
             self.sampler.open()  # raises NvmlUnavailable with its sentence
             self._open_data_dir()
