@@ -9,7 +9,6 @@ Every bad request ends in a 4xx with a JSON body {"error": "one sentence"}.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import math
@@ -21,6 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from .. import __version__
+from ..web import api as ui
 from .timeparse import TimeError, parse_duration, parse_time
 
 log = logging.getLogger("gpuscope.agent.http")
@@ -82,10 +82,12 @@ class Api:
             # DNS name that resolves to 127.0.0.1 (DNS rebinding).
             return _error(403, "This agent listens on loopback only and answers requests addressed to "
                                "localhost or 127.0.0.1.")
+        login = ui.token_login(request, self.agent.token)  # /ui/?token=...: a cookie for the browser
+        if login is not None:
+            return login
         needs_token = (not self.agent.loopback_only) or request.method not in ("GET", "HEAD", "OPTIONS")
-        if needs_token and not self._authorized(request):
-            return _error(401, "This request needs the agent's token: send 'Authorization: Bearer <token>' "
-                               f"(the token is in {self.agent.token_path}).")
+        if needs_token and not ui.authorized(request, self.agent.token):
+            return _error(401, ui.unauthorized_message(request, str(self.agent.token_path)))
         try:
             return await handler(request)
         except BadRequest as e:
@@ -107,12 +109,6 @@ class Api:
             log.exception("request %s failed", request.path)
             return _error(500, f"The agent failed to answer: {type(e).__name__}.")
 
-    def _authorized(self, request: web.Request) -> bool:
-        header = request.headers.get("Authorization", "")
-        if not header.startswith("Bearer "):
-            return False
-        return hmac.compare_digest(header[7:].strip().encode(), self.agent.token.encode())
-
     # -- routes --------------------------------------------------------------------------------
     def routes(self, app: web.Application) -> None:
         r = app.router
@@ -130,6 +126,8 @@ class Api:
         r.add_get("/api/v1/alerts", self.alerts)
 
     async def index(self, request: web.Request) -> web.Response:
+        if request.path == "/" and _prefers_html(request.headers.get("Accept", "")):
+            raise web.HTTPFound("/ui/")  # a browser gets the dashboard, tools keep the JSON index
         return _json({
             "gpuscope": __version__,
             "simulated": self.agent.sampler.simulated,
@@ -146,6 +144,7 @@ class Api:
                 "/api/v1/diagnose": "verdicts over the last ?window=30s (the in-memory history), or over a past "
                                     "?start=&end= range from the store (spans, share, overall)",
                 "/api/v1/alerts": "firing, pending and recently resolved alerts, the rules and the notifiers",
+                "/ui/": "the web dashboard",
             },
         })
 
@@ -279,8 +278,29 @@ class Api:
         return _json({"enabled": True, "simulated": self.agent.sampler.simulated, **svc.alerts()})
 
 
+def _prefers_html(accept: str) -> bool:
+    """True when an Accept header ranks text/html above application/json, as browsers' page loads do
+    (`*/*` ranks both alike, so curl and scripts keep getting JSON)."""
+    weights: dict[str, float] = {}
+    for part in accept.split(","):
+        media, *params = (p.strip() for p in part.split(";"))
+        weight = 1.0
+        for p in params:
+            if p.startswith("q="):
+                try:
+                    weight = float(p[2:])
+                except ValueError:
+                    weight = 0.0
+        weights[media.lower()] = max(weights.get(media.lower(), 0.0), weight)
+    html = max(weights.get("text/html", 0.0), weights.get("text/*", 0.0))
+    return html > max(weights.get("application/json", 0.0), weights.get("application/*", 0.0))
+
+
 def make_app(agent: Any, max_request_bytes: int = 65536) -> web.Application:
+    from ..web.local import AgentBackend
+
     api = Api(agent)
     app = web.Application(middlewares=[api.guard], client_max_size=max_request_bytes)
     api.routes(app)
+    ui.add_ui_routes(app, AgentBackend(agent))
     return app

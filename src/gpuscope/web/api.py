@@ -1,0 +1,392 @@
+"""The dashboard's HTTP surface over any Backend: the page (/ui/), its assets and /ui/api/*.
+
+    add_ui_routes(app, backend)            # into an existing app (the agent's), which guards it
+    make_ui_app(backend, token=..., loopback_only=True, token_path="...")   # a standalone app
+
+Endpoints (GET, JSON; every bad request is a 4xx with {"error": "one sentence"}):
+/ui/api/overview, /ui/api/meta, /ui/api/range?metric=&start=-1h&end=now&step=auto&agg=mean&gpu=host/0,
+/ui/api/timeline?start=&end=&gpu=, /ui/api/alerts and /ui/api/stream?interval=1s (server-sent events,
+`event: overview` every interval).
+
+Browsers cannot send an Authorization header on a page load or from EventSource, so beyond loopback
+the page is opened once as /ui/?token=TOKEN: the answer is a redirect that drops the token from the
+URL and sets an HttpOnly, SameSite=Strict cookie derived from the token, which `authorized` accepts
+for reads. The token itself never reaches the page.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import logging
+import math
+import re
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlencode
+
+from aiohttp import web
+
+from ..agent.timeparse import TimeError, parse_duration, parse_time
+from .backend import Backend, BackendError, RangeQuery
+
+log = logging.getLogger("gpuscope.web")
+
+HERE = Path(__file__).resolve().parent
+STATIC_DIR = HERE / "static"
+# uPlot comes from npm (`make web`), never copied into the repository; the wheel carries these two files.
+VENDOR_DIR = HERE / "node_modules" / "uplot" / "dist"
+VENDOR_FILES = {"uPlot.iife.min.js": "application/javascript", "uPlot.min.css": "text/css"}
+STATIC_FILES = {"app.js": "application/javascript", "app.css": "text/css"}
+
+COOKIE = "gpuscope_ui"
+AGGS = ("mean", "max", "min", "last")
+MAX_STREAMS = 32
+MAX_POINTS = 10_000          # per series in one range request
+AUTO_POINTS = 1000           # what step=auto aims at
+MAX_RANGE_S = 400 * 86400.0
+# Steps step=auto picks from, so that neighbouring ranges share buckets (and the store's rollups align).
+_NICE_STEPS_S = (0.1, 0.2, 0.5, 1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600,
+                 43200, 86400)
+_LABEL = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_LOOPBACK_HOSTS = re.compile(r"^(localhost|127\.[0-9.]+|\[::1\])(:[0-9]+)?$", re.ASCII | re.IGNORECASE)
+# The page loads nothing from anywhere else; nothing may frame it.
+CSP = "default-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'self'"
+
+BACKEND_KEY = web.AppKey("gpuscope_ui_backend", object)
+STREAMS_KEY = web.AppKey("gpuscope_ui_streams", set)
+STOP_KEY = web.AppKey("gpuscope_ui_stop", asyncio.Event)
+INTERVAL_KEY = web.AppKey("gpuscope_ui_interval", float)
+
+
+class BadRequest(Exception):
+    """The request's parameters are wrong; the message is one sentence."""
+
+
+# -- JSON ------------------------------------------------------------------------------------------
+def _finite(o: Any) -> Any:
+    """JSON has no NaN or infinity: they become null."""
+    if isinstance(o, float):
+        return o if math.isfinite(o) else None
+    if isinstance(o, dict):
+        return {k: _finite(v) for k, v in o.items()}
+    if isinstance(o, list | tuple):
+        return [_finite(v) for v in o]
+    return o
+
+
+def dumps(data: Any) -> str:
+    return json.dumps(_finite(data), default=lambda o: _finite(o.tolist()) if hasattr(o, "tolist") else str(o),
+                      allow_nan=False, separators=(",", ":"))
+
+
+def json_response(data: Any, status: int = 200) -> web.Response:
+    return web.Response(text=dumps(data), status=status, content_type="application/json",
+                        headers={"Cache-Control": "no-store"})
+
+
+def error_response(status: int, message: str) -> web.Response:
+    return json_response({"error": message}, status)
+
+
+# -- auth ------------------------------------------------------------------------------------------
+def cookie_value(token: str) -> str:
+    """What the browser keeps instead of the token: useless as a bearer token elsewhere."""
+    return hmac.new(token.encode(), b"gpuscope dashboard session", hashlib.sha256).hexdigest()
+
+
+def authorized(request: web.Request, token: str) -> bool:
+    """The Bearer header for anything; the dashboard cookie for reads (SameSite=Strict keeps other sites'
+    pages from sending it, and reads change nothing)."""
+    header = request.headers.get("Authorization", "")
+    if header.startswith("Bearer ") and hmac.compare_digest(header[7:].strip().encode(), token.encode()):
+        return True
+    cookie = request.cookies.get(COOKIE)
+    return (cookie is not None and request.method in ("GET", "HEAD")
+            and hmac.compare_digest(cookie.encode(), cookie_value(token).encode()))
+
+
+def token_login(request: web.Request, token: str) -> web.StreamResponse | None:
+    """For /ui/?token=...: a redirect to the same URL without the token that sets the cookie (or a 401
+    for a wrong token); None for any other request."""
+    if "token" not in request.query or not request.path.startswith("/ui"):
+        return None
+    given = request.query["token"]
+    if not hmac.compare_digest(given.encode(), token.encode()):
+        return error_response(401, "The token in the URL is not this server's token.")
+    rest = [(k, v) for k, v in request.query.items() if k != "token"]
+    resp = web.HTTPSeeOther(request.path + ("?" + urlencode(rest) if rest else ""))
+    resp.set_cookie(COOKIE, cookie_value(token), httponly=True, samesite="Strict", path="/")
+    resp.headers["Cache-Control"] = "no-store"
+    resp.headers["Referrer-Policy"] = "no-referrer"
+    return resp
+
+
+def unauthorized_message(request: web.Request, token_path: str) -> str:
+    if request.path.startswith("/ui"):
+        return (f"The dashboard needs this server's token: open /ui/?token=TOKEN once (the token is in {token_path}); "
+                "your browser then keeps a cookie.")
+    return (f"This request needs the token: send 'Authorization: Bearer <token>' (the token is in {token_path}).")
+
+
+def make_guard(token: str | None, loopback_only: bool, token_path: str) -> Any:
+    """The agent's rules: a loopback server answers only loopback Host names (DNS rebinding) and its
+    reads are open; beyond loopback every request needs the token (header or dashboard cookie)."""
+
+    @web.middleware
+    async def guard(request: web.Request, handler: Any) -> web.StreamResponse:
+        if loopback_only and not _LOOPBACK_HOSTS.match(request.headers.get("Host", "")):
+            return error_response(403, "This server listens on loopback only and answers requests addressed to "
+                                       "localhost or 127.0.0.1.")
+        if token:
+            login = token_login(request, token)
+            if login is not None:
+                return login
+        needs_token = not loopback_only or request.method not in ("GET", "HEAD", "OPTIONS")
+        if needs_token and not (token and authorized(request, token)):
+            return error_response(401, unauthorized_message(request, token_path))
+        try:
+            return await handler(request)
+        except web.HTTPException as e:
+            if e.status >= 400:
+                return error_response(e.status, {404: f"No such page: {request.path}; the dashboard is at /ui/.",
+                                                 405: f"{request.method} is not allowed on {request.path}."}
+                                      .get(e.status, e.reason))
+            raise
+
+    return guard
+
+
+# -- request parsing -------------------------------------------------------------------------------
+def auto_step(span_s: float, resolution_s: float) -> float:
+    """The smallest nice step giving at most ~AUTO_POINTS points, never finer than the data."""
+    want = max(span_s / AUTO_POINTS, resolution_s)
+    for s in _NICE_STEPS_S:
+        if s >= want - 1e-12:
+            return float(s)
+    return float(math.ceil(want / 86400) * 86400)
+
+
+def _time_range(q: Any, now: float, default_start: str = "-1h") -> tuple[int, int]:
+    start = parse_time(q.get("start", default_start), now, "start")
+    end = parse_time(q.get("end", "now"), now, "end")
+    if end <= start:
+        raise BadRequest("The range is empty: end must be after start.")
+    if (end - start) / 1e9 > MAX_RANGE_S:
+        raise BadRequest("The range is longer than 400 days; choose a shorter one.")
+    return start, end
+
+
+def _gpus(q: Any, meta: dict[str, Any]) -> tuple[str, ...]:
+    raw = q.get("gpu", "")
+    keys = tuple(k.strip() for k in raw.split(",") if k.strip())
+    known = {g["key"] for g in meta.get("gpus", [])}
+    for k in keys:
+        if k not in known:
+            raise BackendError(404, f"There is no GPU {k!r} here; known GPUs: {', '.join(sorted(known)) or 'none yet'}.")
+    return keys
+
+
+def range_query(q: Any, meta: dict[str, Any], now: float) -> RangeQuery:
+    """A RangeQuery from /ui/api/range's parameters, checked against the backend's meta."""
+    params = dict(q)
+    metric = params.pop("metric", "")
+    if not metric:
+        raise BadRequest("metric is required, e.g. /ui/api/range?metric=gpu_sm_active_ratio&start=-1h.")
+    if metric not in meta.get("metrics", []):
+        raise BadRequest(f"{metric!r} is not a metric this dashboard can chart.")
+    start, end = _time_range(params, now)
+    params.pop("start", None)
+    params.pop("end", None)
+    span_s = (end - start) / 1e9
+    resolution = float(meta.get("resolution_s") or 1.0)
+    step_text = params.pop("step", "auto")
+    step = auto_step(span_s, resolution) if step_text == "auto" else parse_duration(step_text, "step")
+    if span_s / step > MAX_POINTS:
+        raise BadRequest(f"That step gives {span_s / step:.0f} points per series (at most {MAX_POINTS}); "
+                         "use a larger step or step=auto.")
+    agg = params.pop("agg", "mean")
+    if agg not in AGGS:
+        raise BadRequest(f"agg must be one of {', '.join(AGGS)}, not {agg!r}.")
+    gpus = _gpus(params, meta)
+    params.pop("gpu", None)
+    for k in params:
+        if not _LABEL.fullmatch(k):
+            raise BadRequest(f"{k!r} is not a label name.")
+    return RangeQuery(metric, start, end, step, agg, gpus, params)
+
+
+# -- handlers --------------------------------------------------------------------------------------
+def _backend(request: web.Request) -> Backend:
+    return request.app[BACKEND_KEY]  # type: ignore[return-value]
+
+
+async def _answer(coro: Any) -> web.Response:
+    try:
+        return json_response(await coro)
+    except BackendError as e:
+        return error_response(e.status, e.message)
+    except (BadRequest, TimeError) as e:
+        return error_response(400, str(e))
+
+
+async def overview(request: web.Request) -> web.Response:
+    return await _answer(_backend(request).overview())
+
+
+async def meta(request: web.Request) -> web.Response:
+    return await _answer(_backend(request).meta())
+
+
+async def alerts(request: web.Request) -> web.Response:
+    return await _answer(_backend(request).alerts())
+
+
+async def range_(request: web.Request) -> web.Response:
+    backend = _backend(request)
+
+    async def run() -> dict[str, Any]:
+        q = range_query(request.query, await backend.meta(), time.time())
+        return await backend.range(q)
+
+    return await _answer(run())
+
+
+async def timeline(request: web.Request) -> web.Response:
+    backend = _backend(request)
+
+    async def run() -> dict[str, Any]:
+        start, end = _time_range(request.query, time.time())
+        gpus = _gpus(request.query, await backend.meta())
+        return await backend.timeline(start, end, gpus)
+
+    return await _answer(run())
+
+
+async def stream(request: web.Request) -> web.StreamResponse:
+    """Server-sent events: `event: overview` with the overview JSON every `interval` (0.25-10 s); a
+    comment line when nothing changed, so proxies and the browser see the connection alive."""
+    try:
+        interval = parse_duration(request.query.get("interval", ""), "interval") if "interval" in request.query \
+            else request.app[INTERVAL_KEY]
+    except TimeError as e:
+        return error_response(400, str(e))
+    if not 0.25 <= interval <= 10:
+        return error_response(400, "interval must be between 250ms and 10s.")
+    streams = request.app[STREAMS_KEY]
+    if len(streams) >= MAX_STREAMS:
+        return error_response(503, f"Too many live dashboards ({MAX_STREAMS}) are open on this server; "
+                                   "close one and reload.")
+    stop = request.app[STOP_KEY]
+    backend = _backend(request)
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-store",
+                                       "X-Accel-Buffering": "no"})
+    streams.add(resp)
+    try:
+        await resp.prepare(request)
+        await resp.write(f"retry: {int(max(interval, 1.0) * 2000)}\n: gpuscope overview stream\n\n".encode())
+        last = None
+        while not stop.is_set():
+            try:
+                data = await backend.overview()
+                event = "overview"
+            except BackendError as e:
+                data, event = {"error": e.message}, "error"
+            stamp = (event, data.get("time_ns"))
+            if stamp == last:
+                await resp.write(b": keep-alive\n\n")
+            else:
+                await resp.write(f"event: {event}\ndata: {dumps(data)}\n\n".encode())
+                last = stamp
+            try:
+                await asyncio.wait_for(stop.wait(), interval)
+            except asyncio.TimeoutError:
+                pass
+    except ConnectionResetError:
+        pass  # the browser went away
+    finally:
+        streams.discard(resp)
+    return resp
+
+
+# -- the page and its assets -----------------------------------------------------------------------
+def _file(path: Path, content_type: str) -> web.StreamResponse:
+    if not path.is_file():
+        raise web.HTTPNotFound()
+    return web.FileResponse(path, headers={"Content-Type": content_type, "Cache-Control": "no-cache",
+                                           "X-Content-Type-Options": "nosniff"})
+
+
+async def page(request: web.Request) -> web.StreamResponse:
+    path = STATIC_DIR / "index.html"
+    if not path.is_file():
+        return error_response(500, f"The dashboard page is missing from this install ({path}); reinstall gpuscope.")
+    return web.FileResponse(path, headers={"Content-Type": "text/html; charset=utf-8", "Cache-Control": "no-cache",
+                                           "Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff",
+                                           "Referrer-Policy": "no-referrer"})
+
+
+async def static(request: web.Request) -> web.StreamResponse:
+    name = request.match_info["name"]
+    if name not in STATIC_FILES:
+        raise web.HTTPNotFound()
+    return _file(STATIC_DIR / name, STATIC_FILES[name])
+
+
+async def vendor(request: web.Request) -> web.StreamResponse:
+    name = request.match_info["name"]
+    if name not in VENDOR_FILES:
+        raise web.HTTPNotFound()
+    if not (VENDOR_DIR / name).is_file():
+        return error_response(404, "The chart library is missing: run `make web` "
+                                   "(npm ci --prefix src/gpuscope/web --omit=dev).")
+    return _file(VENDOR_DIR / name, VENDOR_FILES[name])
+
+
+async def _redirect_to_page(request: web.Request) -> web.StreamResponse:
+    raise web.HTTPFound("/ui/" + ("?" + request.query_string if request.query_string else ""))
+
+
+def add_ui_routes(app: web.Application, backend: Backend, *, stream_interval_s: float = 1.0) -> None:
+    """The page, its assets and /ui/api/* over `backend`; the app's own middleware guards them. Live
+    streams end when the app shuts down, so a stopping server does not wait on open dashboards."""
+    app[BACKEND_KEY] = backend
+    app[STREAMS_KEY] = set()
+    app[STOP_KEY] = asyncio.Event()
+    app[INTERVAL_KEY] = float(stream_interval_s)
+
+    async def on_shutdown(app: web.Application) -> None:
+        app[STOP_KEY].set()
+
+    app.on_shutdown.append(on_shutdown)
+    r = app.router
+    r.add_get("/ui", _redirect_to_page)
+    r.add_get("/ui/", page)
+    r.add_get("/ui/static/{name}", static)
+    r.add_get("/ui/vendor/{name}", vendor)
+    r.add_get("/ui/api/overview", overview)
+    r.add_get("/ui/api/meta", meta)
+    r.add_get("/ui/api/range", range_)
+    r.add_get("/ui/api/timeline", timeline)
+    r.add_get("/ui/api/alerts", alerts)
+    r.add_get("/ui/api/stream", stream)
+
+
+def make_ui_app(backend: Backend, *, token: str | None, loopback_only: bool, token_path: str,
+                stream_interval_s: float = 1.0) -> web.Application:
+    """A standalone dashboard app (for `gpuscope dashboard`) with the agent's guard rules; `/` opens
+    the page, and the backend is closed with the app."""
+    if not loopback_only and not token:
+        raise ValueError("A dashboard reachable beyond loopback needs a token.")
+    app = web.Application(middlewares=[make_guard(token, loopback_only, token_path)])
+    add_ui_routes(app, backend, stream_interval_s=stream_interval_s)
+    app.router.add_get("/", _redirect_to_page)
+
+    async def close_backend(app: web.Application) -> None:
+        await backend.close()
+
+    app.on_cleanup.append(close_backend)
+    return app
