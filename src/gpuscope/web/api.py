@@ -40,7 +40,7 @@ STATIC_DIR = HERE / "static"
 # uPlot comes from npm (`make web`), never copied into the repository; the wheel carries these two files.
 VENDOR_DIR = HERE / "node_modules" / "uplot" / "dist"
 VENDOR_FILES = {"uPlot.iife.min.js": "application/javascript", "uPlot.min.css": "text/css"}
-STATIC_FILES = {"app.js": "application/javascript", "app.css": "text/css"}
+STATIC_FILES = {"app.js": "application/javascript", "app.css": "text/css", "favicon.svg": "image/svg+xml"}
 
 COOKIE = "gpuscope_ui"
 AGGS = ("mean", "max", "min", "last")
