@@ -211,6 +211,14 @@ def build_parser() -> argparse.ArgumentParser:
     alist.add_argument("--url", default=None, help="the agent (default $GPUSCOPE_URL or http://127.0.0.1:9471)")
     alist.add_argument("--token", default=None, help="bearer token (default $GPUSCOPE_TOKEN or the data dir's token)")
     alist.add_argument("--json", action="store_true", help="print the agent's answer as JSON")
+
+    from .web.dashboard_cmd import add_arguments as _dashboard_arguments
+
+    db = sub.add_parser("dashboard", help="the web dashboard over a Prometheus server: a whole fleet in one UI",
+                        description="Serves the agent's dashboard with the data of every agent a Prometheus "
+                                    "server scrapes (GPU keys are hostname/gpu). Binds to 127.0.0.1 unless told "
+                                    "otherwise; anything else requires the token.")
+    _dashboard_arguments(db)
     return p
 
 
@@ -595,8 +603,14 @@ def _alerts_list(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+
+def _dashboard(args: argparse.Namespace) -> int:
+    from .web.dashboard_cmd import run
+
+    return run(args)
+
 _VERBS = {"alerts": _alerts, "doctor": _doctor, "diagnose": _diagnose, "run": _run, "sample": _sample, "scenarios": _scenarios, "agent": _agent, "query": _query,
-          "export": _export}
+          "export": _export, "dashboard": _dashboard}
 
 
 if __name__ == "__main__":  # pragma: no cover
