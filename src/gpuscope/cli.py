@@ -193,6 +193,20 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--metric", action="append", default=None, help="only these metrics (repeatable)")
     e.add_argument("--data-dir", default=None, help="the agent's data directory")
 
+    tp = sub.add_parser("top", help="live terminal view: per GPU the true activity, the verdict, the processes",
+                        description="A live view of every GPU (SM, tensor and FP pipes, DRAM, PCIe/NVLink beside "
+                                    "NVML utilization, memory, power, clocks and throttling, the verdict) and of "
+                                    "the processes on them. Reads the local agent (--url), else samples here. "
+                                    "Keys: q quit, s sort, r reverse, / filter, t tree, k kill.")
+    _add_source_args(tp, processes=True)
+    tp.add_argument("--refresh", type=_interval, default=0.25, metavar="SECONDS",
+                    help="redraw this often (default 0.25 s, 4 per second)")
+    tp.add_argument("--url", default=None, help="the agent (default $GPUSCOPE_URL or http://127.0.0.1:9471)")
+    tp.add_argument("--token", default=None, help="bearer token (default $GPUSCOPE_TOKEN or the data dir's token)")
+    tp.add_argument("--data-dir", default=None, help="where to look for the token")
+    tp.add_argument("--once", action="store_true", help="print one overview and exit (no terminal UI)")
+    tp.add_argument("--json", action="store_true", help="with --once: the overview as JSON (gpuscope.viewmodel)")
+
     al = sub.add_parser("alerts", help="check alert rule files, export them for Prometheus, list an agent's alerts",
                         description="Alert rules (TOML or YAML) on metrics and verdicts; see the README's Alerts "
                                     "section for the format.")
@@ -355,6 +369,28 @@ def _scenarios(args: argparse.Namespace) -> int:
     for s in SCENARIOS:
         print(f"{s:<16} {describe(s)}")
     return EXIT_OK
+
+
+def _top(args: argparse.Namespace) -> int:
+    from .agent.client import default_url, find_token
+
+    _check_sim(args)
+    if not 0.05 <= args.refresh <= 60:
+        raise UsageError(f"--refresh must be between 0.05 and 60 seconds, not {args.refresh:g}.")
+    if args.json and not args.once:
+        raise UsageError("--json prints one overview; add --once (the live view is for a terminal).")
+    if args.simulate is not None and args.url is not None:
+        raise UsageError("--simulate and --url name two different sources; give one.")
+    if not args.once and not (sys.stdout.isatty() and sys.stdin.isatty()):
+        raise UsageError("gpuscope top needs a terminal; for scripts use 'gpuscope top --once --json'.")
+    from . import top
+
+    try:
+        feed = top.open_feed(args.url or default_url(), find_token(args.token, args.data_dir), args.refresh,
+                             args.simulate, args.gpus, args.processes)
+    except top.NoSource as e:
+        raise Unavailable(str(e)) from None
+    return top.run(feed, args.refresh, once=args.once, as_json=args.json)
 
 
 def _agent(args: argparse.Namespace) -> int:
@@ -609,7 +645,7 @@ def _dashboard(args: argparse.Namespace) -> int:
 
     return run(args)
 
-_VERBS = {"alerts": _alerts, "doctor": _doctor, "diagnose": _diagnose, "run": _run, "sample": _sample, "scenarios": _scenarios, "agent": _agent, "query": _query,
+_VERBS = {"alerts": _alerts, "doctor": _doctor, "diagnose": _diagnose, "run": _run, "sample": _sample, "scenarios": _scenarios, "agent": _agent, "query": _query, "top": _top,
           "export": _export, "dashboard": _dashboard}
 
 

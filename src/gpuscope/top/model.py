@@ -1,0 +1,277 @@
+"""What `gpuscope top` shows, as plain strings: GPU lines, process rows, sort, filter and tree order.
+
+No Textual here, so the layout can be tested and reused for `--once` without a terminal.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+_BLOCKS = " ▁▂▃▄▅▆▇█"
+RING = 120  # sparkline history per GPU: 30 s at the default 4 refreshes per second
+
+
+def pct(v: float | None, width: int = 4) -> str:
+    """A ratio 0..1 as a percentage, '-' where unknown."""
+    return f"{'-':>{width}}" if v is None else f"{v * 100:>{width - 1}.0f}%"
+
+
+def gib(v: float | None) -> str:
+    return "-" if v is None else f"{v / 2**30:.1f}"
+
+
+def human_bytes(v: float | None) -> str:
+    if v is None:
+        return "-"
+    for unit, scale in (("T", 2**40), ("G", 2**30), ("M", 2**20), ("K", 2**10)):
+        if v >= scale:
+            return f"{v / scale:.1f}{unit}"
+    return f"{v:.0f}B"
+
+
+def rate(v: float | None) -> str:
+    """Bytes per second as GB/s."""
+    return "-" if v is None else f"{v / 1e9:.1f}"
+
+
+def sparkline(values: Iterable[float | None], width: int) -> str:
+    """The last `width` ratios as block characters (a gap where unknown)."""
+    tail = list(values)[-width:]
+    out = ["·" if v is None else _BLOCKS[max(0, min(8, round(v * 8)))] for v in tail]
+    return "".join(out).rjust(width)
+
+
+class Rings:
+    """A bounded history of SM activity per GPU key, for the sparklines."""
+
+    def __init__(self, size: int = RING) -> None:
+        self.size = size
+        self._rings: dict[str, deque[float | None]] = {}
+
+    def push(self, gpus: Sequence[dict[str, Any]]) -> None:
+        for g in gpus:
+            ring = self._rings.setdefault(g["key"], deque(maxlen=self.size))
+            ring.append(g["values"].get("gpu_sm_active_ratio") if g["healthy"] else None)
+
+    def get(self, key: str) -> deque[float | None]:
+        return self._rings.get(key, deque())
+
+
+def throttle_text(g: dict[str, Any]) -> str:
+    return ",".join(g["throttle"]) if g["throttle"] else "no throttle"
+
+
+def verdict_text(g: dict[str, Any]) -> str:
+    v = g.get("verdict")
+    if not g["healthy"]:
+        return "LOST: the GPU stopped answering (fell off the bus or hung)"
+    if v is None:
+        return "verdict: gathering (needs 5 s of samples)"
+    side = "".join(f" +{k}" for k in dict.fromkeys(s["kind"] for s in g.get("side", [])))
+    return f"{v['kind']}{side}: {v['summary']}"
+
+
+def severity(g: dict[str, Any]) -> str:
+    if not g["healthy"]:
+        return "critical"
+    sides = [s.get("severity", "info") for s in g.get("side", [])]
+    levels = [g["verdict"]["severity"]] if g.get("verdict") else []
+    for s in ("critical", "warning"):
+        if s in levels + sides:
+            return s
+    return "info"
+
+
+def _clock(v: dict[str, float | None]) -> str:
+    cur, top = v.get("gpu_sm_clock_hertz"), v.get("gpu_sm_clock_max_hertz")
+    if cur is None:
+        return "-"
+    return f"{cur / 1e9:.2f}" + (f"/{top / 1e9:.2f}" if top else "") + " GHz"
+
+
+def _power(v: dict[str, float | None]) -> str:
+    p, lim = v.get("gpu_power_watts"), v.get("gpu_power_limit_watts")
+    return ("-" if p is None else f"{p:.0f}") + (f"/{lim:.0f}" if lim else "") + " W"
+
+
+def _mem(v: dict[str, float | None]) -> str:
+    return f"{gib(v.get('gpu_memory_used_bytes'))}/{gib(v.get('gpu_memory_total_bytes'))}G"
+
+
+def _temp(v: dict[str, float | None]) -> str:
+    t = v.get("gpu_temperature_celsius")
+    return "-" if t is None else f"{t:.0f}C"
+
+
+def dense_head(width: int) -> str:
+    fp32 = f"{'FP32':>5}" if width >= 90 else ""
+    return (f"{'GPU':<4}{'SM':>5}{'tensor':>7}{fp32}{'DRAM':>5}│{'NVML util*':>10} {'mem GiB':>10}"
+            f" {'power W':>8} {'temp':>4}  verdict")[:width]
+
+
+def dense_line(g: dict[str, Any], width: int) -> str:
+    """One GPU in one line, so 8 GPUs fit on 80x24 (FP32 only from 90 columns)."""
+    label = f"{g['gpu']:<4}"
+    if not g["healthy"]:
+        return f"{label} LOST — {verdict_text(g)}"[:width]
+    v = g["values"]
+    used, total = v.get("gpu_memory_used_bytes"), v.get("gpu_memory_total_bytes")
+    mem = f"{gib(used)}/{'-' if total is None else f'{total / 2**30:.0f}'}"
+    p, lim = v.get("gpu_power_watts"), v.get("gpu_power_limit_watts")
+    power = ("-" if p is None else f"{p:.0f}") + (f"/{lim:.0f}" if lim else "")
+    fp32 = pct(v["gpu_fp32_active_ratio"], 5) if width >= 90 else ""
+    head = (f"{label}{pct(v['gpu_sm_active_ratio'], 5)}{pct(v['gpu_tensor_active_ratio'], 7)}{fp32}"
+            f"{pct(v['gpu_dram_active_ratio'], 5)}│{pct(v['gpu_utilization_ratio'], 10)} {mem:>10} {power:>8}"
+            f" {_temp(v):>4}  ")
+    tail = g["verdict"]["kind"] if g.get("verdict") else "…"
+    if g["throttle"]:
+        tail += f" [{throttle_text(g)}]"
+    return (head + tail)[:width]
+
+
+def panel_lines(g: dict[str, Any], width: int, ring: Iterable[float | None]) -> list[str]:
+    """One GPU in three lines: the verdict, what the SMs and memory really do (with SM history), and
+    the NVML figures."""
+    title = f"GPU {g['gpu']} {g['name']}"
+    if not g["healthy"]:
+        return [f"{title}  LOST"[:width], f"  {verdict_text(g)}"[:width], ""]
+    v = g["values"]
+
+    def r(key: str) -> str:
+        return "-" if v[key] is None else f"{v[key] * 100:.0f}"
+
+    rest = (f"  occ {pct(v['gpu_sm_occupancy_ratio'])}  tensor {pct(v['gpu_tensor_active_ratio'])}"
+            f"  FP32/16/64 {r('gpu_fp32_active_ratio')}/{r('gpu_fp16_active_ratio')}/{r('gpu_fp64_active_ratio')}%"
+            f"  DRAM {pct(v['gpu_dram_active_ratio'])}  GB/s rx/tx PCIe {rate(v['gpu_pcie_rx_bytes_per_second'])}"
+            f"/{rate(v['gpu_pcie_tx_bytes_per_second'])} NVLink {rate(v['gpu_nvlink_rx_bytes_per_second'])}"
+            f"/{rate(v['gpu_nvlink_tx_bytes_per_second'])}")
+    head = f"  SM active {pct(v['gpu_sm_active_ratio'])} "
+    act = head + sparkline(ring, max(8, min(60, width - len(head) - len(rest)))) + rest
+    nvml = (f"  NVML util (any kernel running) {pct(v['gpu_utilization_ratio'])}  mem {_mem(v)}  power {_power(v)}"
+            f"  {_temp(v)}  clock {_clock(v)}: {throttle_text(g)}")
+    return [f"{title}  {verdict_text(g)}"[:width], act[:width], nvml[:width]]
+
+
+# -- processes ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SortKey:
+    name: str
+    title: str
+    key: Callable[[dict[str, Any]], Any]
+    descending: bool  # the natural direction: biggest users first, names A..Z
+
+
+def _num(field: str) -> Callable[[dict[str, Any]], float]:
+    return lambda p: p.get(field) if p.get(field) is not None else -1.0
+
+
+SORT_KEYS: tuple[SortKey, ...] = (
+    SortKey("sm", "SM%", _num("sm_ratio"), True),
+    SortKey("gpu_memory", "GPU-MEM", _num("gpu_memory_bytes"), True),
+    SortKey("cpu", "CPU%", _num("cpu_cores"), True),
+    SortKey("rss", "RSS", _num("rss_bytes"), True),
+    SortKey("pid", "PID", lambda p: p["pid"], False),
+    SortKey("user", "USER", lambda p: p["user"], False),
+    SortKey("gpu", "GPU", lambda p: p["gpu"], False),
+    SortKey("command", "COMMAND", lambda p: p["command"] or p["name"], False),
+)
+
+
+def matches(p: dict[str, Any], text: str) -> bool:
+    """Case-insensitive substring over what a person would type: pid, user, command, GPU, container, pod."""
+    if not text:
+        return True
+    hay = f"{p['pid']} {p['user']} {p['name']} {p['command']} gpu{p['gpu']} {p['container']} {p['pod']}".lower()
+    return text.lower() in hay
+
+
+def ordered(procs: Sequence[dict[str, Any]], sort: SortKey, reverse: bool = False, text: str = "",
+            tree: bool = False) -> list[tuple[str, dict[str, Any]]]:
+    """The rows to show, each with its tree prefix ('' when flat). In tree order a child follows its
+    parent (ppid), siblings sorted by `sort`; a process whose parent is not shown is a root."""
+    shown = [p for p in procs if matches(p, text)]
+    desc = sort.descending != reverse
+    shown.sort(key=sort.key, reverse=desc)
+    if not tree:
+        return [("", p) for p in shown]
+    pids = {p["pid"] for p in shown}
+    children: dict[int, list[dict[str, Any]]] = {}
+    roots = []
+    for p in shown:
+        parent = p.get("ppid")
+        if parent is not None and parent in pids and parent != p["pid"]:
+            children.setdefault(parent, []).append(p)
+        else:
+            roots.append(p)
+    out: list[tuple[str, dict[str, Any]]] = []
+    seen: set[int] = set()
+
+    def walk(p: dict[str, Any], indent: str, branch: str) -> None:
+        out.append((indent + branch, p))
+        if p["pid"] in seen:  # the same pid on two GPUs: list its children once
+            return
+        seen.add(p["pid"])
+        kids = children.get(p["pid"], [])
+        below = indent + {"": "", "└─ ": "   "}.get(branch, "│  ")
+        for i, k in enumerate(kids):
+            walk(k, below, "└─ " if i == len(kids) - 1 else "├─ ")
+
+    for r in roots:
+        walk(r, "", "")
+    return out
+
+
+def proc_head(width: int, sort: SortKey, reverse: bool) -> str:
+    arrow = "▼" if sort.descending != reverse else "▲"
+    cols = _proc_cols(width)
+    parts = []
+    for title, w, align in cols:
+        t = title + (arrow if title == sort.title else "")
+        parts.append(f"{t:<{w}}" if align == "<" else f"{t:>{w}}")
+    return " ".join(parts)[:width]
+
+
+def _proc_cols(width: int) -> list[tuple[str, int, str]]:
+    cols = [("PID", 7, ">"), ("USER", 8, "<"), ("GPU", 4, "<"), ("GPU-MEM", 8, ">"), ("SM%", 5, ">"),
+            ("CPU%", 6, ">"), ("RSS", 7, ">")]
+    if width >= 110:
+        cols.append(("CONTAINER/POD", 18, "<"))
+    used = sum(w + 1 for _, w, _ in cols)
+    cols.append(("COMMAND", max(8, width - used), "<"))
+    return cols
+
+
+def proc_line(prefix: str, p: dict[str, Any], width: int) -> str:
+    cpu = p.get("cpu_cores")
+    values = {
+        "PID": str(p["pid"]), "USER": (p["user"] or "-")[:8], "GPU": p["gpu"][:4],
+        "GPU-MEM": human_bytes(p.get("gpu_memory_bytes")), "SM%": pct(p.get("sm_ratio"), 5),
+        "CPU%": "-" if cpu is None else f"{cpu * 100:.0f}%", "RSS": human_bytes(p.get("rss_bytes")),
+        "CONTAINER/POD": (p.get("pod") or p.get("container") or "-")[:18],
+        "COMMAND": prefix + (p["command"] or p["name"] or "?"),
+    }
+    parts = []
+    for title, w, align in _proc_cols(width):
+        s = values[title][:w] if title != "COMMAND" else values[title]
+        parts.append(f"{s:<{w}}" if align == "<" else f"{s:>{w}}")
+    return " ".join(parts)[:width]
+
+
+def plain(overview: dict[str, Any], width: int = 120) -> str:
+    """The overview as a plain text table (`gpuscope top --once`)."""
+    lines = []
+    if overview.get("simulated"):
+        lines.append(f"SIMULATED node — scenario '{overview['simulated']}' (not real GPUs)")
+    lines += overview.get("errors", [])
+    lines.append(dense_head(width))
+    lines += [dense_line(g, width) for g in overview["gpus"]]
+    lines.append("* NVML util: the share of time any kernel ran, not how busy the SMs are")
+    lines.append("")
+    sort = SORT_KEYS[0]
+    lines.append(proc_head(width, sort, False))
+    lines += [proc_line(prefix, p, width) for prefix, p in ordered(overview["processes"], sort)]
+    return "\n".join(lines)

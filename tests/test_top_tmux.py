@@ -1,0 +1,130 @@
+"""`gpuscope top` in a real terminal: a private tmux server runs it at a fixed size, keys go in with
+send-keys and the screen comes back with capture-pane."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+
+import pytest
+
+if shutil.which("tmux") is None:
+    if os.environ.get("CI"):
+        raise RuntimeError("tmux is needed for tests/test_top_tmux.py in CI (.ci/run installs it).")
+    pytest.skip("tmux is not installed; the real-terminal tests of gpuscope top need it", allow_module_level=True)
+
+TOP = [sys.executable, "-m", "gpuscope.cli", "top", "--simulate", "mixed", "--gpus", "8", "--processes", "100"]
+
+
+class Tmux:
+    """One private tmux server (its own socket) with one window of a fixed size."""
+
+    def __init__(self, width: int, height: int, command: list[str]) -> None:
+        self.socket = f"gpuscope-test-{uuid.uuid4().hex[:8]}"
+        shell = f"{shlex.join(command)}; echo TOP-EXITED $?; sleep 600"
+        env = {**os.environ, "TERM": "xterm-256color"}
+        self._tmux("new-session", "-d", "-x", str(width), "-y", str(height), "sh", "-c", shell, env=env)
+
+    def _tmux(self, *args: str, env: dict[str, str] | None = None) -> str:
+        return subprocess.run(["tmux", "-L", self.socket, *args], capture_output=True, text=True, check=True,
+                              timeout=10, env=env).stdout
+
+    def screen(self) -> str:
+        return self._tmux("capture-pane", "-p")
+
+    def keys(self, *keys: str) -> None:
+        self._tmux("send-keys", *keys)
+
+    def wait(self, check: Callable[[str], bool], what: str, timeout: float = 30.0) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            screen = self.screen()
+            if check(screen):
+                return screen
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting for {what}; the screen was:\n{screen}")
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        subprocess.run(["tmux", "-L", self.socket, "kill-server"], capture_output=True, timeout=10)
+
+
+@pytest.fixture
+def tmux_factory():
+    made: list[Tmux] = []
+
+    def make(width: int, height: int, command: list[str] = TOP) -> Tmux:
+        t = Tmux(width, height, command)
+        made.append(t)
+        return t
+
+    yield make
+    for t in made:
+        t.close()
+
+
+def _all_gpus(screen: str) -> bool:
+    return "SIMULATED 'mixed'" in screen and all(f"GPU {i} " in screen for i in range(8))
+
+
+def _dense_gpus(screen: str) -> bool:
+    lines = screen.splitlines()
+    return "SIMULATED 'mixed'" in screen and all(any(ln.startswith(f"{i}   ") for ln in lines) for i in range(8))
+
+
+def _proc_rows(screen: str) -> list[str]:
+    lines = screen.splitlines()
+    head = next(i for i, ln in enumerate(lines) if ln.lstrip().startswith("PID USER"))
+    return [ln for ln in lines[head + 1:] if ln[:7].strip().isdigit()]
+
+
+def test_top_at_120x40_shows_every_gpu_sorts_filters_and_quits_cleanly(tmux_factory):
+    t = tmux_factory(120, 40)
+    screen = t.wait(_all_gpus, "8 GPU panels and the SIMULATED marker")
+    assert "NVML util (any kernel running)" in screen
+    assert "SM%▼" in screen
+    t.keys("s")  # next sort column: GPU memory, biggest first
+    screen = t.wait(lambda s: "GPU-MEM▼" in s, "the table sorted by GPU memory")
+    rows = _proc_rows(screen)
+    assert rows and rows[0].split()[1] == "sim"
+
+    t.keys("/")
+    t.wait(lambda s: "filter: type a substring" in s, "the filter box")
+    t.keys("g", "p", "u", "5")
+    screen = t.wait(lambda s: _proc_rows(s) and all(r.split()[2] == "5" for r in _proc_rows(s)),
+                    "only GPU 5's processes after filtering for 'gpu5'")
+    t.keys("Enter")
+    t.keys("Escape")
+    t.wait(lambda s: len({r.split()[2] for r in _proc_rows(s)}) > 1, "every GPU's processes after Escape")
+
+    t.keys("q")
+    screen = t.wait(lambda s: "TOP-EXITED" in s, "gpuscope top to exit")
+    assert "TOP-EXITED 0" in screen
+    assert "gpuscope top" not in screen  # the alternate screen is gone: the shell's screen is back
+
+
+def test_top_at_80x24_compacts_to_one_line_per_gpu(tmux_factory):
+    t = tmux_factory(80, 24)
+    screen = t.wait(_dense_gpus, "one line per GPU for all 8 GPUs")
+    assert "NVML util*" in screen and "PID USER" in screen
+    assert len(_proc_rows(screen)) >= 5
+    assert all(len(ln) <= 80 for ln in screen.splitlines())
+    t.keys("r")  # ascending SM%
+    t.wait(lambda s: "SM%▲" in s, "the sort direction reversed")
+    t.keys("q")
+    assert "TOP-EXITED 0" in t.wait(lambda s: "TOP-EXITED" in s, "gpuscope top to exit")
+
+
+def test_top_below_80x24_says_the_terminal_is_too_small(tmux_factory):
+    t = tmux_factory(60, 20)
+    screen = t.wait(lambda s: "terminal too small" in s, "the too-small message")
+    assert "terminal too small (need 80x24, have 60x20)" in screen
+    assert "PID USER" not in screen
+    t.keys("q")
+    assert "TOP-EXITED 0" in t.wait(lambda s: "TOP-EXITED" in s, "gpuscope top to exit")
