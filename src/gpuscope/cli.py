@@ -382,7 +382,7 @@ def _top(args: argparse.Namespace) -> int:
     if args.simulate is not None and args.url is not None:
         raise UsageError("--simulate and --url name two different sources; give one.")
     if not args.once and not (sys.stdout.isatty() and sys.stdin.isatty()):
-        raise UsageError("gpuscope top needs a terminal; for scripts use 'gpuscope top --once --json'.")
+        raise UsageError("The live view needs a terminal; for scripts use 'gpuscope top --once --json'.")
     from . import top
 
     try:

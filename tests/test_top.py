@@ -1,0 +1,302 @@
+"""`gpuscope top` without a terminal: the row logic, the app under Textual's Pilot, the data sources and
+`--once --json`."""
+
+from __future__ import annotations
+
+import asyncio
+import getpass
+import http.server
+import json
+import os
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psutil
+import pytest
+
+from gpuscope import Sampler, SamplerConfig, viewmodel
+from gpuscope.cli import main
+from gpuscope.testing import healthy_gpus
+from gpuscope.top import LocalFeed, StaticFeed, kill, model, open_feed
+from gpuscope.top.app import ConfirmKill, ProcTable, TopApp
+
+HOST = socket.gethostname()
+
+
+def proc(pid: int, *, gpu: str = "0", user: str = "alice", command: str = "python train.py", sm: float = 0.1,
+         mem: float = 1 << 30, ppid: int | None = None, started_at: float | None = None) -> dict[str, Any]:
+    return {"key": f"{HOST}/{pid}/{gpu}", "host": HOST, "gpu_key": f"{HOST}/{gpu}", "gpu": gpu, "pid": pid,
+            "user": user, "name": command.split()[0], "command": command, "gpu_memory_bytes": mem,
+            "sm_ratio": sm, "cpu_cores": 0.5, "rss_bytes": 2 << 30, "container": "", "pod": "", "namespace": "",
+            "started_at": started_at, "ppid": ppid}
+
+
+def overview(procs: list[dict[str, Any]], simulated: str | None = None, healthy: bool = True) -> dict[str, Any]:
+    values: dict[str, float | None] = {m: 0.5 for m in viewmodel.GPU_METRICS}
+    gpu = {"key": f"{HOST}/0", "host": HOST, "gpu": "0", "uuid": "GPU-0", "name": "Test GPU", "healthy": healthy,
+           "simulated": simulated, "values": values, "throttle": [], "verdict": None, "side": []}
+    return {"source": "local", "simulated": simulated, "time_ns": time.time_ns(), "gpus": [gpu],
+            "processes": procs, "alerts": {"firing": [], "pending": []}, "errors": []}
+
+
+def pilot(app: TopApp, body: Callable[[Any], Any], size: tuple[int, int] = (120, 40)) -> None:
+    async def go() -> None:
+        async with app.run_test(size=size) as p:
+            await p.pause()
+            await body(p)
+
+    asyncio.run(go())
+
+
+def rows(app: TopApp) -> list[int]:
+    return [p["pid"] for _, p in app.query_one("#procs", ProcTable).rows]
+
+
+def screen_text(app: TopApp) -> str:
+    return "\n".join(app.query_one(f"#{w}").text.plain for w in ("header", "gpus", "procs"))
+
+
+async def until(p: Any, check: Callable[[], bool], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        await p.pause(0.05)
+
+
+# -- rows --------------------------------------------------------------------------------------
+
+def test_sort_filter_and_tree_order():
+    ps = [proc(10, sm=0.2, user="bob"), proc(11, sm=0.9, ppid=10, command="worker a"),
+          proc(12, sm=0.5, ppid=10, command="worker b"), proc(13, sm=0.1, ppid=12, command="grandchild")]
+    by_sm = model.SORT_KEYS[0]
+    assert [p["pid"] for _, p in model.ordered(ps, by_sm)] == [11, 12, 10, 13]
+    assert [p["pid"] for _, p in model.ordered(ps, by_sm, reverse=True)] == [13, 10, 12, 11]
+    assert [p["pid"] for _, p in model.ordered(ps, by_sm, text="WORKER")] == [11, 12]
+    assert [p["pid"] for _, p in model.ordered(ps, by_sm, text="bob")] == [10]
+    tree = model.ordered(ps, by_sm, tree=True)
+    assert [(pre, p["pid"]) for pre, p in tree] == [("", 10), ("├─ ", 11), ("└─ ", 12), ("   └─ ", 13)]
+    # A child whose parent is filtered out becomes a root.
+    assert [(pre, p["pid"]) for pre, p in model.ordered(ps, by_sm, text="grandchild", tree=True)] == [("", 13)]
+
+
+# -- the app -----------------------------------------------------------------------------------
+
+def test_keys_sort_filter_and_tree_the_table():
+    ps = [proc(10, sm=0.2, mem=5 << 30), proc(11, sm=0.9, mem=1 << 30, ppid=10, command="worker a"),
+          proc(12, sm=0.5, mem=3 << 30, ppid=10, command="worker b")]
+    app = TopApp(StaticFeed(overview(ps), local_pids=True))
+
+    async def body(p: Any) -> None:
+        assert rows(app) == [11, 12, 10]
+        await p.press("s")  # GPU memory, biggest first
+        assert rows(app) == [10, 12, 11] and "GPU-MEM▼" in screen_text(app)
+        await p.press("r")
+        assert rows(app) == [11, 12, 10] and "GPU-MEM▲" in screen_text(app)
+        await p.press("slash")
+        await p.pause()
+        await p.press("w", "o", "r", "k", "e", "r", " ", "b")
+        assert rows(app) == [12]
+        await p.press("escape")
+        assert rows(app) == [11, 12, 10]
+        await p.press("t")
+        assert [pre for pre, _ in app.query_one("#procs", ProcTable).rows] == ["", "├─ ", "└─ "]
+        assert "└─ worker" in screen_text(app)
+
+    pilot(app, body)
+
+
+def test_kill_asks_first_then_terminates_the_users_own_process():
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        me = proc(child.pid, user=getpass.getuser(), command="sleep 60",
+                  started_at=psutil.Process(child.pid).create_time())
+        app = TopApp(StaticFeed(overview([me]), local_pids=True))
+
+        async def body(p: Any) -> None:
+            await p.press("k")
+            await p.pause()
+            assert isinstance(app.screen, ConfirmKill)
+            assert child.poll() is None  # nothing sent before the answer
+            await p.press("y")
+            await p.pause()
+            assert child.wait(timeout=10) == -15
+            assert f"Sent SIGTERM to process {child.pid}" in screen_text(app)
+
+        pilot(app, body)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def test_kill_is_cancelled_by_n():
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        app = TopApp(StaticFeed(overview([proc(child.pid, user=getpass.getuser())]), local_pids=True))
+
+        async def body(p: Any) -> None:
+            await p.press("k")
+            await p.pause()
+            await p.press("n")
+            await p.pause()
+            assert not isinstance(app.screen, ConfirmKill)
+
+        pilot(app, body)
+        assert child.poll() is None
+    finally:
+        child.kill()
+        child.wait()
+
+
+@pytest.mark.parametrize("case", ["simulated", "remote", "other_user"])
+def test_kill_refuses_with_a_sentence(case):
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        target = proc(1 if case == "other_user" else child.pid)
+        ov = overview([target], simulated="mixed" if case == "simulated" else None)
+        # As a non-root user (uid 65534 'nobody' owns neither pid 1 nor the child).
+        app = TopApp(StaticFeed(ov, local_pids=case != "remote"), uid=65534)
+        expected = {"simulated": "is simulated", "remote": "only signals processes of this machine",
+                    "other_user": "belongs to another user"}[case]
+
+        async def body(p: Any) -> None:
+            await p.press("k")
+            await p.pause()
+            assert not isinstance(app.screen, ConfirmKill)
+            assert expected in screen_text(app)
+
+        pilot(app, body)
+        assert child.poll() is None
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_kill_refuses_a_reused_pid_and_reports_a_gone_one():
+    me = proc(os.getpid(), started_at=psutil.Process().create_time() - 100)
+    assert "different process" in kill.refusal(me, overview([me]), True)
+    child = subprocess.Popen(["true"])
+    child.wait()
+    assert "already exited" in kill.refusal(proc(child.pid), overview([]), True)
+    assert "already exited" in kill.send(child.pid, 15)
+
+
+def test_the_gpu_lost_scenario_shows_lost_and_the_view_keeps_running():
+    sampler = Sampler(SamplerConfig(interval=0.1), simulate="gpu_lost")
+    sampler.nvml.lib.t0 -= 11.0  # the scenario loses GPU 1 ten seconds in; start past that
+    feed = LocalFeed(sampler, 0.05).start()
+    try:
+        app = TopApp(feed, refresh=0.05)
+
+        async def body(p: Any) -> None:
+            await until(p, lambda: "LOST" in screen_text(app))
+            first = app.query_one("#header").text.plain
+            assert "SIMULATED 'gpu_lost'" in first
+            await until(p, lambda: app.query_one("#header").text.plain != first)  # still updating
+
+        pilot(app, body)
+    finally:
+        feed.stop()
+
+
+def test_too_small_terminal_says_so():
+    app = TopApp(StaticFeed(overview([proc(10)])))
+
+    async def body(p: Any) -> None:
+        assert app.query_one("#small").text.plain == "terminal too small (need 80x24, have 70x20)"
+        assert not app.query_one("#main").display
+
+    pilot(app, body, size=(70, 20))
+
+
+# -- sources -------------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def fake_nvml_sampler() -> Sampler:
+    return Sampler(SamplerConfig(interval=0.1), nvml=healthy_gpus())
+
+
+def test_no_agent_falls_back_to_sampling_here_and_says_so():
+    url = f"http://127.0.0.1:{free_port()}"
+    feed = open_feed(url, None, 0.1, local=fake_nvml_sampler)
+    assert isinstance(feed, LocalFeed)
+    assert f"No gpuscope agent answers at {url}" in feed.note and "sampling this machine" in feed.note
+    feed.start()
+    try:
+        app = TopApp(feed, refresh=0.1)
+
+        async def body(p: Any) -> None:
+            await until(p, lambda: "No gpuscope agent answers" in app.query_one("#header").text.plain)
+            await until(p, lambda: "GPU 0" in screen_text(app))
+
+        pilot(app, body)
+    finally:
+        feed.stop()
+
+
+class _Refusing(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        body = json.dumps({"error": "This request needs the agent's token."}).encode()
+        self.send_response(401)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        return
+
+
+@pytest.fixture
+def refusing_agent():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Refusing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_wrong_token_is_a_clear_message(refusing_agent, capsys):
+    feed = open_feed(refusing_agent, "wrong", 0.1, local=fake_nvml_sampler)
+    assert "answered 401: This request needs the agent's token" in feed.note
+    feed.sampler.stop()
+    # Without a GPU to fall back on: exit 1 and one sentence that says both.
+    assert main(["top", "--once", "--url", refusing_agent, "--token", "wrong"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "answered 401" in err and "no NVIDIA GPU here" in err and "--simulate mixed" in err
+    assert len(err.splitlines()) == 1
+
+
+def test_once_json_prints_one_overview(capsys):
+    assert main(["top", "--simulate", "mixed", "--gpus", "8", "--processes", "100", "--once", "--json"]) == 0
+    ov = json.loads(capsys.readouterr().out)
+    assert ov["simulated"] == "mixed" and ov["source"] == "local"
+    assert len(ov["gpus"]) == 8 and len(ov["processes"]) == 100
+    assert set(ov["gpus"][0]["values"]) == set(viewmodel.GPU_METRICS)
+
+
+def test_once_plain_text(capsys):
+    assert main(["top", "--simulate", "mixed", "--gpus", "2", "--once"]) == 0
+    out = capsys.readouterr().out
+    assert "SIMULATED node" in out and "NVML util*" in out and "PID USER" in out
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--refresh", "0.01"], "--refresh must be between"),
+    (["--refresh", "0"], "must be positive"),
+    (["--refresh", "soon"], "--refresh"),
+    (["--json"], "add --once"),
+    (["--simulate", "mixed", "--url", "http://x:1"], "give one"),
+    (["--gpus", "2"], "add --simulate"),
+])
+def test_bad_flags_are_one_sentence_and_exit_2(args, needle, capsys):
+    assert main(["top", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1
