@@ -27,7 +27,7 @@
   const state = { start: "-1h", end: "now", gpus: [], sort: { key: "gpu_memory_bytes", asc: false } };
   const api = window.gpuscope = { charts: [], renderedAt: null, loads: 0, live: 0, state: state, meta: null,
     overview: null, timeline: null };
-  let meta = null, colorOf = {}, data = [], events = [], loadSeq = 0, stream = null, rangeS = [0, 0], stepS = 1;
+  let meta = null, colorOf = {}, data = [], events = [], loadSeq = 0, stream = null, rangeS = [0, 0], stepS = 1, zooming = false;
 
   // -- formatting ------------------------------------------------------------------------------------
   function fmt(v, unit) {
@@ -305,7 +305,10 @@
       hooks: {
         draw: [(u) => { drawMarkers(u); if (seq === loadSeq) done(); }],
         setSelect: [(u) => {
-          if (u.select.width < 4) return;
+          // The cursor sync hands the selection to every chart: act once, for the chart dragged on.
+          if (u.select.width < 4 || zooming) return;
+          zooming = true;
+          setTimeout(() => { zooming = false; }, 0);
           const a = u.posToVal(u.select.left, "x"), b = u.posToVal(u.select.left + u.select.width, "x");
           u.setSelect({ left: 0, top: 0, width: 0, height: 0 }, false);
           setRange(a.toFixed(3), b.toFixed(3));  // zoom = a new, finer query over the selection
