@@ -174,9 +174,9 @@ def _alert(a: dict[str, Any]) -> dict[str, Any]:
             "active_at": _epoch_s(a.get("activeAt")), "fired_at": None, "resolved_at": None}
 
 
-def _summary(kind: str, confidence: float | None) -> str:
-    conf = "" if confidence is None else f" ({confidence:.0%} confidence)"
-    return f"{kind.replace('_', ' ').capitalize()}{conf}, from the agent's gpu_verdict."
+def _summary(confidence: float | None, window: str) -> str:
+    conf = "" if confidence is None else f"{confidence:.0%} confidence "
+    return f"{conf}over the last {window or 'window'} (from gpu_verdict: the agent has the evidence)."
 
 
 class PrometheusBackend:
@@ -236,8 +236,8 @@ class PrometheusBackend:
             raise BackendError(503 if status == 503 else 502,
                                f"{where} refused {path} (HTTP {status}): {_one_line(doc['error'])}.")
         raise BackendError(503 if status == 503 else 502,
-                           f"{where} answered {path} with HTTP {status} and no Prometheus API JSON; "
-                           "is the URL a Prometheus server (or a proxy that needs credentials)?")
+                           f"{where} answered {path} with HTTP {status} and no Prometheus API JSON: the URL is "
+                           "not a Prometheus server, or a proxy in front of it wants credentials.")
 
     async def query(self, promql: str) -> Any:
         """An instant query's result list."""
@@ -370,8 +370,8 @@ class PrometheusBackend:
             if primary:
                 conf, kind = max(primary)
                 gpus[key]["verdict"] = {"kind": kind, "severity": SEVERITY.get(kind, "info"), "confidence": conf,
-                                        "summary": _summary(kind, conf)}
-            gpus[key]["side"] = [{"kind": k, "severity": SEVERITY.get(k, "info"), "summary": _summary(k, c)}
+                                        "summary": _summary(conf, window)}
+            gpus[key]["side"] = [{"kind": k, "severity": SEVERITY.get(k, "info"), "summary": _summary(c, window)}
                                  for k, c in sorted(found) if k in SIDE_KINDS]
 
     @staticmethod
@@ -625,7 +625,7 @@ def _spans(grid: list[tuple[dict[str, str], list[float | None]]], n: int, step: 
         for kind, first, last, conf in runs:
             spans.append({"gpu_key": key, "kind": kind, "severity": SEVERITY.get(kind, "info"),
                           "start_ns": t_ns(first), "end_ns": min(end_ns, t_ns(last) + int(step * 1e9)),
-                          "summary": _summary(kind, conf)})
+                          "summary": _summary(conf, window)})
     return spans
 
 
