@@ -300,3 +300,13 @@ def test_bad_flags_are_one_sentence_and_exit_2(args, needle, capsys):
     assert main(["top", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1
+
+
+def test_the_cheap_snapshot_dict_gives_the_same_overview_as_asdict():
+    from gpuscope.top.feed import snapshot_dict
+
+    with Sampler(SamplerConfig(interval=0.1), simulate="mixed", gpus=8, processes=100) as s:
+        s.sample_once()
+        time.sleep(0.05)
+        snap = s.sample_once()
+    assert viewmodel.from_snapshot(snapshot_dict(snap), source="local") == viewmodel.from_snapshot(snap, source="local")

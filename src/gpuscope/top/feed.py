@@ -167,7 +167,20 @@ class LocalFeed(Feed):
             cutoff = snap.time_ns - int(VERDICT_WINDOW_S * 1e9)
             self._verdicts = diagnose(windows_from_snapshots(
                 [s for s in list(self.sampler.history) if s.time_ns >= cutoff]))
-        self._publish(viewmodel.from_snapshot(snap, self._verdicts, source="local"))
+        self._publish(viewmodel.from_snapshot(snapshot_dict(snap), self._verdicts, source="local"))
+
+
+def snapshot_dict(snap: Any) -> dict[str, Any]:
+    """What viewmodel.from_snapshot reads of a Snapshot, without dataclasses.asdict's deep copies
+    (from_snapshot only reads; asdict of 100 processes took 2.7 ms, a third of a frame's cost)."""
+
+    def flat(o: Any) -> dict[str, Any]:
+        return {f: getattr(o, f) for f in o.__slots__}
+
+    return {"gpus": [{"identity": flat(g.identity), "values": g.values, "healthy": g.healthy,
+                      "throttle_reasons": g.throttle_reasons} for g in snap.gpus],
+            "processes": [flat(p) for p in snap.processes], "simulated": snap.simulated,
+            "time_ns": snap.time_ns, "hostname": snap.hostname}
 
 
 class StaticFeed(Feed):
