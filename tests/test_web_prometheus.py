@@ -378,3 +378,48 @@ def test_chromium_renders_the_fleet_from_prometheus(fleet):
     assert got["cards"] == 4 and len(got["verdicts"]) == 4 and got["sim"]
     assert got["charts"] > 0 and got["spans"] >= 4 and got["timeline"] > 0
     assert got["procs"] == 12  # 2 named + 'other' per GPU, 4 GPUs
+
+
+def test_timeline_events_xid_ecc_and_a_lost_gpu(tmp_path):
+    """Two in-process simulated nodes scraped by a real Prometheus: XID and ECC bursts on one, a GPU
+    that falls off the bus after 10 s on the other; the timeline has their events, the overview the loss."""
+    need_binary("prometheus")
+    from gpuscope import Sampler, SamplerConfig
+    from gpuscope.export.exposition import Exposition
+
+    samplers = {"storm": Sampler(SamplerConfig(interval=0.1), simulate="xid_storm", gpus=1),
+                "lost": Sampler(SamplerConfig(interval=0.1), simulate="gpu_lost", gpus=2)}
+    renderers = {name: Exposition() for name in samplers}
+    for s in samplers.values():
+        s.start()
+
+    def body(name: str) -> Any:
+        return lambda path: renderers[name].render(samplers[name].latest(), hostname=name)
+
+    try:
+        with MetricsServer(body("storm")) as storm, MetricsServer(body("lost")) as lost, \
+                PrometheusServer(tmp_path, [storm.address, lost.address], scrape_interval="1s") as prom:
+            start = time.time_ns()
+            prom.wait_for("gpu_healthy == 0", lambda r: len(r) == 1, timeout=40)
+            prom.wait_for("gpu_xid_events_total", lambda r: len(r) >= 2, timeout=20)
+            time.sleep(2)  # a scrape after the first XIDs, so their counters grew inside the range
+            now = time.time_ns()
+
+            async def go(b: PrometheusBackend) -> Any:
+                return await b.timeline(start - 5 * 10**9, now), await b.overview()
+
+            tl, ov = run(_with_backend(prom.url, go))
+    finally:
+        for s in samplers.values():
+            s.stop()
+    kinds: dict[str, set[str]] = {}
+    for e in tl["events"]:
+        kinds.setdefault(e["kind"], set()).add(e["gpu_key"])
+        assert start - 5 * 10**9 <= e["time_ns"] <= now and e["count"] >= 1
+    # the lost GPU says XID 79 as it falls off the bus
+    assert kinds.get("xid") == {"storm/0", "lost/1"} and kinds.get("ecc") == {"storm/0"}, kinds
+    assert kinds.get("gpu_lost") == {"lost/1"}, kinds
+    assert any(e["kind"] == "xid" and e["message"].startswith("XID 79 on GPU 1: ") for e in tl["events"])
+    assert any(e["kind"] == "process_stop" and e["gpu_key"] == "lost/1" for e in tl["events"])
+    healthy = {g["key"]: g["healthy"] for g in ov["gpus"]}
+    assert healthy == {"storm/0": True, "lost/0": True, "lost/1": False}

@@ -413,11 +413,12 @@ class PrometheusBackend:
         now = time.monotonic()
         if self._meta is not None and now - self._meta[0] < META_TTL_S:
             return self._meta[1]
-        names, info, targets = await asyncio.gather(
+        answers: tuple[Any, ...] = await asyncio.gather(
             self.api("/api/v1/label/__name__/values", [("match[]", '{__name__=~"(gpu|process|host)_.+"}')]),
             self.query("max by (hostname, instance, gpu, model, job, simulated) (last_over_time(gpu_info[1h]))"),
             self.api("/api/v1/targets", {"state": "active"}),
             return_exceptions=True)
+        names, info, targets = answers
         for r in (names, info):
             if isinstance(r, BaseException):
                 raise r
@@ -473,7 +474,8 @@ class PrometheusBackend:
         promql = f"{outer} without (job, uuid, model) ({inner})"
         n = int((end_s - start_s) // step) + 1
         result = await self.query_range(promql, start_s, end_s, step)
-        series, simulated = [], None
+        series: list[dict[str, Any]] = []
+        simulated = None
         for labels, values in _grid(result, start_s, step, n):
             key = _key(labels)
             if wanted and key not in wanted:
