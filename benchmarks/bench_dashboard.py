@@ -74,12 +74,18 @@ def build_store(path: Path, hours: float) -> None:
     end_ns = time.time_ns()
     nd = data.NodeData(data.template(8), end_ns - int(hours * 3600e9))
     ngpu_series = {id(series) for series, _ in nd.gpus}
-    with Store(path, flush_interval=5.0) as store:
+    first = id(nd.gpus[0][0])
+    with Store(path, flush_interval=3600.0) as store:
         for series, t, v in nd.blocks(hours * 3600, block_s=600):
+            if id(series) == first:  # a new block: persist the last one, as the agent's flushes would
+                store.flush()
             if id(series) in ngpu_series:  # GPUs at 1 Hz: what the 1 s rollup would hold anyway
                 t, v = t[::10].copy(), v[::10].copy()
             store.append_batch(series, t, v)
         store.flush()
+        stats = store.stats()
+    print(f"store: {stats['samples'] if 'samples' in stats else '?'} raw samples, oldest "
+          f"{(end_ns - (stats['oldest_ns'] or end_ns)) / 3600e9:.1f} h ago")
 
 
 def wait_ready(port: int, proc: subprocess.Popen) -> None:

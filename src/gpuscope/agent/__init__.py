@@ -285,6 +285,7 @@ class Agent:
                 else f"{len(self.sampler.devices)} GPU(s)")
         self.announce(f"gpuscope agent {__version__}: sampling {what} every "
                       f"{self.cfg.sampler.interval * 1000:g} ms\n"
+                      f"  dashboard:       http://{host}:{self.port}/ui/\n"
                       f"  API and status:  http://{host}:{self.port}/api/v1/status\n"
                       f"  Prometheus:      http://{host}:{self.port}/metrics\n"
                       f"  data:            {self.cfg.data_path}\n"
