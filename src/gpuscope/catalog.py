@@ -12,6 +12,8 @@ same thing, and the OpenTelemetry name.
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 from enum import Enum
 
@@ -270,7 +272,12 @@ CLOCK_EVENT_REASONS: dict[int, str] = {
 
 def decode_clock_event_reasons(mask: int) -> list[str]:
     """Names of the reasons set in an NVML clock-event bitmask, lowest bit first."""
-    return [name for bit, name in CLOCK_EVENT_REASONS.items() if mask & bit]
+    return list(_decode_reasons(mask))
+
+
+@functools.lru_cache(maxsize=256)  # a handful of masks recur in every sample of a diagnosis
+def _decode_reasons(mask: int) -> tuple[str, ...]:
+    return tuple(name for bit, name in CLOCK_EVENT_REASONS.items() if mask & bit)
 
 
 def series_key(name: str, **labels: object) -> str:

@@ -66,7 +66,14 @@ class RangeDiagnosis:
 
 
 def _step(span_ns: int, max_points: int = 3000, finest_s: float = 0.1) -> float:
-    return max(finest_s, span_ns / 1e9 / max_points)
+    """At most `max_points` per series; a step within 4x of a rollup tier's resolution is raised to it,
+    so a day is read from the 1-minute rollups (1,440 points) rather than decoded from the 1-second
+    ones (86,400), which made a day's diagnosis take 1.4 s instead of a fraction of that."""
+    step = max(finest_s, span_ns / 1e9 / max_points)
+    for tier_s in (3600.0, 60.0):
+        if step * 4 > tier_s:
+            return max(step, tier_s)
+    return step
 
 
 def windows_from_store(store: Any, start_ns: int, end_ns: int, step_s: float | None = None) -> list[GpuWindow]:
