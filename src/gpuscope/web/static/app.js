@@ -47,7 +47,7 @@
     const u = ["B", "KiB", "MiB", "GiB", "TiB"];
     let i = 0;
     while (Math.abs(v) >= 1024 && i < u.length - 1) { v /= 1024; i++; }
-    return v.toFixed(v >= 100 || i === 0 ? 0 : 1) + " " + u[i];
+    return v.toFixed(v >= 10 || i === 0 ? 0 : 1) + " " + u[i];
   }
   function el(tag, cls, text) {
     const e = document.createElement(tag);
@@ -134,7 +134,9 @@
       });
       const sw = el("span", "swatch");
       sw.style.background = colorOf[g.key];
-      lab.append(cb, sw, document.createTextNode(g.gpu));
+      // One host: '0'; a fleet: 'node-a/0', or the same index on two hosts reads alike.
+      const hosts = new Set(meta.gpus.map((x) => x.host));
+      lab.append(cb, sw, document.createTextNode(hosts.size > 1 ? g.key : g.gpu));
       box.appendChild(lab);
     }
   }
@@ -290,15 +292,18 @@
     }
     ctx.restore();
   }
+  // The y range of an all-zero chart: a readable scale (0..1 KiB/s, 0..1 W) rather than ticks that
+  // all print as 0.
+  function floorOf(def) { return def.unit === "bytes" || def.unit === "rate" ? 1024 : 1; }
   function chartWidth(box) { return Math.max(300, box.clientWidth - 12); }
   function makeChart(def, box, d, keys, seq, done) {
     const opts = {
       title: def.title, width: chartWidth(box), height: 220,
-      scales: { x: { time: true }, y: def.max ? { range: [0, def.max] } : { range: (u, lo, hi) => [0, Math.max(hi, 1e-9) * 1.1] } },
+      scales: { x: { time: true }, y: def.max ? { range: [0, def.max] } : { range: (u, lo, hi) => [0, Math.max(hi, floorOf(def)) * 1.1] } },
       series: [{}, ...keys.map((k) => ({ label: k, stroke: colorOf[k], width: 1.25, spanGaps: false,
         value: (u, v) => fmt(v, def.unit) }))],
       axes: [{ stroke: "#8a97a5", grid: { stroke: "#2a3540" }, ticks: { stroke: "#2a3540" } },
-        { stroke: "#8a97a5", grid: { stroke: "#2a3540" }, ticks: { stroke: "#2a3540" }, size: 70,
+        { stroke: "#8a97a5", grid: { stroke: "#2a3540" }, ticks: { stroke: "#2a3540" }, size: 84,
           values: (u, vals) => vals.map((v) => fmt(v, def.unit)) }],
       cursor: { drag: { x: true, y: false, setScale: false }, sync: { key: "gpuscope" } },
       legend: { live: true },
