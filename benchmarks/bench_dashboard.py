@@ -111,6 +111,18 @@ def measure(page, url: str, mark: str) -> float:
     raise SystemExit(f"{url} did not finish rendering within 60 s")
 
 
+def measure_ui(page, url: str) -> tuple[float, float]:
+    """(charts drawn, diagnosis timeline drawn too), ms from navigation start."""
+    charts = measure(page, url, "gpuscope.renderedAt")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        v = page.evaluate("window.gpuscope.timelineAt")
+        if v:
+            return charts, float(v)
+        time.sleep(0.02)
+    raise SystemExit(f"{url}: the diagnosis timeline did not come within 60 s")
+
+
 def pct(xs: list[float], q: float) -> float:
     return float(np.percentile(xs, q, method="inverted_cdf"))
 
@@ -119,6 +131,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--hours", type=float, default=24.0)
+    ap.add_argument("--keep", metavar="DIR", help="build the store in DIR once and reuse it in later runs")
     args = ap.parse_args()
     chromium = shutil.which("chromium")
     if chromium is None:
@@ -130,10 +143,13 @@ def main() -> int:
         plotly_js = Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
     except ImportError:
         plotly_js = None
-    tmp = Path(tempfile.mkdtemp(prefix="gpuscope-bench-dash-"))
-    t0 = time.monotonic()
-    build_store(tmp / "store", args.hours)
-    print(f"store: {args.hours:g} h of 8 GPUs + processes built in {time.monotonic() - t0:.0f} s")
+    tmp = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="gpuscope-bench-dash-"))
+    if args.keep and (tmp / "store").exists():
+        print(f"store: reusing {tmp / 'store'} (its newest data is as old as the store)")
+    else:
+        t0 = time.monotonic()
+        build_store(tmp / "store", args.hours)
+        print(f"store: {args.hours:g} h of 8 GPUs + processes built in {time.monotonic() - t0:.0f} s")
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(HERE.parent / "src")}
     agent = subprocess.Popen([sys.executable, "-m", "gpuscope.cli", "agent", "--simulate", "mixed", "--gpus", "8",
@@ -145,11 +161,14 @@ def main() -> int:
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            ui = [measure(page, base + "/ui/?start=-24h", "gpuscope.renderedAt") for _ in range(args.runs + 1)][1:]
+            both = [measure_ui(page, base + "/ui/?start=-24h") for _ in range(args.runs + 1)][1:]
+            ui = [c for c, _ in both]
+            full = [t for _, t in both]
             points = page.evaluate("window.gpuscope.charts.map(c => c.data[0].length)")
             series = page.evaluate("window.gpuscope.charts.map(c => c.data.length - 1)")
             print(f"gpuscope (uPlot): {args.runs} loads of /ui/?start=-24h, {len(points)} charts x {series[0]} GPUs x "
-                  f"~{max(points)} points: p50 {pct(ui, 50):.0f} ms, p95 {pct(ui, 95):.0f} ms (goal p95 <= 1000 ms)")
+                  f"~{max(points)} points: charts drawn p50 {pct(ui, 50):.0f} ms, p95 {pct(ui, 95):.0f} ms (goal p95 <= 1000 ms)")
+            print(f"  with the day's diagnosis timeline drawn too: p50 {pct(full, 50):.0f} ms, p95 {pct(full, 95):.0f} ms")
             if plotly_js is None or not plotly_js.is_file():
                 print("peer skipped: pip install plotly (benchmark only) to compare with plotly.js")
             else:
@@ -165,7 +184,8 @@ def main() -> int:
     finally:
         agent.send_signal(signal.SIGTERM)
         agent.wait(30)
-        shutil.rmtree(tmp, ignore_errors=True)
+        if not args.keep:
+            shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
 

@@ -25,7 +25,7 @@
     throttled: "#da3633", thermal: "#da3633", power: "#da3633", imbalance: "#a371f7", gpu_lost: "#ff00ff" };
 
   const state = { start: "-1h", end: "now", gpus: [], sort: { key: "gpu_memory_bytes", asc: false } };
-  const api = window.gpuscope = { charts: [], renderedAt: null, loads: 0, live: 0, state: state, meta: null,
+  const api = window.gpuscope = { charts: [], renderedAt: null, timelineAt: null, loads: 0, live: 0, state: state, meta: null,
     overview: null, timeline: null };
   let meta = null, colorOf = {}, data = [], events = [], loadSeq = 0, stream = null, rangeS = [0, 0], stepS = 1, zooming = false;
 
@@ -461,12 +461,20 @@
   async function load() {
     const seq = ++loadSeq;
     api.renderedAt = null;
+    api.timelineAt = null;
     showMessage("");
     renderControls();
     try {
       const keys = gpuKeys();
-      await Promise.all([loadCharts(seq, keys), loadTimeline(seq).catch((e) => { if (seq === loadSeq) showMessage(e.message); })]);
-      if (seq === loadSeq) { renderTimeline(api.timeline || { spans: [], events: [] }); api.loads++; }
+      // The charts first: a long range's diagnosis costs the agent more than all the charts together,
+      // and asked for at the same time it would keep them waiting (a day: 0.9 s instead of 0.4 s).
+      await loadCharts(seq, keys);
+      await loadTimeline(seq).catch((e) => { if (seq === loadSeq) showMessage(e.message); });
+      if (seq === loadSeq) {
+        renderTimeline(api.timeline || { spans: [], events: [] });
+        api.timelineAt = performance.now();
+        api.loads++;
+      }
     } catch (e) {
       if (seq !== loadSeq) return;
       for (const c of api.charts) c.destroy();
