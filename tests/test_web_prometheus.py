@@ -290,6 +290,16 @@ def test_cli_unreachable_prometheus_is_one_sentence_and_exit_1():
     assert r.returncode == 1 and url in r.stderr and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
 
 
+def test_cli_token_file_that_is_a_directory_is_refused_and_left_alone(tmp_path):
+    d = tmp_path / "shared"
+    d.mkdir()
+    d.chmod(0o777)
+    r = _gpuscope("dashboard", "--prometheus", f"http://127.0.0.1:{free_port()}", "--port", "0", "--bind", "0.0.0.0",
+                  "--token-file", str(d))
+    assert r.returncode == 1 and "not a regular file" in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    assert d.stat().st_mode & 0o777 == 0o777  # the token check once chmod-ed the directory (e.g. /tmp) to 0600
+
+
 class Dashboard:
     """`gpuscope dashboard --prometheus URL` on a free port (read from what it prints)."""
 

@@ -13,6 +13,7 @@ import logging
 import os
 import secrets
 import signal
+import stat
 import sys
 import threading
 import time
@@ -62,13 +63,27 @@ def load_or_create_token(path: Path) -> str:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
         try:
-            mode = path.stat().st_mode & 0o777
-            if mode & 0o077:
-                os.chmod(path, 0o600)
-                log.warning("token file %s was readable by others (mode %o); made it 0600", path, mode)
-            token = path.read_text().strip()
+            # Through one descriptor, and only for a regular file: `--token-file /tmp` must not chmod
+            # the directory (it did, to 0600), nor a FIFO block the start.
+            rfd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
         except OSError as e:
             raise AgentError(f"The token file {path} cannot be read: {e.strerror}.") from None
+        try:
+            st = os.fstat(rfd)
+            if not stat.S_ISREG(st.st_mode):
+                raise AgentError(f"The token file {path} is not a regular file; name a file.")
+            mode = st.st_mode & 0o777
+            if mode & 0o077:
+                os.fchmod(rfd, 0o600)
+                log.warning("token file %s was readable by others (mode %o); made it 0600", path, mode)
+            with os.fdopen(rfd, "r") as f:
+                rfd = -1
+                token = f.read().strip()
+        except OSError as e:
+            raise AgentError(f"The token file {path} cannot be read: {e.strerror}.") from None
+        finally:
+            if rfd >= 0:
+                os.close(rfd)
         if len(token) < 16:
             raise AgentError(f"The token file {path} holds no usable token; delete it to make a new one.") from None
         return token
