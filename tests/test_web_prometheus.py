@@ -290,6 +290,12 @@ def test_cli_unreachable_prometheus_is_one_sentence_and_exit_1():
     assert r.returncode == 1 and url in r.stderr and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("timeout", ["inf", "nan", "0", "-1"])
+def test_cli_bad_timeout_is_one_sentence_and_exit_2(timeout):
+    r = _gpuscope("dashboard", "--prometheus", f"http://127.0.0.1:{free_port()}", "--port", "0", "--timeout", timeout)
+    assert r.returncode == 2 and "--timeout" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_cli_token_file_that_is_a_directory_is_refused_and_left_alone(tmp_path):
     d = tmp_path / "shared"
     d.mkdir()

@@ -141,8 +141,8 @@ def run(args: argparse.Namespace, announce: Any = print) -> int:
         url = check_url(args.prometheus)
         if not 0 <= args.port <= 65535:
             raise DashboardError(f"--port must be between 0 and 65535, not {args.port}.", 2)
-        if not args.timeout > 0:
-            raise DashboardError("--timeout must be a positive number of seconds.", 2)
+        if not 0 < args.timeout < 86400:  # inf once reached aiohttp as a traceback (OverflowError)
+            raise DashboardError(f"--timeout must be a number of seconds between 0 and 86400, not {args.timeout:g}.", 2)
         path = token_path(args.token_file)
         token = None if is_loopback(args.bind) and not args.token_file else _token(path)
         backend = PrometheusBackend(url, timeout=args.timeout)
