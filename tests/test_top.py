@@ -203,6 +203,37 @@ def test_the_gpu_lost_scenario_shows_lost_and_the_view_keeps_running():
         feed.stop()
 
 
+HOSTILE = "python -c '[bold]x[/bold] [/nope] \x1b]0;owned\x07\x1b[31mRED\x1b[0m\nSECOND\u202eLINE'"
+
+
+def test_escape_codes_and_markup_in_a_command_line_show_literally():
+    """A command line is anyone's text: terminal escapes and newlines are drawn as escapes, Textual/Rich
+    markup as the brackets it is, in the table, the kill dialog and --once."""
+    me = proc(os.getpid(), user=getpass.getuser(), command=HOSTILE, started_at=psutil.Process().create_time())
+    ov = overview([me, proc(2, command="other")])
+    ov["gpus"][0]["name"] = "GPU\x1b[2J"
+    app = TopApp(StaticFeed(ov, local_pids=True))
+
+    async def body(p: Any) -> None:
+        shown = screen_text(app)
+        assert "\x1b" not in shown and "\x07" not in shown and "\u202e" not in shown
+        assert "[/nope] \\x1b]0;owned\\x07\\x1b[31mRED" in shown and "GPU\\x1b[2J" in shown
+        table = app.query_one("#procs", ProcTable).text.plain.splitlines()
+        assert len(table) == 3  # head and two rows: the newline did not start a row of its own
+        await p.press("k")  # the dialog once raised MarkupError on '[/nope]' and took the app down
+        await p.pause()
+        assert isinstance(app.screen, ConfirmKill)
+        from textual.widgets import Static
+
+        dialog = str(app.screen.query(Static).first().render())
+        assert "[bold]x[/bold] [/nope] \\x1b]0;owned" in dialog and "\x1b" not in dialog
+        await p.press("n")
+
+    pilot(app, body, size=(200, 40))
+    text = model.plain(ov, 200)
+    assert "\x1b" not in text and "\\x1b[31mRED" in text
+
+
 def test_too_small_terminal_says_so():
     app = TopApp(StaticFeed(overview([proc(10)])))
 

@@ -104,8 +104,10 @@ class ConfirmKill(ModalScreen[int | None]):
     def compose(self) -> ComposeResult:
         p = self.proc
         with Vertical(id="dialog"):
-            yield Static(f"Send SIGTERM to process {p['pid']} ({p['user']}) on GPU {p['gpu']}?\n"
-                         f"{(p['command'] or p['name'])[:200]}")
+            # Plain text: a command line like "[/x]" is Textual markup, which crashed the app here.
+            yield Static(f"Send SIGTERM to process {p['pid']} ({model.printable(p['user'])}) on GPU "
+                         f"{model.printable(p['gpu'])}?\n{model.printable(p['command'] or p['name'])[:200]}",
+                         markup=False)
             with Horizontal(id="buttons"):
                 yield Button("SIGTERM (y)", id="term", variant="warning")
                 yield Button("SIGKILL (K)", id="kill", variant="error")
@@ -207,12 +209,12 @@ class TopApp(App[None]):
     def _header(self, ov: dict[str, Any] | None, w: int) -> Text:
         text = Text(" gpuscope top ", style="bold")
         if ov is not None and ov.get("simulated"):
-            text.append(f" SIMULATED '{ov['simulated']}' ", style="bold black on yellow")
+            text.append(f" SIMULATED '{model.printable(ov['simulated'])}' ", style="bold black on yellow")
         if ov is not None:
-            host = ov["gpus"][0]["host"] if ov["gpus"] else ""
+            host = model.printable(ov["gpus"][0]["host"]) if ov["gpus"] else ""
             text.append(f" {len(ov['gpus'])} GPUs │ {len(ov['processes'])} processes │ "
                         f"{time.strftime('%H:%M:%S', time.localtime(ov['time_ns'] / 1e9))} │ {host}")
-        text.append(f" │ {self.feed.describe}")
+        text.append(f" │ {model.printable(self.feed.describe)}")
         text.truncate(w)
         text.append("\n")
         text.append_text(self._second_line(ov, w))
@@ -220,18 +222,18 @@ class TopApp(App[None]):
 
     def _second_line(self, ov: dict[str, Any] | None, w: int) -> Text:
         if self.status and time.monotonic() < self.status_until:
-            return Text(f" {self.status}"[:w], style="bold")
+            return Text(f" {model.printable(self.status)}"[:w], style="bold")
         errors = (ov or {}).get("errors") or ([self.feed.error] if self.feed.error else [])
         if errors:
-            return Text(f" {errors[0]}"[:w], style="bold red")
+            return Text(f" {model.printable(errors[0])}"[:w], style="bold red")
         if ov is None:
             return Text(" waiting for the first sample ..."[:w])
         if self.feed.note:
-            return Text(f" {self.feed.note}"[:w], style="yellow")
+            return Text(f" {model.printable(self.feed.note)}"[:w], style="yellow")
         firing, pending = len(ov["alerts"]["firing"]), len(ov["alerts"]["pending"])
         bits = [f"alerts: {firing} firing, {pending} pending" if firing or pending else "no alert firing"]
         if self.filter_text:
-            bits.append(f"filter '{self.filter_text}'")
+            bits.append(f"filter '{model.printable(self.filter_text)}'")
         bits.append("* NVML util = share of time any kernel ran, not how busy the SMs are")
         return Text(" " + "  │  ".join(bits)[:w - 1], style="red" if firing else "dim")
 

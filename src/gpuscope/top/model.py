@@ -14,6 +14,24 @@ _BLOCKS = " ▁▂▃▄▅▆▇█"
 RING = 120  # sparkline history per GPU: 30 s at the default 4 refreshes per second
 
 
+# Control characters (C0, DEL, C1) and bidi/zero-width format marks, as visible escapes: a command line,
+# process or GPU name may hold terminal escape sequences (colours, cursor moves, title or clipboard
+# writes) or newlines, which must show as text and never reach the terminal or break a row.
+_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))}
+_ESCAPES.update({0x09: "\\t", 0x0A: "\\n", 0x0D: "\\r"})
+_ESCAPES.update({c: f"\\u{c:04x}" for c in (0x200B, 0x200C, 0x200D, 0x200E, 0x200F, *range(0x202A, 0x202F),
+                                             *range(0x2066, 0x206A), 0xFEFF)})
+
+
+def printable(text: object) -> str:
+    """`text` with every control character written as an escape ('\\x1b'), safe to draw in a terminal.
+
+    >>> printable("a\\x1b[31mb\\nc")
+    'a\\\\x1b[31mb\\\\nc'
+    """
+    return str(text).translate(_ESCAPES)
+
+
 def pct(v: float | None, width: int = 4) -> str:
     """A ratio 0..1 as a percentage, '-' where unknown."""
     return f"{'-':>{width}}" if v is None else f"{v * 100:>{width - 1}.0f}%"
@@ -114,9 +132,9 @@ def dense_head(width: int) -> str:
 
 def dense_line(g: dict[str, Any], width: int) -> str:
     """One GPU in one line, so 8 GPUs fit on 80x24 (FP32 only from 90 columns)."""
-    label = f"{g['gpu']:<4}"
+    label = f"{printable(g['gpu']):<4}"
     if not g["healthy"]:
-        return f"{label} LOST — {verdict_text(g)}"[:width]
+        return printable(f"{label} LOST — {verdict_text(g)}")[:width]
     v = g["values"]
     used, total = v.get("gpu_memory_used_bytes"), v.get("gpu_memory_total_bytes")
     mem = f"{gib(used)}/{'-' if total is None else f'{total / 2**30:.0f}'}"
@@ -129,15 +147,15 @@ def dense_line(g: dict[str, Any], width: int) -> str:
     tail = g["verdict"]["kind"] if g.get("verdict") else "…"
     if g["throttle"]:
         tail += f" [{throttle_text(g)}]"
-    return (head + tail)[:width]
+    return (head + printable(tail))[:width]
 
 
 def panel_lines(g: dict[str, Any], width: int, ring: Iterable[float | None]) -> list[str]:
     """One GPU in three lines: the verdict, what the SMs and memory really do (with SM history), and
     the NVML figures."""
-    title = f"GPU {g['gpu']} {g['name']}"
+    title = printable(f"GPU {g['gpu']} {g['name']}")
     if not g["healthy"]:
-        return [f"{title}  LOST"[:width], f"  {verdict_text(g)}"[:width], ""]
+        return [f"{title}  LOST"[:width], printable(f"  {verdict_text(g)}")[:width], ""]
     v = g["values"]
 
     def r(key: str) -> str:
@@ -151,8 +169,8 @@ def panel_lines(g: dict[str, Any], width: int, ring: Iterable[float | None]) -> 
     head = f"  SM active {pct(v['gpu_sm_active_ratio'])} "
     act = head + sparkline(ring, max(8, min(60, width - len(head) - len(rest)))) + rest
     nvml = (f"  NVML util (any kernel running) {pct(v['gpu_utilization_ratio'])}  mem {_mem(v)}  power {_power(v)}"
-            f"  {_temp(v)}  clock {_clock(v)}: {throttle_text(g)}")
-    return [f"{title}  {verdict_text(g)}"[:width], act[:width], nvml[:width]]
+            f"  {_temp(v)}  clock {_clock(v)}: {printable(throttle_text(g))}")
+    return [f"{title}  {printable(verdict_text(g))}"[:width], act[:width], nvml[:width]]
 
 
 # -- processes ---------------------------------------------------------------------------------
@@ -248,11 +266,11 @@ def _proc_cols(width: int) -> list[tuple[str, int, str]]:
 def proc_line(prefix: str, p: dict[str, Any], width: int) -> str:
     cpu = p.get("cpu_cores")
     values = {
-        "PID": str(p["pid"]), "USER": (p["user"] or "-")[:8], "GPU": p["gpu"][:4],
+        "PID": str(p["pid"]), "USER": printable(p["user"] or "-")[:8], "GPU": printable(p["gpu"])[:4],
         "GPU-MEM": human_bytes(p.get("gpu_memory_bytes")), "SM%": pct(p.get("sm_ratio"), 5),
         "CPU%": "-" if cpu is None else f"{cpu * 100:.0f}%", "RSS": human_bytes(p.get("rss_bytes")),
-        "CONTAINER/POD": (p.get("pod") or p.get("container") or "-")[:18],
-        "COMMAND": prefix + (p["command"] or p["name"] or "?"),
+        "CONTAINER/POD": printable(p.get("pod") or p.get("container") or "-")[:18],
+        "COMMAND": prefix + printable(p["command"] or p["name"] or "?"),
     }
     parts = []
     for title, w, align in _proc_cols(width):
@@ -265,8 +283,8 @@ def plain(overview: dict[str, Any], width: int = 120) -> str:
     """The overview as a plain text table (`gpuscope top --once`)."""
     lines = []
     if overview.get("simulated"):
-        lines.append(f"SIMULATED node — scenario '{overview['simulated']}' (not real GPUs)")
-    lines += overview.get("errors", [])
+        lines.append(f"SIMULATED node — scenario '{printable(overview['simulated'])}' (not real GPUs)")
+    lines += [printable(e) for e in overview.get("errors", [])]
     lines.append(dense_head(width))
     lines += [dense_line(g, width) for g in overview["gpus"]]
     lines.append("* NVML util: the share of time any kernel ran, not how busy the SMs are")
