@@ -136,11 +136,13 @@ def test_kill_asks_first_then_terminates_the_users_own_process():
 def test_kill_is_cancelled_by_n():
     child = subprocess.Popen(["sleep", "60"])
     try:
-        app = TopApp(StaticFeed(overview([proc(child.pid, user=getpass.getuser())]), local_pids=True))
+        me = proc(child.pid, user=getpass.getuser(), started_at=psutil.Process(child.pid).create_time())
+        app = TopApp(StaticFeed(overview([me]), local_pids=True))
 
         async def body(p: Any) -> None:
             await p.press("k")
             await p.pause()
+            assert isinstance(app.screen, ConfirmKill)
             await p.press("n")
             await p.pause()
             assert not isinstance(app.screen, ConfirmKill)
@@ -183,6 +185,34 @@ def test_kill_refuses_a_reused_pid_and_reports_a_gone_one():
     child.wait()
     assert "already exited" in kill.refusal(proc(child.pid), overview([]), True)
     assert "already exited" in kill.send(child.pid, 15)
+
+
+def test_kill_refuses_a_pid_whose_start_time_is_unknown():
+    me = proc(os.getpid(), user=getpass.getuser(), started_at=None)
+    assert "start time of process" in kill.refusal(me, overview([me]), True)
+
+
+def test_kill_checks_the_pid_again_when_the_answer_comes():
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        me = proc(child.pid, user=getpass.getuser(), command="sleep 60",
+                  started_at=psutil.Process(child.pid).create_time())
+        app = TopApp(StaticFeed(overview([me]), local_pids=True))
+
+        async def body(p: Any) -> None:
+            await p.press("k")
+            await p.pause()
+            assert isinstance(app.screen, ConfirmKill)
+            me["started_at"] -= 100  # while the dialog stands open, the pid comes to name another process
+            await p.press("y")
+            await p.pause()
+            assert "different process" in screen_text(app)
+
+        pilot(app, body)
+        assert child.poll() is None
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_the_gpu_lost_scenario_shows_lost_and_the_view_keeps_running():

@@ -321,8 +321,12 @@ class TopApp(App[None]):
             return
 
         def answer(sig: int | None) -> None:
-            if sig is not None:
-                self.say(kill.send(proc["pid"], sig))
+            if sig is None:
+                return
+            # Again at the answer: the process may have ended, and its pid gone to another, while the
+            # dialog stood open.
+            why = kill.refusal(proc, self._ov or {}, self.feed.local_pids, uid=self.uid)
+            self.say(why or kill.send(proc["pid"], sig))
 
         self.push_screen(ConfirmKill(proc), answer)
 

@@ -34,7 +34,9 @@ def refusal(proc: dict[str, Any], overview: dict[str, Any], local_pids: bool, ui
     if uid != 0 and owner != uid:
         return f"Process {pid} belongs to another user (uid {owner}); you can only signal your own processes unless root."
     started = proc.get("started_at")
-    if started is not None and abs(created - float(started)) > 2.0:
+    if started is None:  # e.g. a process in another pid namespace: this pid may be someone else here
+        return f"The start time of process {pid} is unknown, so gpuscope cannot tell that the pid still names it; not signalling it."
+    if abs(created - float(started)) > 2.0:
         return f"Pid {pid} now names a different process than the one listed; not signalling it."
     return None
 
