@@ -335,6 +335,13 @@ def test_wrong_token_is_a_clear_message(refusing_agent, capsys):
     assert len(err.splitlines()) == 1
 
 
+@pytest.mark.parametrize("url", ["http://[::1", "http://[nope]:80"])
+def test_a_malformed_url_is_one_sentence_not_a_traceback(url, capsys):
+    assert main(["top", "--once", "--url", url]) == 1  # no GPU here to fall back on
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("gpuscope: ") and "not a usable URL" in err and len(err.splitlines()) == 1
+
+
 def test_once_json_prints_one_overview(capsys):
     assert main(["top", "--simulate", "mixed", "--gpus", "8", "--processes", "100", "--once", "--json"]) == 0
     ov = json.loads(capsys.readouterr().out)

@@ -81,7 +81,10 @@ class Feed:
 
 
 def _is_loopback(url: str) -> bool:
-    host = urllib.parse.urlsplit(url).hostname or ""
+    try:
+        host = urllib.parse.urlsplit(url).hostname or ""
+    except ValueError:  # 'http://[::1': the probe says what is wrong with it, in one sentence
+        return False
     if host == "localhost":
         return True
     try:
