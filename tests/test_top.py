@@ -109,6 +109,10 @@ def test_keys_sort_filter_and_tree_the_table():
     pilot(app, body)
 
 
+def test_a_nan_in_the_history_is_a_gap_not_a_crash():
+    assert model.sparkline([0.5, float("nan"), float("inf"), None, 1.0], 5) == "▄···█"
+
+
 def test_kill_asks_first_then_terminates_the_users_own_process():
     child = subprocess.Popen(["sleep", "60"])
     try:

@@ -51,3 +51,16 @@ def test_merge_orders_a_fleet_by_host_then_index():
     m = merge([a, b], "prometheus")
     assert [g["key"] for g in m["gpus"]] == ["a-node/0", "a-node/1", "b-node/0", "b-node/1"]
     assert m["simulated"] == "healthy"
+
+
+def test_nan_and_infinity_become_none():
+    nan, inf = float("nan"), float("inf")
+    snap = {"hostname": "h", "time_ns": 1, "simulated": None,
+            "gpus": [{"identity": {"index": 0, "name": "G"}, "healthy": True, "throttle_reasons": [],
+                      "values": {"gpu_sm_active_ratio": nan, "gpu_power_watts": inf, "gpu_temperature_celsius": 40}}],
+            "processes": [{"pid": 1, "gpu": 0, "sm_ratio": nan, "gpu_memory_bytes": -inf, "rss_bytes": 5}]}
+    ov = from_snapshot(snap, with_ppid=False)
+    v = ov["gpus"][0]["values"]
+    assert v["gpu_sm_active_ratio"] is None and v["gpu_power_watts"] is None and v["gpu_temperature_celsius"] == 40
+    p = ov["processes"][0]
+    assert p["sm_ratio"] is None and p["gpu_memory_bytes"] is None and p["rss_bytes"] == 5

@@ -31,6 +31,7 @@ the agent's /ui/api/overview and the Prometheus-backed dashboard.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Iterable, Sequence
@@ -48,6 +49,12 @@ GPU_METRICS: tuple[str, ...] = (
 
 # Clock-event reasons that are not a slowdown (the GPU is idle, or an application/user chose it).
 _BENIGN_REASONS = frozenset({"gpu_idle", "applications_clocks", "sync_boost", "display_clock"})
+
+
+def _num(v: Any) -> float | None:
+    """A finite number, or None: a NaN or infinity from a source would print as 'nan%' and crash the
+    sparkline's rounding, and JSON cannot carry it."""
+    return v if v is None or (isinstance(v, int | float) and math.isfinite(v)) else None
 
 
 def gpu_key(host: str, gpu: str) -> str:
@@ -91,7 +98,7 @@ def from_snapshot(snapshot: Any, verdicts: Iterable[Any] = (), *, source: str = 
         ident = g["identity"]
         label = _label(ident)
         values = g.get("values", {})
-        vals: dict[str, float | None] = {m: values.get(m) for m in GPU_METRICS}
+        vals: dict[str, float | None] = {m: _num(values.get(m)) for m in GPU_METRICS}
         if vals["gpu_memory_total_bytes"] is None and ident.get("memory_total_bytes"):
             vals["gpu_memory_total_bytes"] = float(ident["memory_total_bytes"])
         if vals["gpu_power_limit_watts"] is None and ident.get("power_limit_watts"):
@@ -112,8 +119,8 @@ def from_snapshot(snapshot: Any, verdicts: Iterable[Any] = (), *, source: str = 
         procs.append({
             "key": f"{host}/{pid}/{label}", "host": host, "gpu_key": gpu_key(host, label), "gpu": label,
             "pid": pid, "user": p.get("user", ""), "name": p.get("name", ""), "command": p.get("cmdline", ""),
-            "gpu_memory_bytes": p.get("gpu_memory_bytes"), "sm_ratio": p.get("sm_ratio"),
-            "cpu_cores": p.get("cpu_cores"), "rss_bytes": p.get("rss_bytes"),
+            "gpu_memory_bytes": _num(p.get("gpu_memory_bytes")), "sm_ratio": _num(p.get("sm_ratio")),
+            "cpu_cores": _num(p.get("cpu_cores")), "rss_bytes": _num(p.get("rss_bytes")),
             "container": p.get("container", ""), "pod": p.get("pod", ""), "namespace": p.get("namespace", ""),
             "started_at": p.get("started_at"),
             "ppid": _ppid(pid) if with_ppid and p.get("host_visible", True) and not snap.get("simulated") else None,

@@ -5,6 +5,7 @@ No Textual here, so the layout can be tested and reused for `--once` without a t
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -58,7 +59,7 @@ def rate(v: float | None) -> str:
 def sparkline(values: Iterable[float | None], width: int) -> str:
     """The last `width` ratios as block characters (a gap where unknown)."""
     tail = list(values)[-width:]
-    out = ["·" if v is None else _BLOCKS[max(0, min(8, round(v * 8)))] for v in tail]
+    out = ["·" if v is None or not math.isfinite(v) else _BLOCKS[max(0, min(8, round(v * 8)))] for v in tail]
     return "".join(out).rjust(width)
 
 
