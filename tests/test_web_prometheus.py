@@ -290,6 +290,27 @@ def test_cli_unreachable_prometheus_is_one_sentence_and_exit_1():
     assert r.returncode == 1 and url in r.stderr and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
 
 
+def test_a_mig_gpu_filter_selects_its_gpu_label():
+    """A MIG GPU's key is 'host/0/mig3' and its gpu label '0/mig3': the selector must match that label."""
+    backend = PrometheusBackend("http://prometheus.invalid:9090")
+    sent: list[str] = []
+
+    async def resolution() -> float:
+        return 15.0
+
+    async def query_range(promql: str, start_s: float, end_s: float, step_s: float) -> Any:
+        sent.append(promql)
+        pattern = re.search(r'gpu=~"((?:[^"\\]|\\.)*)"', promql).group(1).replace("\\\\", "\\")
+        series = [{"metric": {"hostname": "h", "gpu": g}, "values": [[start_s, "0.5"]]} for g in ("0/mig3", "mig3")]
+        return [r for r in series if re.fullmatch(pattern, r["metric"]["gpu"])]
+
+    backend._resolution = resolution  # type: ignore[method-assign]
+    backend.query_range = query_range  # type: ignore[method-assign]
+    q = RangeQuery("gpu_sm_active_ratio", 1_700_000_000 * 10**9, 1_700_000_060 * 10**9, 15.0, gpus=("h/0/mig3",))
+    r = asyncio.run(backend.range(q))
+    assert [s["gpu_key"] for s in r["series"]] == ["h/0/mig3"], sent
+
+
 @pytest.mark.parametrize("timeout", ["inf", "nan", "0", "-1"])
 def test_cli_bad_timeout_is_one_sentence_and_exit_2(timeout):
     r = _gpuscope("dashboard", "--prometheus", f"http://127.0.0.1:{free_port()}", "--port", "0", "--timeout", timeout)

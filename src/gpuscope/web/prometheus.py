@@ -457,7 +457,7 @@ class PrometheusBackend:
         matchers = [label_matcher(k, str(v)) for k, v in sorted(q.labels.items())]
         wanted = set(q.gpus)
         if wanted:
-            matchers.append(label_matcher("gpu", regex_alternation(k.rsplit("/", 1)[-1] for k in wanted), "=~"))
+            matchers.append(label_matcher("gpu", regex_alternation(_gpu_label(k) for k in wanted), "=~"))
         sel = selector(q.metric, matchers)
         outer, over_time = _AGG.get(q.agg, _AGG["mean"])
         if q.metric.endswith("_total"):
@@ -499,7 +499,7 @@ class PrometheusBackend:
         step = max(resolution, (end_s - start_s) / (TIMELINE_POINTS - 1))
         n = int((end_s - start_s) // step) + 1
         wanted = set(gpus)
-        m = [label_matcher("gpu", regex_alternation(k.rsplit("/", 1)[-1] for k in wanted), "=~")] if wanted else []
+        m = [label_matcher("gpu", regex_alternation(_gpu_label(k) for k in wanted), "=~")] if wanted else []
         queries = {
             "verdict": selector("gpu_verdict", m),
             "xid": selector("gpu_xid_events_total", m),
@@ -548,6 +548,12 @@ class PrometheusBackend:
 
 
 # -- helpers of the backend ------------------------------------------------------------------------
+def _gpu_label(key: str) -> str:
+    """The gpu label of a GPU key 'host/gpu': all after the host, so a MIG key 'host/0/mig3' gives '0/mig3'
+    (not 'mig3', which matched nothing)."""
+    return key.split("/", 1)[-1]
+
+
 def _gpu_order(label: str) -> tuple[int, str]:
     head = label.split("/", 1)[0]
     return (int(head), label) if head.isdigit() else (1 << 30, label)
