@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import time
 import urllib.parse
 from pathlib import Path
@@ -167,5 +168,31 @@ def test_agent_gone_shows_disconnected(browser, tmp_path):
         p.until("document.querySelector('#conn').textContent.startsWith('disconnected')", timeout=10)
         p.shot("dashboard-disconnected.png")
     finally:
+        p.close()
+        a.stop()
+
+
+def test_a_refused_stream_says_why_and_comes_back(browser, tmp_path):
+    """A stream answered 503 (too many dashboards) or 401 (the token changed) is closed for good by the
+    browser: the page says why and opens it again later."""
+    a = AgentProc(tmp_path, "--simulate", "healthy")
+    a.wait_ready()
+    socks = []
+    p = Page(browser, f"http://127.0.0.1:{a.port}")
+    try:
+        for _ in range(32):  # every stream slot taken
+            s = socket.create_connection(("127.0.0.1", a.port))
+            s.sendall(b"GET /ui/api/stream?interval=1s HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            assert s.recv(4096).startswith(b"HTTP/1.1 200")
+            socks.append(s)
+        p.open("/ui/?start=-5m")
+        p.until("document.querySelector('#message').textContent.includes('Too many live dashboards')")
+        for s in socks:
+            s.close()
+        p.until("document.querySelector('#conn').textContent === 'live'", timeout=15)
+        assert p.js("document.querySelector('#message').hidden")
+    finally:
+        for s in socks:
+            s.close()
         p.close()
         a.stop()

@@ -28,6 +28,9 @@
   const api = window.gpuscope = { charts: [], renderedAt: null, timelineAt: null, loads: 0, live: 0, state: state, meta: null,
     overview: null, timeline: null };
   let meta = null, colorOf = {}, data = [], events = [], loadSeq = 0, stream = null, rangeS = [0, 0], stepS = 1, zooming = false;
+  let retryTimer = 0;
+  const RETRY_MS = 5000;
+  const STREAM_URL = "/ui/api/stream?interval=1s";  // a stream the server refused is opened again this much later
 
   // -- formatting ------------------------------------------------------------------------------------
   function fmt(v, unit) {
@@ -441,11 +444,22 @@
       api.charts[i].setData(d);
     });
   }
+  // EventSource hides the answer of a refused stream: ask for it once more to show its sentence.
+  function whyRefused() {
+    const ctl = new AbortController();
+    fetch(STREAM_URL, { credentials: "same-origin", signal: ctl.signal }).then(async (r) => {
+      if (r.ok) { ctl.abort(); return; }
+      let body = null;
+      try { body = await r.json(); } catch (e) { body = null; }
+      showMessage((body && body.error) || ("The server refused the live stream (HTTP " + r.status + ")."));
+    }).catch(() => {});
+  }
   function connect() {
     if (stream) stream.close();
-    stream = new EventSource("/ui/api/stream?interval=1s");
+    stream = new EventSource(STREAM_URL);
     const conn = $("#conn");
     stream.addEventListener("overview", (ev) => {
+      if (conn.className !== "conn live") showMessage("");
       conn.textContent = "live";
       conn.className = "conn live";
       onOverview(JSON.parse(ev.data));
@@ -454,6 +468,13 @@
       if (ev.data) { showMessage(JSON.parse(ev.data).error); return; }
       conn.textContent = "disconnected, retrying…";
       conn.className = "conn down";
+      if (ev.target === stream && stream.readyState === EventSource.CLOSED) {
+        // The server answered the stream with an error (401 once the token changed, 503 with too many
+        // dashboards open): the browser gives up on it for good. Say why, and try again later.
+        whyRefused();
+        clearTimeout(retryTimer);
+        retryTimer = setTimeout(connect, RETRY_MS);
+      }
     });
   }
 
