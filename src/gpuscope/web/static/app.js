@@ -28,7 +28,7 @@
   const api = window.gpuscope = { charts: [], renderedAt: null, timelineAt: null, loads: 0, live: 0, state: state, meta: null,
     overview: null, timeline: null };
   let meta = null, colorOf = {}, data = [], events = [], loadSeq = 0, stream = null, rangeS = [0, 0], stepS = 1, zooming = false;
-  let retryTimer = 0;
+  let retryTimer = 0, refusedMessage = null;
   const RETRY_MS = 5000;
   const STREAM_URL = "/ui/api/stream?interval=1s";  // a stream the server refused is opened again this much later
 
@@ -451,7 +451,8 @@
       if (r.ok) { ctl.abort(); return; }
       let body = null;
       try { body = await r.json(); } catch (e) { body = null; }
-      showMessage((body && body.error) || ("The server refused the live stream (HTTP " + r.status + ")."));
+      refusedMessage = (body && body.error) || ("The server refused the live stream (HTTP " + r.status + ").");
+      showMessage(refusedMessage);
     }).catch(() => {});
   }
   function connect() {
@@ -459,7 +460,8 @@
     stream = new EventSource(STREAM_URL);
     const conn = $("#conn");
     stream.addEventListener("overview", (ev) => {
-      if (conn.className !== "conn live") showMessage("");
+      if (refusedMessage !== null && $("#message").textContent === refusedMessage) showMessage("");
+      refusedMessage = null;
       conn.textContent = "live";
       conn.className = "conn live";
       onOverview(JSON.parse(ev.data));
