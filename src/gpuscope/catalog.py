@@ -13,7 +13,6 @@ same thing, and the OpenTelemetry name.
 from __future__ import annotations
 
 import functools
-
 from dataclasses import dataclass
 from enum import Enum
 
