@@ -196,3 +196,25 @@ def test_a_refused_stream_says_why_and_comes_back(browser, tmp_path):
             s.close()
         p.close()
         a.stop()
+
+
+def test_a_tab_left_open_for_days_stays_bounded(page):
+    """Two days of live updates (one a minute, fed straight to the stream's handler) into a page
+    showing the last 6 hours: every chart keeps only the range's window (and never more than its live
+    trim), and the cards and process rows are replaced, not piled up."""
+    page.open("/ui/?start=-6h")
+    page.until("window.gpuscope && window.gpuscope.renderedAt !== null && window.gpuscope.overview !== null")
+    nodes_before = page.js("document.getElementsByTagName('*').length")
+    last = page.js("""(() => {
+        const g = window.gpuscope, base = structuredClone(g.overview);
+        let t = Math.max(base.time_ns, ...g.charts.map(c => (c.data[0].at(-1) || 0) * 1e9));
+        for (let i = 0; i < 2 * 24 * 60; i++) { t += 60e9; g.feed(Object.assign({}, base, { time_ns: t })); }
+        return t / 1e9; })()""")
+    charts = page.js("window.gpuscope.charts.map(c => [c.data[0].length, c.data[0][0], c.data[0].at(-1)])")
+    for n, first, end in charts:
+        assert end == last  # the charts took the updates
+        assert n <= 4000 and last - first <= 6 * 3600, (n, last - first)  # app.js LIVE_TRIM, the range
+    assert page.js("document.querySelectorAll('#procs tbody tr').length") == 100
+    assert page.js("document.querySelectorAll('.card').length") == 8
+    assert page.js("document.getElementsByTagName('*').length") < nodes_before * 1.5
+    assert page.errors == []

@@ -27,6 +27,7 @@
   const state = { start: "-1h", end: "now", gpus: [], sort: { key: "gpu_memory_bytes", asc: false } };
   const api = window.gpuscope = { charts: [], renderedAt: null, timelineAt: null, loads: 0, live: 0, state: state, meta: null,
     overview: null, timeline: null };
+  api.feed = (ov) => onOverview(ov);  // what the stream calls; tests feed it days of updates at once
   let meta = null, colorOf = {}, data = [], events = [], loadSeq = 0, stream = null, rangeS = [0, 0], stepS = 1, zooming = false;
   let retryTimer = 0, refusedMessage = null;
   const RETRY_MS = 5000;
