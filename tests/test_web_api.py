@@ -208,3 +208,46 @@ def test_no_data_yet(tmp_path):
         assert code == 200 and len(ov["gpus"]) == 2
     finally:
         a.stop()
+
+
+def test_standalone_dashboard_answers_a_failing_backend_in_json():
+    """`gpuscope dashboard`'s app (not the agent's): a backend bug is a JSON 500 sentence, and the
+    server goes on answering."""
+    import asyncio
+    import threading
+
+    from aiohttp import web as aioweb
+
+    from gpuscope.web.api import make_ui_app
+
+    class Broken:
+        source = "prometheus"
+
+        async def overview(self):
+            raise RuntimeError("boom")
+
+        async def meta(self):
+            return {"source": "prometheus", "simulated": None, "version": "x", "gpus": [], "metrics": [],
+                    "resolution_s": 15.0, "oldest_ns": None}
+
+        async def close(self):
+            return None
+
+    loop = asyncio.new_event_loop()
+    runner = aioweb.AppRunner(make_ui_app(Broken(), token=None, loopback_only=True, token_path=""))
+    loop.run_until_complete(runner.setup())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    loop.run_until_complete(aioweb.TCPSite(runner, "127.0.0.1", port).start())
+    t = threading.Thread(target=loop.run_forever, daemon=True)
+    t.start()
+    try:
+        code, body = http(port, "/ui/api/overview")
+        assert code == 500 and json.loads(body) == {"error": "The dashboard failed to answer: RuntimeError."}
+        code, body = http(port, "/ui/api/meta")
+        assert code == 200 and json.loads(body)["source"] == "prometheus"
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        t.join(5)

@@ -156,6 +156,11 @@ def make_guard(token: str | None, loopback_only: bool, token_path: str) -> Any:
                                                  405: f"{request.method} is not allowed on {request.path}."}
                                       .get(e.status, e.reason))
             raise
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception as e:  # noqa: BLE001 - the dashboard keeps serving, and answers in JSON
+            log.exception("request %s failed", request.path)
+            return error_response(500, f"The dashboard failed to answer: {type(e).__name__}.")
 
     return guard
 
