@@ -339,11 +339,12 @@ def test_wrong_token_is_a_clear_message(refusing_agent, capsys):
     assert len(err.splitlines()) == 1
 
 
-@pytest.mark.parametrize("url", ["http://[::1", "http://[nope]:80"])
-def test_a_malformed_url_is_one_sentence_not_a_traceback(url, capsys):
-    assert main(["top", "--once", "--url", url]) == 1  # no GPU here to fall back on
+@pytest.mark.parametrize("url", ["http://[::1", "http://[nope]:80", "http://h:99999", "ftp://agent", "agent:9471"])
+def test_a_malformed_url_is_a_usage_error_not_a_fallback(url, capsys):
+    # exit 2 before anything else: a typo in --url must not quietly sample the local GPUs instead
+    assert main(["top", "--once", "--url", url]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("gpuscope: ") and "not a usable URL" in err and len(err.splitlines()) == 1
+    assert err.startswith("gpuscope: ") and "--url" in err and len(err.splitlines()) == 1
 
 
 def test_once_json_prints_one_overview(capsys):

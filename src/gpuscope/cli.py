@@ -381,6 +381,16 @@ def _top(args: argparse.Namespace) -> int:
         raise UsageError("--json prints one overview; add --once (the live view is for a terminal).")
     if args.simulate is not None and args.url is not None:
         raise UsageError("--simulate and --url name two different sources; give one.")
+    if args.url is not None:  # a URL typed wrong is the user's mistake, not a reason to sample here
+        import urllib.parse
+
+        try:
+            parts = urllib.parse.urlsplit(args.url)
+            _ = parts.port
+        except ValueError as e:
+            raise UsageError(f"--url {args.url!r} is not a usable URL: {e}.") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise UsageError(f"--url must be an http:// or https:// URL of an agent, not {args.url!r}.")
     if not args.once and not (sys.stdout.isatty() and sys.stdin.isatty()):
         raise UsageError("The live view needs a terminal; for scripts use 'gpuscope top --once --json'.")
     from . import top
