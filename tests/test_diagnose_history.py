@@ -99,3 +99,50 @@ def test_cli_range_with_no_data(tmp_path):
     _fill(tmp_path / "store", time.time())
     p = _cli("--start=-10h", "--end=-9h", "--data-dir", str(tmp_path))
     assert p.returncode == 1 and "no GPU samples" in p.stderr and "Traceback" not in p.stderr
+
+
+class _Counting:
+    """A store that counts its range queries (the timeline's cache should spare them)."""
+
+    def __init__(self, store) -> None:
+        self.store, self.read_s = store, 0.0
+
+    def query(self, metric, start_ns, end_ns, *a, **k):
+        self.read_s = max(self.read_s, (end_ns - start_ns) / 1e9)  # the longest range read
+        return self.store.query(metric, start_ns, end_ns, *a, **k)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def test_timeline_windows_are_aligned_cached_once_over_and_cut_to_the_range(tmp_path):
+    from gpuscope.diagnose.history import WindowCache, timeline
+
+    now = time.time()
+    _fill(tmp_path, now)
+    start, end = int((now - HOUR) * 1e9), int(now * 1e9)
+    with Store(tmp_path, readonly=True) as raw:
+        store, cache = _Counting(raw), WindowCache()
+        spans = timeline(store, start, end, cache=cache)
+        primary = [s for s in spans if s.primary and s.gpu == "0"]
+        assert [s.kind for s in primary][0] == "compute_bound" and primary[-1].kind == "idle_allocated"
+        assert min(s.start_ns for s in spans) >= start and max(s.end_ns for s in spans) <= end
+        assert any(s.kind == "throttled" for s in spans if not s.primary)
+        assert store.read_s >= HOUR and len(cache._verdicts) > 0
+        # Again a minute later: the windows that were over come from the cache; only the newest
+        # (not yet settled) ones are read, in one run, and the spans are the same.
+        store.read_s = 0.0
+        again = timeline(store, start, end, cache=cache)
+        assert 0 < store.read_s <= 120  # a window or two (60 s windows over an hour)
+        assert [(s.kind, s.start_ns, s.end_ns) for s in again] == [(s.kind, s.start_ns, s.end_ns) for s in spans]
+        # Nothing counts as over: nothing is cached, everything is read.
+        fresh = WindowCache()
+        timeline(store, start, end, cache=fresh, settled_ns=start)
+        assert len(fresh._verdicts) == 0
+
+
+def test_timeline_of_an_empty_range_is_one_sentence(tmp_path):
+    from gpuscope.diagnose.history import timeline
+
+    with pytest.raises(NoData, match="empty"):
+        timeline(None, 10, 10)

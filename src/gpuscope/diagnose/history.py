@@ -9,7 +9,10 @@ the 1 s / 1 min rollups for long ones), so a day's diagnosis costs about what te
 from __future__ import annotations
 
 import math
+import threading
+import time
 from bisect import bisect_left
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -180,26 +183,106 @@ def diagnose_range(store: Any, start_ns: int, end_ns: int, *, min_window_s: floa
     windows = windows_from_store(store, start_ns, end_ns, step)
     if not windows:
         raise NoData("The store holds no GPU samples in that range; widen it or check that the agent was running.")
-    th = thresholds
-    if step * th.min_samples > th.min_window_s:  # coarse rollups: fewer, wider samples are still a steady state
-        th = Thresholds(**{**th.__dict__, "min_samples": max(3, int(th.min_window_s / step))})
+    th = _for_step(thresholds, step)
     spans: list[Span] = []
     t = start_ns / 1e9
     while t < end_ns / 1e9 - 1e-9:
         b = min(end_ns / 1e9, t + window_s)
         cut = [_slice(w, t, b) for w in windows]
-        for v in diagnose([c for c in cut if c.times], th):
-            if not v.primary and v.severity == "info":
-                continue
-            last = next((s for s in reversed(spans) if s.gpu == v.gpu and s.primary == v.primary), None)
-            if last is not None and last.kind == v.kind and last.end_ns >= int(t * 1e9) - 1:
-                last.end_ns, last.windows = int(b * 1e9), last.windows + 1
-            else:
-                spans.append(Span(v.gpu, v.kind, int(t * 1e9), int(b * 1e9), v.severity, v.summary, 1, v.primary,
-                                  list(v.recommendations)))
+        _merge(spans, diagnose([c for c in cut if c.times], th), int(t * 1e9), int(b * 1e9))
         t = b
     overall = diagnose(windows, th)
     return RangeDiagnosis(start_ns, end_ns, step, window_s, spans, overall, store.node().get("simulated"))
+
+
+def _for_step(th: Thresholds, step: float) -> Thresholds:
+    if step * th.min_samples > th.min_window_s:  # coarse rollups: fewer, wider samples are still a steady state
+        return Thresholds(**{**th.__dict__, "min_samples": max(3, int(th.min_window_s / step))})
+    return th
+
+
+def _merge(spans: list[Span], verdicts: list[Verdict], a_ns: int, b_ns: int) -> None:
+    """Add one window's verdicts to the spans: a verdict equal to its GPU's last span extends it."""
+    for v in verdicts:
+        if not v.primary and v.severity == "info":
+            continue
+        last = next((s for s in reversed(spans) if s.gpu == v.gpu and s.primary == v.primary), None)
+        if last is not None and last.kind == v.kind and last.end_ns >= a_ns - 1:
+            last.end_ns, last.windows = b_ns, last.windows + 1
+        else:
+            spans.append(Span(v.gpu, v.kind, a_ns, b_ns, v.severity, v.summary, 1, v.primary,
+                              list(v.recommendations)))
+
+
+# Window lengths of a timeline: round numbers, so the same windows come back when the range moves on.
+_NICE_WINDOWS_S = (10, 15, 30, 60, 120, 300, 600, 900, 1200, 1800, 3600, 7200, 10800, 21600, 43200, 86400)
+
+
+class WindowCache:
+    """Verdicts of timeline windows that are over. Their samples no longer change, so a dashboard that
+    asks again (a reload, a second viewer, a range that moved on by a minute) reads and diagnoses only
+    the windows it has not seen; a day's timeline costs what its newest window does."""
+
+    def __init__(self, max_windows: int = 20_000) -> None:
+        self.max_windows = max_windows
+        self._verdicts: OrderedDict[tuple[int, int, float], list[Verdict]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple[int, int, float]) -> list[Verdict] | None:
+        with self._lock:
+            v = self._verdicts.get(key)
+            if v is not None:
+                self._verdicts.move_to_end(key)
+            return v
+
+    def put(self, key: tuple[int, int, float], verdicts: list[Verdict]) -> None:
+        with self._lock:
+            self._verdicts[key] = verdicts
+            while len(self._verdicts) > self.max_windows:
+                self._verdicts.popitem(last=False)
+
+
+def timeline(store: Any, start_ns: int, end_ns: int, *, cache: WindowCache | None = None,
+             settled_ns: int | None = None, max_windows: int = 60, min_window_s: float = 10.0,
+             thresholds: Thresholds = DEFAULT) -> list[Span]:
+    """Verdict spans over [start_ns, end_ns) in windows aligned to the clock (a round length, at most
+    about `max_windows` of them), for a timeline to draw. Windows that ended before `settled_ns`
+    (default: 10 s ago, past the store's flushes) are taken from `cache` when it has them and kept
+    there; only the others are read and diagnosed. Spans are cut to the range."""
+    if end_ns <= start_ns:
+        raise NoData("The range is empty: its end is not after its start.")
+    want = max(min_window_s, (end_ns - start_ns) / 1e9 / max_windows)
+    window_s = next((w for w in _NICE_WINDOWS_S if w >= want), math.ceil(want / 86400) * 86400)
+    w_ns = int(window_s * 1e9)
+    step = _step(w_ns * max_windows)
+    th = _for_step(thresholds, step)
+    settled = settled_ns if settled_ns is not None else time.time_ns() - 10_000_000_000
+    bounds = [(a, min(a + w_ns, end_ns)) for a in range(start_ns // w_ns * w_ns, end_ns, w_ns)]
+    found: dict[int, list[Verdict]] = {}
+    if cache is not None:
+        for a, b in bounds:
+            if b == a + w_ns and b <= settled and (v := cache.get((a, b, step))) is not None:
+                found[a] = v
+    todo = [(a, b) for a, b in bounds if a not in found]
+    i = 0
+    while i < len(todo):  # contiguous runs of windows to read: one store read each
+        j = i
+        while j + 1 < len(todo) and todo[j + 1][0] == todo[j][1]:
+            j += 1
+        run_a, run_b = todo[i][0], todo[j][1]
+        windows = windows_from_store(store, run_a, run_b, step)
+        for a, b in todo[i:j + 1]:
+            cut = [c for c in (_slice(w, a / 1e9, b / 1e9) for w in windows) if c.times]
+            found[a] = diagnose(cut, th) if cut else []
+            if cache is not None and b == a + w_ns and b <= settled:
+                cache.put((a, b, step), found[a])
+        i = j + 1
+    spans: list[Span] = []
+    for a, b in bounds:
+        _merge(spans, found[a], a, b)
+    for sp in spans:
+        sp.start_ns, sp.end_ns = max(sp.start_ns, start_ns), min(sp.end_ns, end_ns)
+    return spans
 
 
 def range_as_dict(r: RangeDiagnosis) -> dict[str, Any]:

@@ -36,6 +36,9 @@ class AgentBackend:
         self._verdicts: tuple[float, list[Any]] = (0.0, [])
         self._overview: tuple[int, dict[str, Any]] | None = None
         self._meta: tuple[float, dict[str, Any]] | None = None
+        from ..diagnose.history import WindowCache
+
+        self._windows = WindowCache()  # verdicts of past timeline windows, shared by every page
 
     @property
     def host(self) -> str:
@@ -141,12 +144,12 @@ class AgentBackend:
             raise BackendError(400, str(e)) from None
 
     def _timeline(self, start_ns: int, end_ns: int, gpus: tuple[str, ...]) -> dict[str, Any]:
-        from ..diagnose.history import NoData, diagnose_range
+        from ..diagnose.history import NoData, timeline
 
         wanted = self._gpu_labels(gpus)
         store = self.agent.store
         try:
-            spans = [s for s in diagnose_range(store, start_ns, end_ns).spans if s.primary]
+            spans = [s for s in timeline(store, start_ns, end_ns, cache=self._windows) if s.primary]
         except NoData:
             spans = []
         events = [e for e in store.events(start_ns, end_ns) if e.kind in TIMELINE_EVENTS]
