@@ -6,6 +6,7 @@ Exit codes: 0 ok, 1 the machine cannot do it (no driver, no GPU), 2 bad usage or
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
@@ -225,6 +226,13 @@ def build_parser() -> argparse.ArgumentParser:
     alist.add_argument("--url", default=None, help="the agent (default $GPUSCOPE_URL or http://127.0.0.1:9471)")
     alist.add_argument("--token", default=None, help="bearer token (default $GPUSCOPE_TOKEN or the data dir's token)")
     alist.add_argument("--json", action="store_true", help="print the agent's answer as JSON")
+
+    tr = sub.add_parser("trace", help="analyse PyTorch profiler (Kineto) traces",
+                        description="Traces of what a program did on the CPU and the GPUs, and why the GPUs waited.")
+    trsub = tr.add_subparsers(dest="trace_verb", metavar="ACTION", parser_class=_Parser)
+    for action, module in _TRACE_ACTIONS.items():
+        mod = importlib.import_module(module, __package__)
+        mod.add_arguments(trsub.add_parser(action, help=mod.HELP))
 
     from .web.dashboard_cmd import add_arguments as _dashboard_arguments
 
@@ -650,13 +658,29 @@ def _alerts_list(args: argparse.Namespace) -> int:
 
 
 
+# `gpuscope trace ACTION`: each action is a module with HELP, add_arguments(parser) and run(args) -> int;
+# a new action is one line here.
+_TRACE_ACTIONS = {"analyze": ".trace.cli_analyze"}
+
+
+def _trace(args: argparse.Namespace) -> int:
+    from .trace.model import TraceError
+
+    if args.trace_verb is None:
+        raise UsageError(f"Say what to do: gpuscope trace {'|'.join(_TRACE_ACTIONS)} (see 'gpuscope trace --help').")
+    try:
+        return importlib.import_module(_TRACE_ACTIONS[args.trace_verb], __package__).run(args)
+    except TraceError as e:
+        raise UsageError(str(e)) from None
+
+
 def _dashboard(args: argparse.Namespace) -> int:
     from .web.dashboard_cmd import run
 
     return run(args)
 
 _VERBS = {"alerts": _alerts, "doctor": _doctor, "diagnose": _diagnose, "run": _run, "sample": _sample, "scenarios": _scenarios, "agent": _agent, "query": _query, "top": _top,
-          "export": _export, "dashboard": _dashboard}
+          "export": _export, "dashboard": _dashboard, "trace": _trace}
 
 
 if __name__ == "__main__":  # pragma: no cover
