@@ -247,7 +247,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
-        args, extra = parser.parse_known_args(argv)
+        from .trace.run import with_run_action
+
+        args, extra = parser.parse_known_args(with_run_action(list(sys.argv[1:] if argv is None else argv),
+                                                              _TRACE_ACTIONS))
         if extra:  # argparse would blame the top-level parser; point at the verb's help instead
             where = " ".join(["gpuscope", *([args.verb] if args.verb else []), "--help"])
             raise UsageError(f"Unrecognized arguments: {' '.join(extra)} (see '{where}').")
@@ -660,7 +663,7 @@ def _alerts_list(args: argparse.Namespace) -> int:
 
 # `gpuscope trace ACTION`: each action is a module with HELP, add_arguments(parser) and run(args) -> int;
 # a new action is one line here.
-_TRACE_ACTIONS = {"analyze": ".trace.cli_analyze"}
+_TRACE_ACTIONS = {"analyze": ".trace.cli_analyze", "run": ".trace.run", "merge": ".trace.merge"}
 
 
 def _trace(args: argparse.Namespace) -> int:

@@ -131,9 +131,9 @@ def _check(cmd: list[str]) -> None:
         raise RunError(f"Cannot run {cmd[0]}: it is a directory.", 126)
 
 
-def _start(cmd: list[str]) -> subprocess.Popen[bytes]:
+def _start(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     try:
-        return subprocess.Popen(cmd)
+        return subprocess.Popen(cmd, env=env)
     except PermissionError:
         raise RunError(f"Cannot run {cmd[0]}: permission denied (is it executable?).", 126) from None
     except OSError as e:

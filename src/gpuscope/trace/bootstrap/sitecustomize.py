@@ -1,0 +1,310 @@
+"""Traces a PyTorch program from inside it, with no change to the program (`gpuscope trace -- CMD`).
+
+`gpuscope trace` puts this file's directory first on PYTHONPATH, so every Python interpreter the
+command starts imports it at start-up. Until the program imports `torch` it costs one finder on
+sys.meta_path that answers None for every other module. When `torch` has been imported, a daemon
+thread waits for CUDA to be initialised, then runs the PyTorch profiler (Kineto: CPU ops, CUDA
+kernels and copies, optionally Python stacks) for the window(s) the parent asked for, and writes
+
+    <dir>/<host>.<pid>[.rank<N>][.w<k>].pt.trace.json.gz   the Kineto trace, plus a top-level
+                                                            "gpuscope" key (clock pair, host, pid, rank)
+    <dir>/<host>.<pid>[.rank<N>].gpuscope.json              what happened in this process (status)
+
+Why a helper thread can run the profiler: with `_ExperimentalConfig(profile_all_threads=True)`
+Kineto registers its RecordFunction callbacks globally (`ProfilerConfig::pushGlobalCallbacks()` in
+torch/csrc/profiler/orchestration/observer.cpp), so the main thread's ops are recorded too; without
+that option (older torch) the callbacks are thread-local and only kernels and Python stacks of other
+threads are seen, which the status file says. Start and stop happen on that one thread because a
+thread-local profiler state can only be popped by the thread that pushed it.
+
+It must never break the program: every failure is swallowed (one line on stderr when the profiler
+cannot start, such as when another profiler holds CUPTI), nothing is printed to stdout, and the
+program's own sitecustomize (next on sys.path) still runs. Only the standard library is used: the
+traced interpreter need not have gpuscope installed.
+"""
+
+import atexit
+import gzip
+import importlib.machinery
+import importlib.util
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_ENV = "GPUSCOPE_TRACE_DIR"
+_EXIT_WAIT_S = 300.0  # an exporting trace of a long window can take minutes; never hang the exit longer
+
+
+def _number(name, default):
+    try:
+        return float(os.environ.get(name, default))
+    except ValueError:
+        return float(default)
+
+
+class _Tracer:
+    """The per-process state: windows, the profiler thread, the exit flush."""
+
+    def __init__(self, out_dir):
+        self.out_dir = out_dir
+        self.delay_s = _number("GPUSCOPE_TRACE_DELAY_S", 5)
+        self.duration_s = _number("GPUSCOPE_TRACE_DURATION_S", 10)
+        self.every_s = _number("GPUSCOPE_TRACE_EVERY_S", 0)
+        self.with_stack = os.environ.get("GPUSCOPE_TRACE_STACK", "1") == "1"
+        self.pid = os.getpid()
+        self.exiting = threading.Event()
+        self.done = threading.Event()
+        self.status = {}
+        self.thread = None
+
+    # -- names ------------------------------------------------------------------------------------
+    def _rank(self):
+        for var in ("RANK", "LOCAL_RANK"):
+            value = os.environ.get(var, "")
+            if value.isdigit():
+                return int(value)
+        return None
+
+    def _stem(self):
+        rank = self._rank()
+        tag = "" if rank is None else f".rank{rank}"
+        return os.path.join(self.out_dir, f"{socket.gethostname()}.{self.pid}{tag}")
+
+    def _write_status(self, **fields):
+        self.status.update(fields)
+        path = self._stem() + ".gpuscope.json"
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.status, f)
+        os.replace(tmp, path)
+
+    # -- the profiler thread -------------------------------------------------------------------------
+    def on_torch_imported(self):
+        if self.thread is not None:
+            return
+        self.thread = threading.Thread(target=self._guarded, name="gpuscope-trace", daemon=True)
+        self.thread.start()
+        atexit.register(self.flush)
+        if threading.current_thread() is threading.main_thread():
+            try:
+                if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+                    signal.signal(signal.SIGTERM, self._on_sigterm)
+            except (ValueError, OSError):
+                pass
+
+    def _guarded(self):
+        try:
+            self._run()
+        except BaseException as e:  # never into the program; say it in the status file
+            try:
+                self._write_status(status="failed", error=f"{type(e).__name__}: {e}")
+            except Exception:
+                pass
+        finally:
+            self.done.set()
+
+    def _run(self):
+        import torch
+
+        while not torch.cuda.is_initialized():
+            if self.exiting.wait(0.1):
+                return  # never used CUDA (a DataLoader worker, a CPU-only run): nothing to write
+        cuda_at = time.monotonic()
+        rank = self._rank()
+        self.status = {"run": os.environ.get("GPUSCOPE_TRACE_RUN"), "host": socket.gethostname(),
+                       "pid": self.pid, "rank": rank,
+                       "argv": list(sys.argv), "torch": getattr(torch, "__version__", "?"),
+                       "cuda_initialised_unix_ns": time.time_ns(), "traces": []}
+        self._write_status(status="waiting")
+        window = 0
+        while True:
+            start_at = cuda_at + self.delay_s + window * self.every_s
+            if self.exiting.wait(max(0.0, start_at - time.monotonic())):
+                if not self.status["traces"]:
+                    self._write_status(status="exited_before_window")
+                return
+            prof, all_threads, error = self._start(torch)
+            if prof is None:
+                sys.stderr.write(f"gpuscope trace: the PyTorch profiler could not start in process {self.pid} "
+                                 f"({error}); not tracing it, the program goes on.\n")
+                sys.stderr.flush()
+                self._write_status(status="profiler_failed", error=error)
+                return
+            started = {"unix_ns": time.time_ns(), "monotonic_ns": time.monotonic_ns()}
+            self.exiting.wait(self.duration_s)
+            self._stop_and_write(prof, window, started, all_threads)
+            if self.every_s <= 0 or self.exiting.is_set():
+                return
+            window += 1
+
+    def _start(self, torch):
+        from torch.profiler import ProfilerActivity, profile
+
+        kwargs = {"activities": [ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                  "with_stack": self.with_stack, "record_shapes": False}
+        all_threads = False
+        try:
+            from torch.profiler import _ExperimentalConfig
+
+            kwargs["experimental_config"] = _ExperimentalConfig(profile_all_threads=True)
+            all_threads = True
+        except (ImportError, TypeError):
+            pass
+        try:
+            prof = profile(**kwargs)
+            prof.start()
+        except Exception as e:  # CUPTI held by another profiler, a profiler the program runs itself, ...
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            return None, False, f"{type(e).__name__}: {first}"
+        return prof, all_threads, ""
+
+    def _stop_and_write(self, prof, window, started, all_threads):
+        stopped_ns = time.time_ns()
+        prof.stop()
+        suffix = f".w{window}" if self.every_s > 0 else ""
+        path = self._stem() + suffix + ".pt.trace.json.gz"
+        raw = self._stem() + suffix + ".pt.trace.json.tmp"
+        meta = {"host": socket.gethostname(), "pid": self.pid, "rank": self._rank(), "window": window,
+                "profiler_start_unix_ns": started["unix_ns"], "profiler_start_monotonic_ns": started["monotonic_ns"],
+                "profiler_stop_unix_ns": stopped_ns, "cpu_ops_all_threads": all_threads,
+                "with_stack": self.with_stack}
+        try:
+            prof.export_chrome_trace(raw)
+            _gzip_with_key(raw, path + ".tmp", "gpuscope", meta)
+            os.replace(path + ".tmp", path)
+        finally:
+            for leftover in (raw, path + ".tmp"):
+                try:
+                    os.unlink(leftover)
+                except OSError:
+                    pass
+        self.status["traces"].append(dict(meta, file=os.path.basename(path)))
+        self._write_status(status="written")
+
+    # -- exit ------------------------------------------------------------------------------------------
+    def flush(self):
+        """At exit (or SIGTERM): end the window early and wait for its file."""
+        if os.getpid() != self.pid or self.thread is None:
+            return  # a forked child inherited the handler, not the thread
+        self.exiting.set()
+        self.done.wait(_EXIT_WAIT_S)
+
+    def _on_sigterm(self, signum, _frame):
+        try:
+            self.flush()
+        finally:
+            # Die of the signal as the program would have, so the exit status still says SIGTERM.
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+    def after_fork_in_child(self):
+        self.pid = os.getpid()
+        self.thread = None  # threads do not survive fork; the child traces only if it imports torch itself
+
+
+def _gzip_with_key(src, dst, key, value):
+    """Compress Kineto's JSON object into dst with `"key": value` added before its closing brace,
+    streaming, so a trace of hundreds of MB is never held in memory."""
+    size = os.path.getsize(src)
+    with open(src, "rb") as f:
+        f.seek(max(0, size - 4096))
+        tail = f.read()
+    end = size - len(tail) + tail.rindex(b"}")
+    with open(src, "rb") as f, gzip.open(dst, "wb", compresslevel=3) as out:
+        left = end
+        while left > 0:
+            chunk = f.read(min(left, 1 << 22))
+            if not chunk:
+                break
+            out.write(chunk)
+            left -= len(chunk)
+        out.write(f',\n  "{key}": {json.dumps(value)}\n}}\n'.encode())
+
+
+class _Loader:
+    """Wraps torch's own loader for the one exec of `torch`, then steps out of the way."""
+
+    def __init__(self, loader, tracer):
+        self._loader = loader
+        self._tracer = tracer
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        try:
+            self._loader.exec_module(module)
+        finally:
+            spec = getattr(module, "__spec__", None)
+            if spec is not None and spec.loader is self:
+                spec.loader = self._loader
+            if getattr(module, "__loader__", None) is self:
+                module.__loader__ = self._loader
+        try:
+            self._tracer.on_torch_imported()
+        except Exception:
+            pass
+
+
+class _TorchFinder:
+    """On sys.meta_path until `import torch`; answers None for everything else."""
+
+    def __init__(self, tracer):
+        self._tracer = tracer
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "torch":
+            return None
+        try:
+            sys.meta_path.remove(self)
+        except ValueError:
+            pass
+        try:
+            spec = importlib.util.find_spec("torch")
+        except Exception:
+            return None
+        if spec is None or spec.loader is None:
+            return None
+        spec.loader = _Loader(spec.loader, self._tracer)
+        return spec
+
+    def invalidate_caches(self):
+        pass
+
+
+def _install():
+    out_dir = os.environ.get(_ENV)
+    if not out_dir:
+        return
+    tracer = _Tracer(out_dir)
+    if "torch" in sys.modules:
+        tracer.on_torch_imported()
+    else:
+        sys.meta_path.insert(0, _TorchFinder(tracer))
+    os.register_at_fork(after_in_child=tracer.after_fork_in_child)
+
+
+def _chain_user_sitecustomize():
+    """Run the sitecustomize this one shadows, as Python would have without us."""
+    rest = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
+    if spec is None or spec.loader is None:
+        return
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["sitecustomize"] = module
+    spec.loader.exec_module(module)  # its errors are reported by site.py, as without gpuscope
+
+
+try:
+    _install()
+except Exception:
+    pass
+_chain_user_sitecustomize()

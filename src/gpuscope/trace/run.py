@@ -1,0 +1,245 @@
+"""`gpuscope trace [options] -- CMD ...`: trace a PyTorch program's CPU ops and CUDA kernels, unchanged.
+
+CMD runs with gpuscope's bootstrap directory first on PYTHONPATH (the user's PYTHONPATH after it, and
+the program's own sitecustomize still runs): every Python process of the command that imports torch
+and initialises CUDA runs the PyTorch profiler for a window, by default 10 s after a 5 s warm-up
+(`--delay`, `--duration`), or a window every `--every`, and writes its own Kineto trace into `--out`
+(see bootstrap/sitecustomize.py). With `--samples` the GPUs are sampled at 10 Hz meanwhile and each
+trace is also written as a Perfetto timeline with the GPU's metrics as counter tracks.
+
+Signals and exit code as `gpuscope run`: a SIGINT or SIGTERM sent to gpuscope alone is forwarded to
+CMD and its processes (each flushes its trace as it exits), a second one terminates CMD, and the exit
+code is CMD's (128 + N when signal N ended it).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import sys
+import time
+import uuid
+from typing import Any
+
+import psutil
+
+from ..runcmd import RunError, _check, _reap, _reap_all, _start, _terminal_reaches
+from ..sampler import Sampler, SamplerConfig
+from .bootstrap import DIR as BOOTSTRAP_DIR
+from .perfetto import points, with_counters
+
+#: After the second signal CMD gets this long to write its traces before SIGKILL (an export of a
+#: long window takes seconds).
+FLUSH_GRACE_S = 30.0
+HELP = "run a PyTorch program unchanged and trace its CPU ops and CUDA kernels (gpuscope trace -- CMD)"
+NO_TRACE = ("no trace: the program never initialised CUDA through PyTorch; "
+            "CUPTI tracing for other CUDA programs is not built yet.")
+
+
+def environment(out_dir: str, delay_s: float, duration_s: float, every_s: float, stack: bool,
+                run_id: str, base: dict[str, str] | None = None) -> dict[str, str]:
+    """CMD's environment: ours plus the bootstrap first on PYTHONPATH and the tracing settings."""
+    env = dict(os.environ if base is None else base)
+    env["PYTHONPATH"] = os.pathsep.join([BOOTSTRAP_DIR] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.update({"GPUSCOPE_TRACE_DIR": os.path.abspath(out_dir), "GPUSCOPE_TRACE_DELAY_S": repr(delay_s),
+                "GPUSCOPE_TRACE_DURATION_S": repr(duration_s), "GPUSCOPE_TRACE_EVERY_S": repr(every_s),
+                "GPUSCOPE_TRACE_STACK": "1" if stack else "0", "GPUSCOPE_TRACE_RUN": run_id})
+    return env
+
+
+def check_windows(delay_s: float, duration_s: float, every_s: float) -> None:
+    if delay_s < 0 or duration_s <= 0:
+        raise RunError("--delay must be 0 or more and --duration more than 0.", 2)
+    if every_s and every_s <= duration_s:
+        raise RunError(f"--every ({every_s:g} s) must be longer than --duration ({duration_s:g} s).", 2)
+
+
+def trace(cmd: list[str], *, out_dir: str = "gpuscope-traces", delay_s: float = 5.0, duration_s: float = 10.0,
+        every_s: float = 0.0, stack: bool = True, samples: bool = False, simulate: str | None = None,
+        gpus: int | None = None) -> tuple[int, dict[str, Any]]:
+    """Run `cmd` traced; return (the exit code to use, what was written: {"processes": [...], "traces": [...]})."""
+    _check(cmd)
+    check_windows(delay_s, duration_s, every_s)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise RunError(f"Cannot create the trace directory {out_dir}: {e.strerror or e}.", 2) from None
+    run_id = uuid.uuid4().hex
+    sampler = kept = None
+    if samples:
+        sampler = Sampler(SamplerConfig(interval=0.1), simulate=simulate, gpus=gpus)
+        sampler.open()
+        kept = []
+        sampler.subscribe(lambda snap: kept.extend(points([snap])))
+    interrupts = 0
+    child = None
+
+    def forward(signum: int, _frame: Any) -> None:
+        nonlocal interrupts
+        interrupts += 1
+        if child is None or child.poll() is not None:
+            return
+        try:
+            if interrupts >= 2:
+                child.terminate()
+            elif signum != signal.SIGINT or not _terminal_reaches(os.getpgid(child.pid)):
+                child.send_signal(signum)
+                for p in psutil.Process(child.pid).children(recursive=True):
+                    p.send_signal(signum)
+        except (OSError, psutil.Error):  # gone meanwhile
+            pass
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    started = time.time()
+    try:
+        child = _start(cmd, environment(out_dir, delay_s, duration_s, every_s, stack, run_id))
+        if interrupts:
+            child.send_signal(signal.SIGINT)
+        if sampler is not None:
+            sampler.start()
+        terminated_at = None
+        while child.poll() is None:
+            time.sleep(0.1)
+            if interrupts >= 2:
+                terminated_at = terminated_at or time.monotonic()
+                if time.monotonic() - terminated_at > FLUSH_GRACE_S:
+                    child.kill()
+    finally:
+        if child is not None:
+            descendants = []
+            if interrupts:
+                try:
+                    descendants = psutil.Process(child.pid).children(recursive=True)
+                except psutil.Error:
+                    pass
+            _reap(child)
+            _reap_all(descendants)
+        for s, h in old.items():
+            signal.signal(s, h)
+        if sampler is not None:
+            sampler.stop()
+    rc = child.returncode
+    code = 128 - rc if rc is not None and rc < 0 else (rc if rc is not None else 1)
+    report = collect(out_dir, run_id)
+    report.update({"exit_code": code, "duration_s": time.time() - started, "out_dir": out_dir})
+    if kept:
+        for t in report["traces"]:
+            path = t["path"].replace(".pt.trace.json.gz", ".perfetto.json.gz")
+            t["counter_events"] = with_counters(t["path"], kept, path)
+            t["perfetto"] = path
+    return code, report
+
+
+def collect(out_dir: str, run_id: str) -> dict[str, Any]:
+    """The status files of this run's processes, and the traces they wrote."""
+    processes, traces = [], []
+    for path in sorted(glob.glob(os.path.join(out_dir, "*.gpuscope.json"))):
+        try:
+            with open(path) as f:
+                status = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if status.get("run") != run_id:
+            continue
+        processes.append(status)
+        for t in status.get("traces", []):
+            full = os.path.join(out_dir, t["file"])
+            if os.path.exists(full):
+                traces.append(dict(t, path=full, bytes=os.path.getsize(full)))
+    return {"processes": processes, "traces": traces}
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 1024:.0f} KiB"
+
+
+def render(report: dict[str, Any]) -> str:
+    """The end-of-run text: each trace written, then why any process wrote none."""
+    lines = [f"gpuscope trace: exit code {report['exit_code']}, {report['duration_s']:.0f} s, "
+             f"{len(report['traces'])} trace file(s) in {report['out_dir']}"]
+    for t in report["traces"]:
+        who = f"pid {t['pid']}" + (f" rank {t['rank']}" if t.get("rank") is not None else "")
+        lines.append(f"  {t['path']}  {_size(t['bytes'])}  ({who})"
+                     + (f"\n    + {t['perfetto']} (with {t['counter_events']} GPU counter samples)"
+                        if t.get("perfetto") else ""))
+        lines.extend("    " + s for s in _kernel_summary(t["path"]).splitlines())
+    for p in report["processes"]:
+        why = {"exited_before_window": "it exited before its window began (lower --delay)",
+               "profiler_failed": f"the PyTorch profiler could not start ({p.get('error', '')})",
+               "failed": f"the tracer failed ({p.get('error', '')})",
+               "waiting": "it ended before its window could be written"}.get(p.get("status", ""))
+        if why and not p.get("traces"):
+            lines.append(f"  no trace from pid {p.get('pid')}: {why}.")
+    if not report["processes"]:
+        lines.append(f"  {NO_TRACE}")
+    return "\n".join(lines)
+
+
+def _kernel_summary(path: str, top: int = 5) -> str:
+    """The trace's kernels in a few lines (trace.analyze's kernel statistics)."""
+    from .analyze import kernel_stats
+    from .kineto import load
+
+    try:
+        stats = kernel_stats(load(path))
+    except Exception as e:  # an analysis bug must not hide the files that were written
+        return f"(no kernel summary: {type(e).__name__}: {e})"
+    if not stats:
+        return "no kernels in this window"
+    total_ns = sum(k.total_ns for k in stats)
+    lines = [f"{sum(k.count for k in stats)} kernels, {total_ns / 1e6:.1f} ms on the GPU; the longest in total:"]
+    for k in sorted(stats, key=lambda k: -k.total_ns)[:top]:
+        name = k.name if len(k.name) <= 60 else k.name[:57] + "..."
+        lines.append(f"  {k.share_ratio * 100:5.1f} %  {k.count:7d} x {k.mean_ns / 1e3:8.1f} us  {name}")
+    return "\n".join(lines)
+
+
+def run(args: Any) -> int:
+    """The `gpuscope trace [run]` handler (cli.py parses; the exit code is CMD's)."""
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if args.gpus is not None and args.simulate is None:
+        print("gpuscope: --gpus only applies to a simulated node; add --simulate SCENARIO.", file=sys.stderr)
+        return 2
+    try:
+        code, report = trace(cmd, out_dir=args.out, delay_s=args.delay, duration_s=args.duration,
+                           every_s=args.every or 0.0, stack=not args.no_stack, samples=args.samples,
+                           simulate=args.simulate, gpus=args.gpus)
+    except RunError as e:
+        print(f"gpuscope: {e}", file=sys.stderr)
+        return e.code
+    print(render(report), file=sys.stderr)
+    return code
+
+
+def add_arguments(p: Any) -> None:
+    """The options of `gpuscope trace [run]`."""
+    from ..cli import _add_source_args
+    from ..cli import _interval as interval
+
+    p.add_argument("--out", default="gpuscope-traces", metavar="DIR",
+                   help="where each process writes <host>.<pid>[.rank<N>].pt.trace.json.gz (default ./gpuscope-traces)")
+    p.add_argument("--delay", type=interval, default=5.0,
+                   help="warm-up after the process initialises CUDA, before tracing (default 5s)")
+    p.add_argument("--duration", type=interval, default=10.0, help="how long each window traces (default 10s)")
+    p.add_argument("--every", type=interval, default=None,
+                   help="trace a --duration window this often (e.g. 5m) instead of once")
+    p.add_argument("--no-stack", action="store_true", help="leave out Python stacks (smaller, cheaper traces)")
+    p.add_argument("--samples", action="store_true",
+                   help="sample the GPUs at 10 Hz meanwhile and also write each trace as <name>.perfetto.json.gz "
+                        "with SM, tensor, DRAM, NVML utilization, power, memory and PCIe as counter tracks")
+    _add_source_args(p)  # --simulate/--gpus: the --samples counters without a GPU
+    p.add_argument("cmd", nargs="...", help="-- CMD [ARGS...]")
+
+
+def with_run_action(argv: list[str], actions: Any) -> list[str]:
+    """`gpuscope trace [options] -- CMD` is `gpuscope trace run [options] -- CMD`: argparse cannot
+    have both a sub-action and options of its own on one parser, so the bare form gets 'run' added."""
+    verb = next((i for i, a in enumerate(argv) if not a.startswith("-")), None)
+    if verb is None or argv[verb] != "trace":
+        return argv
+    rest = argv[verb + 1:]
+    if not rest or rest[0] in actions or rest[0] in ("-h", "--help"):
+        return argv
+    return argv[:verb + 1] + ["run"] + rest
