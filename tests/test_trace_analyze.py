@@ -227,7 +227,8 @@ def test_cli_tables_json_and_bad_file(tmp_path, capsys):
 
 def test_temporal_breakdown_agrees_with_hta(tmp_path):
     hta = pytest.importorskip("hta.trace_analysis")
-    for workload in ("launch_bound", "healthy_training", "h2d_pageable", "memory_bound"):
+    # (HTA 0.5 under pandas 3 fails on h2d_pageable, memory_bound and sync_heavy: an int8 index column overflows.)
+    for workload in ("launch_bound", "healthy_training", "input_starved", "compute_bound"):
         doc = json.loads(gzip.decompress((FIXTURES / f"{workload}.pt.trace.json.gz").read_bytes()))
         doc["distributedInfo"] = {"rank": 0}  # HTA reads the rank from here
         d = tmp_path / workload
@@ -247,7 +248,7 @@ def test_temporal_breakdown_agrees_with_hta(tmp_path):
         assert ours.idle_ratio == pytest.approx(theirs["idle_time_pctg"] / 100, abs=0.01), workload
         assert ours.compute_ratio == pytest.approx(theirs["compute_time_pctg"] / 100, abs=0.01), workload
         assert ours.non_compute_ratio == pytest.approx(theirs["non_compute_time_pctg"] / 100, abs=0.01), workload
-        if workload in ("h2d_pageable", "memory_bound"):  # ms-long kernels and copies: rounding does not matter
+        if workload == "compute_bound":  # ms-long kernels: the rounding does not matter
             assert temporal_breakdown(t)[0].idle_ratio == pytest.approx(ours.idle_ratio, abs=0.01)
 
 
