@@ -62,6 +62,8 @@ def _relabel(doc: dict[str, Any], rank: int, index: int) -> None:
         if isinstance(pid, int):
             pids.add(pid)
             e["pid"] = base + pid
+        elif isinstance(pid, str):  # Kineto's "Spans" row
+            e["pid"] = f"rank {rank} {pid}"
         if e.get("ph") == "M" and isinstance(e.get("args"), dict):
             if e.get("name") == "process_name":
                 named.add(pid)
