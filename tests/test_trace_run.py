@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -122,8 +123,9 @@ def test_trace_file_named_by_host_pid_rank_with_clock_pair_and_stdout_untouched(
     assert p.returncode == 3, p.stderr
     assert p.stdout == "out 1\nout 2\n"
     [f] = traces(tmp_path)
-    host, pid, rank = f.name.split(".")[:3]
-    assert rank == "rank3" and pid.isdigit() and host
+    m = re.fullmatch(r"(.+)\.(\d+)\.rank3\.pt\.trace\.json\.gz", f.name)
+    assert m, f.name
+    host, pid = m.groups()
     doc = json.loads(gzip.decompress(f.read_bytes()))
     facts = doc["gpuscope"]
     assert facts["rank"] == 3 and facts["pid"] == int(pid) and facts["host"] == host
