@@ -1,0 +1,184 @@
+"""A flame graph of GPU time charged to the Python stack that launched it.
+
+Each GPU op (kernel, memcpy, memset) is tied to its launching runtime/driver call by `correlation`
+(a kernel replayed from a CUDA graph carries its cudaGraphLaunch's correlation, so it lands on the
+stack that replayed the graph; the golden fixtures launch no graphs), then to the Python frames and CPU
+ops enclosing that call on its thread (`gpuscope.trace.stacks`). The op's duration is added to that
+stack: thread > Python frames > CPU ops > the GPU op's name. Ops whose launch is not in the trace
+(the profiler started after it) are left out and counted as unattributed.
+
+    >>> from gpuscope.trace.kineto import load
+    >>> trace = load("tests/fixtures/traces/launch_bound.pt.trace.json.gz")  # doctest: +SKIP
+    >>> write_svg(trace, "launch_bound.svg"); write_speedscope(trace, "launch_bound.speedscope.json")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from html import escape
+
+import numpy as np
+
+from .model import GPU_KINDS, EventKind, Trace
+from .stacks import Stacks, frame_label, is_user_file, parse_frame
+
+SPEEDSCOPE_SCHEMA = "https://www.speedscope.app/file-format-schema.json"
+
+
+@dataclass(frozen=True)
+class Frame:
+    name: str
+    file: str = ""
+    line: int = 0
+    kind: str = "thread"  # thread, user, python, op, kernel, memcpy, memset: how the SVG colours it
+
+
+@dataclass
+class GpuFlame:
+    """GPU time per launching stack, in ns; what could not be attributed is counted beside it."""
+
+    stacks: dict[tuple[Frame, ...], int] = field(default_factory=dict)
+    attributed_ns: int = 0
+    unattributed_ns: int = 0
+    unattributed_ops: int = 0
+
+    @property
+    def unattributed_ratio(self) -> float:
+        total = self.attributed_ns + self.unattributed_ns
+        return self.unattributed_ns / total if total else 0.0
+
+
+_LEAF_KIND = {EventKind.KERNEL: "kernel", EventKind.MEMCPY: "memcpy", EventKind.MEMSET: "memset"}
+
+
+def gpu_flame(trace: Trace) -> GpuFlame:
+    """Sums each GPU op's duration into the host stack that launched it."""
+    stacks = Stacks(trace)
+    ev = trace.events
+    flame = GpuFlame()
+    host_stack: dict[int, tuple[Frame, ...]] = {}
+    rows = np.flatnonzero(np.isin(ev["kind"], GPU_KINDS))
+    for r, dur, kind in zip(rows.tolist(), ev["dur_ns"][rows].tolist(), ev["kind"][rows].tolist(), strict=True):
+        launch = stacks.launcher(r)
+        if launch < 0:
+            flame.unattributed_ns += dur
+            flame.unattributed_ops += 1
+            continue
+        prefix = host_stack.get(launch)
+        if prefix is None:
+            prefix = host_stack[launch] = _host_frames(trace, stacks, launch)
+        key = prefix + (Frame(trace.name_of(r), kind=_LEAF_KIND[EventKind(kind)]),)
+        flame.stacks[key] = flame.stacks.get(key, 0) + dur
+        flame.attributed_ns += dur
+    return flame
+
+
+def _host_frames(trace: Trace, stacks: Stacks, launch: int) -> tuple[Frame, ...]:
+    ev = trace.events
+    frames = [Frame(f"thread {int(ev['tid'][launch])}")]
+    for r in stacks.chain(launch)[:-1]:  # the launch call itself adds nothing a reader acts on
+        kind, name = ev["kind"][r], trace.name_of(r)
+        if kind == EventKind.PYTHON:
+            parsed = parse_frame(name)
+            if parsed:
+                file, line, func = parsed
+                frames.append(Frame(f"{func} ({file}:{line})", file, line, "user" if is_user_file(file) else "python"))
+            else:
+                frames.append(Frame(frame_label(name), kind="python"))
+        elif kind in (EventKind.CPU_OP, EventKind.ANNOTATION):
+            frames.append(Frame(name, kind="op"))
+    return tuple(frames)
+
+
+def speedscope(trace: Trace) -> dict:
+    """The flame as a speedscope "sampled" profile: one sample per distinct stack, weighted by µs of GPU time."""
+    flame = gpu_flame(trace)
+    index: dict[Frame, int] = {}
+    samples, weights = [], []
+    for stack, ns in sorted(flame.stacks.items(), key=lambda kv: -kv[1]):
+        samples.append([index.setdefault(f, len(index)) for f in stack])
+        weights.append(ns / 1e3)
+    frames = [{"name": f.name, **({"file": f.file, "line": f.line} if f.file else {})} for f in index]
+    name = os.path.basename(trace.source) or "trace"
+    return {
+        "$schema": SPEEDSCOPE_SCHEMA, "exporter": "gpuscope", "name": f"GPU time by launching stack: {name}",
+        "activeProfileIndex": 0, "shared": {"frames": frames},
+        "profiles": [{"type": "sampled", "name": f"GPU time (µs), {flame.unattributed_ratio:.1%} unattributed",
+                      "unit": "microseconds", "startValue": 0, "endValue": flame.attributed_ns / 1e3,
+                      "samples": samples, "weights": weights}],
+    }
+
+
+def write_speedscope(trace: Trace, path: str) -> None:
+    """Writes the speedscope JSON (open it at https://www.speedscope.app)."""
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(speedscope(trace), f)
+
+
+@dataclass
+class _Node:
+    frame: Frame
+    ns: int = 0
+    children: dict[Frame, _Node] = field(default_factory=dict)
+
+
+_COLOURS = {"thread": "#c8c8c8", "user": "#f28e2b", "python": "#edc948", "op": "#76b7b2", "kernel": "#59a14f",
+            "memcpy": "#e15759", "memset": "#ff9da7"}
+_WIDTH, _ROW, _CHAR = 1200.0, 17, 6.6
+_MIN_PX = 0.5  # narrower frames are invisible; leaving them out keeps the file small
+
+
+def svg(trace: Trace) -> str:
+    """A self-contained SVG flame graph (root at the bottom), a <title> per frame for hover."""
+    flame = gpu_flame(trace)
+    root = _Node(Frame("all GPU time"))
+    for stack, ns in flame.stacks.items():
+        node = root
+        node.ns += ns
+        for f in stack:
+            node = node.children.setdefault(f, _Node(f))
+            node.ns += ns
+    depth = _depth(root)
+    top = 44
+    height = top + (depth + 1) * _ROW + 10
+    total = root.ns or 1
+    title = f"GPU time by launching stack: {os.path.basename(trace.source)}"
+    note = (f"{total / 1e6:.2f} ms attributed, {flame.unattributed_ratio:.1%} unattributed "
+            f"({flame.unattributed_ops} ops whose launch is not in the trace)")
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{_WIDTH:.0f}" height="{height}" '
+           f'viewBox="0 0 {_WIDTH:.0f} {height}" font-family="monospace" font-size="11">',
+           '<rect width="100%" height="100%" fill="#ffffff"/>',
+           f'<text x="6" y="16" font-size="14">{escape(title)}</text>',
+           f'<text x="6" y="33">{escape(note)}</text>']
+    todo = [(root, 0.0, 0)]
+    while todo:
+        node, x, level = todo.pop()
+        w = node.ns / total * _WIDTH
+        if w < _MIN_PX:
+            continue
+        y = height - 10 - (level + 1) * _ROW
+        label = f"{node.frame.name} — {node.ns / 1e3:,.1f} µs ({node.ns / total:.1%})"
+        fits = int((w - 6) / _CHAR)
+        text = node.frame.name if len(node.frame.name) <= fits else node.frame.name[:max(fits - 1, 0)] + "…"
+        out.append(f'<g><title>{escape(label)}</title><rect x="{x:.2f}" y="{y}" width="{max(w - 0.5, 0.1):.2f}" '
+                   f'height="{_ROW - 1}" fill="{_COLOURS[node.frame.kind]}" rx="2"/>'
+                   + (f'<text x="{x + 3:.2f}" y="{y + _ROW - 5}">{escape(text)}</text>' if fits >= 3 else "")
+                   + "</g>")
+        cx = x
+        for child in sorted(node.children.values(), key=lambda c: -c.ns):
+            todo.append((child, cx, level + 1))
+            cx += child.ns / total * _WIDTH
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def _depth(node: _Node) -> int:
+    return 1 + max((_depth(c) for c in node.children.values()), default=-1) if node.children else 0
+
+
+def write_svg(trace: Trace, path: str) -> None:
+    """Writes the SVG flame graph."""
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(svg(trace))
