@@ -14,7 +14,7 @@ import pytest
 
 from gpuscope.trace.flame import SPEEDSCOPE_SCHEMA, gpu_flame, speedscope, svg, write_speedscope, write_svg
 from gpuscope.trace.kineto import load
-from gpuscope.trace.model import GPU_KINDS, COLUMNS, EventKind, Trace
+from gpuscope.trace.model import COLUMNS, GPU_KINDS, EventKind, Trace
 
 TRACES = Path(__file__).parent / "fixtures" / "traces"
 ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"

@@ -25,20 +25,26 @@ def run(args: argparse.Namespace) -> int:
     from ..cli import UsageError
     from .analyze import analyze, stragglers
     from .kineto import load
+    from .rules import as_dicts, findings
 
     if args.top < 1:
         raise UsageError(f"--top must be 1 or more, not {args.top}.")
     traces = [load(f) for f in args.files]
     reports = [analyze(t) for t in traces]
+    found = [findings(t) for t in traces]
     slow = stragglers(traces)
     if args.json:
-        doc: dict[str, Any] = {"traces": [r.to_dict() for r in reports],
+        doc: dict[str, Any] = {"traces": [{**r.to_dict(), "findings": as_dicts(f)}
+                                          for r, f in zip(reports, found, strict=True)],
                                "stragglers": [vars(s) for s in slow]}
         json.dump(doc, sys.stdout, indent=1)
         sys.stdout.write("\n")
         return 0
-    for r in reports:
+    for r, f in zip(reports, found, strict=True):
         _print_report(r, args.top)
+        print("Findings" + ("" if f else "\n  (none)\n"))
+        for d in as_dicts(f):
+            print(f"  [{d['severity']}] {d['rule']}: {d['summary']}\n    fix: {d['fix']}\n")
     if len(traces) > 1:
         print("stragglers (GPU busy time > 10 % above the median rank):")
         if not slow:
