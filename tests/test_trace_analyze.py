@@ -255,3 +255,20 @@ def test_temporal_breakdown_agrees_with_hta(tmp_path):
 def _one_sentence(message: str, path: str, expect: str) -> None:
     assert path in message and expect in message, message
     assert message.endswith(".") and "\n" not in message and ". " not in message.replace(path, ""), message
+
+
+def test_parsing_in_chunks_gives_the_same_trace(tmp_path, monkeypatch):
+    from gpuscope.trace import kineto
+
+    whole = load(FIXTURES / "input_starved.pt.trace.json.gz")
+    monkeypatch.setattr(kineto, "_CHUNK_BYTES", 2000)
+    chunked = load(FIXTURES / "input_starved.pt.trace.json.gz")
+    assert all(np.array_equal(whole.events[c], chunked.events[c]) for c in COLUMNS)
+    assert whole.names == chunked.names and whole.args == chunked.args
+    # a cut inside a string or a nested list is invalid JSON on its own: the whole file is parsed instead
+    tricky = {"traceEvents": [{"ph": "X", "name": "a}, {b" * 500, "ts": 1, "dur": 1, "args": {"l": [{}, {}] * 400}},
+                              {"ph": "X", "name": "k", "ts": 2, "dur": 1}], "traceName": "x]y"}
+    path = tmp_path / "tricky.json"
+    path.write_text(json.dumps(tricky))
+    t = load(path)
+    assert [t.name_of(i) for i in range(2)] == ["a}, {b" * 500, "k"] and t.meta["traceName"] == "x]y"

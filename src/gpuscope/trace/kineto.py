@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import gzip
 import os
+import re
 import zlib
+from array import array
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -36,13 +39,19 @@ _SCHEMA_VERSIONS = (1,)
 def load(path: str | os.PathLike[str]) -> Trace:
     """Reads one rank's trace; any problem with the file is a `TraceError` of one sentence."""
     src = os.fspath(path)
-    doc = _parse(src)
-    events = doc.pop("traceEvents")
-    base = doc.get("baseTimeNanoseconds", 0)
-    if type(base) is not int:
-        raise TraceError(f"{src} is not a usable trace: baseTimeNanoseconds is {base!r}, not an integer.")
-    trace = _build(src, events, base)
-    del events
+    raw = _read(src)
+    split = _split(raw)
+    trace = None
+    if split is not None:
+        doc, chunks = split
+        try:
+            trace = _build(src, chunks, _check(src, doc))
+        except _SplitFailed:
+            trace = None
+    if trace is None:
+        doc = _parse_whole(src, raw)
+        del raw
+        trace = _build(src, iter([doc.pop("traceEvents")]), _check(src, doc))
     trace.meta.update(doc)
     info = doc.get("distributedInfo")
     rank = info.get("rank") if isinstance(info, dict) else None
@@ -51,6 +60,13 @@ def load(path: str | os.PathLike[str]) -> Trace:
 
 
 def _parse(src: str) -> dict[str, Any]:
+    """The whole document, checked like `load` checks it (perfetto.py rewrites whole documents)."""
+    doc = _parse_whole(src, _read(src))
+    _check(src, doc)
+    return doc
+
+
+def _read(src: str) -> bytes:
     try:
         with open(src, "rb") as f:
             raw = f.read()
@@ -67,127 +83,190 @@ def _parse(src: str) -> dict[str, Any]:
             raise TraceError(f"{src} is a truncated or corrupt gzip file.") from None
     if not raw.strip():
         raise TraceError(f"{src} is empty, not a trace.")
+    return raw
+
+
+class _SplitFailed(Exception):
+    """A chunk of traceEvents did not parse on its own: parse the whole file instead."""
+
+
+_EVENTS_KEY = re.compile(rb'"traceEvents"\s*:\s*\[')
+_BOUNDARY = re.compile(rb"\}\s*,\s*\{")
+_CHUNK_BYTES = 4 << 20
+
+
+def _split(raw: bytes) -> tuple[dict[str, Any], Iterator[list[Any]]] | None:
+    """The document without its events, and the events parsed a few MB at a time.
+
+    Parsing the whole file at once holds every event as a Python dict at the same time (about 1.5 kB
+    each: gigabytes for a million events); a chunk at a time holds a few thousand. A cut between two
+    events is a guess ("}, {" could sit inside a string or a nested list), but a wrong cut always leaves
+    a chunk that is not valid JSON on its own, and then `load` parses the whole file instead.
+    """
+    m = _EVENTS_KEY.search(raw)
+    if m is None:
+        return None
+    end = len(raw)
+    for _ in range(8):  # the array's "]" is the last one after which the rest of the document parses
+        end = raw.rfind(b"]", m.end(), end)
+        if end < 0:
+            return None
+        try:
+            doc = orjson.loads(raw[: m.start()] + b'"traceEvents": []' + raw[end + 1:])
+        except orjson.JSONDecodeError:
+            continue
+        if isinstance(doc, dict) and doc.pop("traceEvents", None) == []:
+            return doc, _chunks(raw, m.end(), end)
+        return None
+    return None
+
+
+def _chunks(raw: bytes, pos: int, end: int) -> Iterator[list[Any]]:
+    while pos < end:
+        cut = _BOUNDARY.search(raw, pos + _CHUNK_BYTES, end) if end - pos > _CHUNK_BYTES else None
+        try:
+            events = orjson.loads(b"[" + raw[pos: cut.start() + 1 if cut else end] + b"]")
+        except orjson.JSONDecodeError:
+            raise _SplitFailed from None
+        yield events
+        pos = cut.end() - 1 if cut else end
+
+
+def _parse_whole(src: str, raw: bytes) -> dict[str, Any]:
     try:
         doc = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
         raise TraceError(f"{src} is not valid JSON (truncated or corrupt near byte {e.pos}).") from None
-    del raw
     if not isinstance(doc, dict) or "traceEvents" not in doc:
         raise TraceError(f"{src} is JSON but not a Chrome/Kineto trace: it has no traceEvents.")
     if not isinstance(doc["traceEvents"], list):
         raise TraceError(f"{src} is not a usable trace: traceEvents is a {type(doc['traceEvents']).__name__}, "
                          "not a list of events.")
+    return doc
+
+
+def _check(src: str, doc: dict[str, Any]) -> int:
+    """The top level's version and base time; -> baseTimeNanoseconds."""
     version = doc.get("schemaVersion", 1)
     if version not in _SCHEMA_VERSIONS or isinstance(version, bool):
         raise TraceError(f"{src} was written by an unknown Kineto schema version ({version!r}); "
                          f"gpuscope reads schema {', '.join(map(str, _SCHEMA_VERSIONS))}.")
-    return doc
+    base = doc.get("baseTimeNanoseconds", 0)
+    if type(base) is not int:
+        raise TraceError(f"{src} is not a usable trace: baseTimeNanoseconds is {base!r}, not an integer.")
+    return base
 
 
-def _build(src: str, events: list[Any], base_ns: int) -> Trace:
+# What Trace.args keeps of a GPU op's args (the rest is in the columns or of no use to an analysis).
+_KEPT_ARGS = ("grid", "block", "registers per thread", "shared memory", "est. achieved occupancy %",
+              "blocks per SM", "warps per SM", "memory bandwidth (GB/s)")
+
+
+def _build(src: str, chunks: Iterator[list[Any]], base_ns: int) -> Trace:
     kind_of_cat, on_gpu, other = _KIND_OF_CAT, _ON_GPU, EventKind.OTHER
     python, memcpy, memset, kernel = EventKind.PYTHON, EventKind.MEMCPY, EventKind.MEMSET, EventKind.KERNEL
+    kept_args = _KEPT_ARGS
     name_ids: dict[str, int] = {}
-    kinds: list[int] = []
-    names: list[int] = []
-    ts: list[Any] = []
-    dur: list[Any] = []
+    # array.array: 8 bytes a value instead of a list slot plus a Python number, and a wrong type
+    # (a string ts) fails on append
+    kinds, names = array("b"), array("i")
+    ts, dur = array("d"), array("d")
     pids: list[Any] = []
     tids: list[Any] = []
-    devices: list[Any] = []
-    streams: list[Any] = []
-    corrs: list[Any] = []
-    exts: list[Any] = []
-    nbytes: list[Any] = []
-    py_ids: list[Any] = []
-    py_parents: list[Any] = []
+    devices, streams, corrs, exts, nbytes, py_ids, py_parents = (array("q") for _ in range(7))
     extras: dict[int, dict[str, Any]] = {}
     process_names: dict[Any, Any] = {}
     thread_names: dict[Any, Any] = {}
-    for e in events:
-        if type(e) is not dict:
-            raise TraceError(f"{src} is not a usable trace: traceEvents holds a {type(e).__name__}, not an event object.")
-        ph = e.get("ph")
-        if ph != "X":
-            if ph == "M":
+    n = 0
+    e: Any = None
+    try:
+        for events in chunks:
+            for e in events:
+                if type(e) is not dict:
+                    raise TraceError(f"{src} is not a usable trace: traceEvents holds a {type(e).__name__}, "
+                                     "not an event object.")
+                ph = e.get("ph")
+                if ph != "X":
+                    if ph == "M":
+                        a = e.get("args")
+                        if isinstance(a, dict):
+                            if e.get("name") == "process_name":
+                                process_names[e.get("pid")] = a.get("name")
+                            elif e.get("name") == "thread_name":
+                                thread_names[(e.get("pid"), e.get("tid"))] = a.get("name")
+                    elif not isinstance(ph, str):
+                        raise TraceError(f"{src} is not a usable trace: an event has no phase (\"ph\").")
+                    continue
+                kind = kind_of_cat.get(e.get("cat"), other)
+                name = e.get("name", "")
+                nid = name_ids.get(name)
+                if nid is None:
+                    if not isinstance(name, str):
+                        raise TraceError(f"{src} is not a usable trace: an event's name is {name!r}, not a string.")
+                    nid = name_ids[name] = len(name_ids)
                 a = e.get("args")
-                if isinstance(a, dict):
-                    if e.get("name") == "process_name":
-                        process_names[e.get("pid")] = a.get("name")
-                    elif e.get("name") == "thread_name":
-                        thread_names[(e.get("pid"), e.get("tid"))] = a.get("name")
-            elif not isinstance(ph, str):
-                raise TraceError(f"{src} is not a usable trace: an event has no phase (\"ph\").")
-            continue
-        kind = kind_of_cat.get(e.get("cat"), other)
-        name = e.get("name", "")
-        nid = name_ids.get(name)
-        if nid is None:
-            if not isinstance(name, str):
-                raise TraceError(f"{src} is not a usable trace: an event's name is {name!r}, not a string.")
-            nid = name_ids[name] = len(name_ids)
-        a = e.get("args")
-        if a is None:
-            a = {}
-        elif type(a) is not dict:
-            raise TraceError(f"{src} is not a usable trace: an event's args is a {type(a).__name__}, not an object.")
-        kinds.append(kind)
-        names.append(nid)
-        ts.append(e.get("ts"))
-        dur.append(e.get("dur", 0))
-        pid, tid = e.get("pid", -1), e.get("tid", -1)
-        pids.append(pid)
-        tids.append(tid)
-        c = a.get("correlation")
-        corrs.append(-1 if c is None else c)
-        x = a.get("External id")
-        exts.append(-1 if x is None else x)
-        if kind in on_gpu:
-            d = a.get("device")
-            devices.append(pid if d is None else d)
-            s = a.get("stream")
-            streams.append(tid if s is None else s)
-            if kind == kernel or kind == memcpy or kind == memset:
-                b = a.get("bytes")
-                nbytes.append(-1 if b is None else b)
-                extras[len(kinds) - 1] = a
-            else:
-                nbytes.append(-1)
-        else:
-            devices.append(-1)
-            streams.append(-1)
-            nbytes.append(-1)
-        if kind == python:
-            i, p = a.get("Python id"), a.get("Python parent id")
-            py_ids.append(-1 if i is None else i)
-            py_parents.append(-1 if p is None else p)
-        else:
-            py_ids.append(-1)
-            py_parents.append(-1)
+                if a is None:
+                    a = {}
+                elif type(a) is not dict:
+                    raise TraceError(f"{src} is not a usable trace: an event's args is a {type(a).__name__}, "
+                                     "not an object.")
+                ts.append(e.get("ts"))
+                dur.append(e.get("dur", 0))
+                c = a.get("correlation")
+                corrs.append(-1 if c is None else c)
+                x = a.get("External id")
+                exts.append(-1 if x is None else x)
+                pid, tid = e.get("pid", -1), e.get("tid", -1)
+                if kind in on_gpu:
+                    d = a.get("device")
+                    devices.append(pid if d is None else d)
+                    s = a.get("stream")
+                    streams.append(tid if s is None else s)
+                    if kind == kernel or kind == memcpy or kind == memset:
+                        b = a.get("bytes")
+                        nbytes.append(-1 if b is None else b)
+                        extras[n] = {k: a[k] for k in kept_args if k in a}
+                    else:
+                        nbytes.append(-1)
+                else:
+                    devices.append(-1)
+                    streams.append(-1)
+                    nbytes.append(-1)
+                if kind == python:
+                    i, p = a.get("Python id"), a.get("Python parent id")
+                    py_ids.append(-1 if i is None else i)
+                    py_parents.append(-1 if p is None else p)
+                else:
+                    py_ids.append(-1)
+                    py_parents.append(-1)
+                pids.append(pid)
+                tids.append(tid)
+                kinds.append(kind)
+                names.append(nid)
+                n += 1
+    except (TypeError, OverflowError):
+        raise TraceError(f"{src} is not a usable trace: {_what_is_wrong(e)}.") from None
 
     cols: dict[str, np.ndarray] = {
-        "kind": np.array(kinds, dtype=COLUMNS["kind"]),
-        "name": np.array(names, dtype=COLUMNS["name"]),
+        "kind": np.frombuffer(kinds, dtype=np.int8)[:n].astype(COLUMNS["kind"]),
+        "name": np.frombuffer(names, dtype=np.int32)[:n].astype(COLUMNS["name"]),
     }
-    del kinds, names
-    ts_us = _numbers(src, ts, "ts", required=True)
-    del ts
-    dur_us = _numbers(src, dur, "dur", required=False)
-    del dur
-    if len(dur_us) and dur_us.min() < 0:
+    ts_us = np.frombuffer(ts, dtype=np.float64)[:n]
+    dur_us = np.frombuffer(dur, dtype=np.float64)[:n]
+    if n and dur_us.min() < 0:
         raise TraceError(f"{src} is not a usable trace: an event has a negative duration.")
     cols["ts_ns"] = np.rint(ts_us * 1000.0).astype(np.int64) + np.int64(base_ns)
     cols["dur_ns"] = np.rint(dur_us * 1000.0).astype(np.int64)
-    del ts_us, dur_us
+    del ts, dur, ts_us, dur_us
     cols["pid"] = _ids(pids)
     cols["tid"] = _ids(tids)
+    del pids, tids
     for col, values in (("device", devices), ("stream", streams), ("correlation", corrs), ("external", exts),
                         ("bytes", nbytes)):
-        cols[col] = _ints(src, values, col).astype(COLUMNS[col], copy=False)
-    del pids, tids, devices, streams, corrs, exts, nbytes
-    py_id = _ints(src, py_ids, "Python id")
-    py_parent = _ints(src, py_parents, "Python parent id")
-    del py_ids, py_parents
+        cols[col] = np.frombuffer(values, dtype=np.int64)[:n].astype(COLUMNS[col])
+    del devices, streams, corrs, exts, nbytes
+    py_id = np.frombuffer(py_ids, dtype=np.int64)[:n]
+    py_parent = np.frombuffer(py_parents, dtype=np.int64)[:n]
 
     order = np.lexsort((-cols["dur_ns"], cols["ts_ns"]))
     for col in cols:
@@ -200,25 +279,24 @@ def _build(src: str, events: list[Any], base_ns: int) -> Trace:
     return Trace(events=cols, names=list(name_ids), args=args, meta=meta, source=src)
 
 
-def _numbers(src: str, values: list[Any], key: str, required: bool) -> np.ndarray:
-    arr = np.array(values)
-    if arr.dtype.kind in "iuf" and arr.ndim == 1:
-        return arr.astype(np.float64, copy=False)
-    if len(values) == 0:
-        return np.zeros(0, dtype=np.float64)
-    bad = next(v for v in values if type(v) not in (int, float))
-    if bad is None and required:
-        raise TraceError(f"{src} is not a usable trace: a complete event has no \"{key}\".")
-    raise TraceError(f"{src} is not a usable trace: an event's \"{key}\" is {bad!r}, not a number.")
-
-
-def _ints(src: str, values: list[Any], key: str) -> np.ndarray:
-    try:
-        arr = np.array(values, dtype=np.int64)
-    except (TypeError, ValueError, OverflowError):
-        bad = next((v for v in values if type(v) is not int), None)
-        raise TraceError(f"{src} is not a usable trace: an event's \"{key}\" is {bad!r}, not an integer.") from None
-    return arr
+def _what_is_wrong(e: dict[str, Any]) -> str:
+    """The clause naming the field of event `e` that has the wrong type (the pass failed on it)."""
+    if "ts" not in e:
+        return 'a complete event has no "ts"'
+    for key in ("ts", "dur"):
+        v = e.get(key, 0)
+        if type(v) not in (int, float):
+            return f'an event\'s "{key}" is {v!r}, not a number'
+    a = e.get("args") or {}
+    for key in ("correlation", "External id", "device", "stream", "bytes", "Python id", "Python parent id"):
+        v = a.get(key)
+        if v is not None and type(v) is not int:
+            return f'an event\'s "{key}" is {v!r}, not an integer'
+    for key in ("pid", "tid"):
+        v = e.get(key)
+        if type(v) is not int:
+            return f'an event\'s "{key}" is {v!r}, not an integer'
+    return "an event has a field of the wrong type"
 
 
 def _ids(values: list[Any]) -> np.ndarray:
