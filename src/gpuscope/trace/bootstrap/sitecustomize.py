@@ -87,6 +87,16 @@ class _Tracer:
     def on_torch_imported(self):
         if self.thread is not None:
             return
+        # The profiler's start imports torch packages that torch itself loads lazily (torch._dynamo,
+        # torch._inductor). Imported by the profiler thread while the program's thread imports them too
+        # (an optimizer's first step does), they deadlock or come out half-initialised: seen on the H200
+        # as "_DeadlockError: deadlock detected by _ModuleLock('torch._dynamo')". So they are imported
+        # here, on the thread that imported torch, before the profiler thread exists.
+        for name in ("torch.profiler", "torch._dynamo"):
+            try:
+                __import__(name)
+            except Exception:
+                pass
         self.thread = threading.Thread(target=self._guarded, name="gpuscope-trace", daemon=True)
         self.thread.start()
         atexit.register(self.flush)
