@@ -111,3 +111,20 @@ def test_svg_renders_in_chromium(tmp_path):
         page.screenshot(path=str(ARTIFACTS / "trace-flame-healthy_training.png"), full_page=True)
         browser.close()
     assert not errors and rects > 50 and width >= 1100
+
+
+def test_the_flame_verb_writes_svg_or_speedscope_and_refuses_bad_paths(tmp_path, capsys):
+    from gpuscope.cli import main
+
+    fixture = str(Path(__file__).parent / "fixtures" / "traces" / "launch_bound.pt.trace.json.gz")
+    assert main(["trace", "flame", fixture, "--out", str(tmp_path / "f.svg")]) == 0
+    ET.parse(tmp_path / "f.svg")
+    assert main(["trace", "flame", fixture, "--out", str(tmp_path / "f.json")]) == 0
+    assert json.loads((tmp_path / "f.json").read_text())["$schema"] == SPEEDSCOPE_SCHEMA
+    capsys.readouterr()
+    for out in (str(tmp_path / "f.txt"), str(tmp_path / "missing" / "f.svg")):
+        assert main(["trace", "flame", fixture, "--out", out]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("gpuscope: ") and len(err.splitlines()) == 1
+    assert main(["trace", "flame", str(tmp_path / "none.json.gz"), "--out", str(tmp_path / "g.svg")]) == 2
+    assert "no such file" in capsys.readouterr().err

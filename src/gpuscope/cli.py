@@ -663,7 +663,8 @@ def _alerts_list(args: argparse.Namespace) -> int:
 
 # `gpuscope trace ACTION`: each action is a module with HELP, add_arguments(parser) and run(args) -> int;
 # a new action is one line here.
-_TRACE_ACTIONS = {"analyze": ".trace.cli_analyze", "run": ".trace.run", "merge": ".trace.merge"}
+_TRACE_ACTIONS = {"analyze": ".trace.cli_analyze", "run": ".trace.run", "merge": ".trace.merge",
+                  "flame": ".trace.cli_flame"}
 
 
 def _trace(args: argparse.Namespace) -> int:
