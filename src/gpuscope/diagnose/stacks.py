@@ -30,6 +30,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,6 +49,7 @@ _TORCH_PATHS = ("/torch/nn/", "/torch/optim/", "/torch/autograd/", "/torch/_tens
 _LIB_MARKERS = ("/site-packages/", "/dist-packages/", "/lib/python3", "<frozen")
 _MATMUL = re.compile(r"\w\s*@\s*\w")
 _FRAME = re.compile(r"^(?P<func>.*?) \((?P<file>.*?):(?P<line>\d+)\)$")
+_PROFILER_FRAME = re.compile(r"^(?P<file>.*)\((?P<line>\d+)\): (?P<func>.*)$")
 
 
 @dataclass
@@ -115,6 +117,32 @@ def classify_stack(frames: list[tuple[str, str, int]]) -> tuple[str, tuple[str, 
     if any(p in f for f in files for p in _TORCH_PATHS) or "torch." in source or _MATMUL.search(source):
         return "launch", at
     return "other", at
+
+
+_BUILTIN = re.compile(r"^<built-in (?:method|function) (\w+)")
+_SYNC_BUILTINS = frozenset(("item", "cpu", "tolist", "numpy", "synchronize", "_local_scalar_dense"))
+
+
+def classify_profiler_frames(names: list[str], is_user_file: Callable[[str], bool]) -> str:
+    """The kind of one stack from a PyTorch profiler trace: its Python frame names, root first
+    (`input_starved.py(13): load_batch`, `<built-in method item of Tensor object at 0x...>`).
+
+    The profiler names library files relative to sys.path (`numpy/_core/numeric.py`) and shows the C
+    methods called, where py-spy shows neither; `is_user_file` tells the program's files from libraries'.
+    """
+    frames = []
+    for name in names:
+        b = _BUILTIN.match(name)
+        if b is not None:
+            if b.group(1) in _SYNC_BUILTINS:  # the profiler names the call that waits, py-spy its source line
+                return "sync"
+            continue
+        m = _PROFILER_FRAME.match(name)
+        if m is None:
+            continue
+        path = m["file"] if is_user_file(m["file"]) else "/site-packages/" + m["file"]
+        frames.append((m["func"], path, int(m["line"])))
+    return classify_stack(frames)[0]
 
 
 def parse_raw(text: str, pid: int, seconds: float = 0.0) -> HostProfile:

@@ -26,22 +26,24 @@ def run(args: argparse.Namespace) -> int:
     from .analyze import analyze, stragglers
     from .kineto import load
     from .rules import as_dicts, findings
+    from .verdicts import verdicts
 
     if args.top < 1:
         raise UsageError(f"--top must be 1 or more, not {args.top}.")
     traces = [load(f) for f in args.files]
     reports = [analyze(t) for t in traces]
     found = [findings(t) for t in traces]
+    judged = [verdicts(t, r, f) for t, r, f in zip(traces, reports, found, strict=True)]
     slow = stragglers(traces)
     if args.json:
-        doc: dict[str, Any] = {"traces": [{**r.to_dict(), "findings": as_dicts(f)}
-                                          for r, f in zip(reports, found, strict=True)],
+        doc: dict[str, Any] = {"traces": [{**r.to_dict(), "verdicts": [vars(v) for v in vs], "findings": as_dicts(f)}
+                                          for r, f, vs in zip(reports, found, judged, strict=True)],
                                "stragglers": [vars(s) for s in slow]}
         json.dump(doc, sys.stdout, indent=1)
         sys.stdout.write("\n")
         return 0
-    for r, f in zip(reports, found, strict=True):
-        _print_report(r, args.top)
+    for r, f, vs in zip(reports, found, judged, strict=True):
+        _print_report(r, args.top, [f"Verdict {v.kind} ({v.confidence:.0%}): {v.summary}" for v in vs])
         print("Findings" + ("" if f else "\n  (none)\n"))
         for d in as_dicts(f):
             print(f"  [{d['severity']}] {d['rule']}: {d['summary']}\n    fix: {d['fix']}\n")
@@ -81,9 +83,10 @@ def _table(title: str, header: list[str], rows: list[list[str]]) -> None:
     print()
 
 
-def _print_report(r: Any, top: int) -> None:
+def _print_report(r: Any, top: int, verdicts: list[str]) -> None:
     rank = "" if r.rank is None else f" (rank {r.rank})"
     print(f"== {r.source}{rank}: {r.events} events\n")
+    print("\n".join(verdicts) + "\n" if verdicts else "Verdict: none (no GPU work in the trace)\n")
     _table("temporal breakdown (HTA: share of the span from the first GPU op to the last)",
            ["device", "span", "idle", "compute", "non-compute", ""],
            [[str(t.device), _ms(t.span_ns), f"{t.idle_ratio:.1%}", f"{t.compute_ratio:.1%}",

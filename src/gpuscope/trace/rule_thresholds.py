@@ -62,5 +62,25 @@ class RuleThresholds:
     #: 0 means Kineto could not compute it (e.g. cluster-launched cuBLAS kernels), not "empty".
     occupancy_low_pct: float = 25.0
 
+    # -- verdicts (`gpuscope.trace.verdicts`): one bottleneck per GPU from the evidence above -------
+    #: Copies busy this share of the GPU's active span, longer than its kernels: transfer-bound.
+    transfer_min_share: float = 0.5
+    #: ... and from pageable memory when this share of the copy time is.
+    transfer_pageable_share: float = 0.5
+    #: GPU idle at most this share of its active span: the host keeps it fed; what limits the kernels
+    #: (math or memory) needs hardware counters, which a trace lacks.
+    busy_max_idle_share: float = 0.20
+    #: Matrix-multiply / convolution kernels this share of the kernel time: compute-bound work (the
+    #: metrics' tensor-pipe cut); a training step with much of its time in elementwise and optimizer
+    #: kernels is a healthy mix, not compute-bound.
+    gemm_min_share: float = 0.6
+    #: A cause (syncs, tiny kernels, what the host did in the gaps) explaining this share of the idle
+    #: time is certain; less is the likeliest cause, said with less confidence. An idle share below
+    #: `gap_idle_share` also lowers the confidence: the GPU is then not mostly waiting.
+    cause_min_share: float = 0.5
+    #: Moments in the GPU's idle time at which the host's stack is read, spread evenly over it: 200
+    #: puts a share's sampling error under ~4 points, like py-spy's 2 s at 100 Hz.
+    idle_samples: int = 200
+
 
 DEFAULT = RuleThresholds()
