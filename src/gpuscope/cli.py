@@ -15,7 +15,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from typing import Any
 
 from . import __version__
@@ -139,6 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     dg.add_argument("--stacks", action="store_true",
                     help="when a GPU waits on a busy CPU thread, sample that process's Python stacks for 2 s "
                          "(py-spy; needs permission to trace it) to tell launch-, sync- and input-bound apart")
+    dg.add_argument("--trace", nargs="+", metavar="FILE", default=None,
+                    help="PyTorch profiler / `gpuscope trace` files of the GPUs' processes: a GPU that waits on "
+                         "its host takes the trace's verdict (sync-, launch-, input-bound, ... for certain); a "
+                         "trace that disagrees with a clear verdict is shown as a note")
 
     r = sub.add_parser("run", help="run a command, watch the GPUs meanwhile, say what limited it",
                        description="Runs CMD (and its children), samples the GPUs at 10 Hz, shows a live status "
@@ -486,9 +490,13 @@ def _diagnose(args: argparse.Namespace) -> int:
 
     _check_sim(args)
     if args.since is not None or args.start is not None:
+        if args.trace:
+            raise UsageError("--trace refines a diagnosis of the last --seconds, not of a past range; drop one.")
         return _diagnose_range(args)
     if args.seconds < DEFAULT.min_window_s:
         raise UsageError(f"--seconds must be at least {DEFAULT.min_window_s:g}: a shorter window is no steady state.")
+    traced = _trace_verdicts(args.trace) if args.trace else None  # a bad file fails before the wait
+    gpu_of_pid: dict[int, str] = {}
     data = None
     if args.simulate is None:
         data = _diagnose_from_agent(args)
@@ -506,8 +514,17 @@ def _diagnose(args: argparse.Namespace) -> int:
         from .diagnose import Profiler
 
         profiler = Profiler() if args.stacks and sampler.simulated is None else None
-        verdicts = diagnose(windows_from_snapshots(list(sampler.history)), profiler=profiler)
+        windows = windows_from_snapshots(list(sampler.history))
+        gpu_of_pid = {p.pid: w.gpu for w in windows for p in w.processes}
+        verdicts = diagnose(windows, profiler=profiler)
         data = {"simulated": sampler.simulated, "verdicts": [asdict(v) for v in verdicts]}
+    if traced is not None:
+        from .diagnose import Verdict
+        from .trace.verdicts import refine
+
+        names = {f.name for f in fields(Verdict)}
+        metric = [Verdict(**{k: v for k, v in d.items() if k in names}) for d in data["verdicts"]]
+        data["verdicts"] = [asdict(v) for v in refine(metric, traced, gpu_of_pid)]
     if args.json:
         print(json.dumps(data, indent=1, default=str))
         return EXIT_OK
@@ -521,6 +538,17 @@ def _diagnose(args: argparse.Namespace) -> int:
         for r in v["recommendations"][:1] if v["kind"] not in ("healthy", "idle") else []:
             print(f"{'':31}-> {r}")
     return EXIT_OK
+
+
+def _trace_verdicts(files: list[str]) -> list[Any]:
+    from .trace.kineto import load
+    from .trace.model import TraceError
+    from .trace.verdicts import verdicts
+
+    try:
+        return [v for f in files for v in verdicts(load(f))]
+    except TraceError as e:
+        raise UsageError(str(e)) from None
 
 
 def _diagnose_range(args: argparse.Namespace) -> int:
