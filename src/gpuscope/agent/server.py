@@ -2,7 +2,7 @@
 
 Scrapes and API reads never call NVML: they read the sampler's latest snapshot or the store.
 Bound to loopback, reads are open; bound beyond it, every request needs the bearer token. Nothing
-here changes state yet; anything that will (traces on demand) requires the token wherever bound.
+here changes state but POST /api/v1/trace (trace_api.py), which requires the token wherever bound.
 Every bad request ends in a 4xx with a JSON body {"error": "one sentence"}.
 """
 
@@ -144,6 +144,9 @@ class Api:
                 "/api/v1/diagnose": "verdicts over the last ?window=30s (the in-memory history), or over a past "
                                     "?start=&end= range from the store (spans, share, overall)",
                 "/api/v1/alerts": "firing, pending and recently resolved alerts, the rules and the notifiers",
+                "/api/v1/trace": "POST {\"duration\": \"5s\", \"pids\": [..]} (token): ask the processes started "
+                                 "with gpuscope trace --on-demand to trace",
+                "/api/v1/traces": "the traces they wrote or refused; /api/v1/traces/ID/kernels: kernel statistics",
                 "/ui/": "the web dashboard",
             },
         })
@@ -298,9 +301,11 @@ def _prefers_html(accept: str) -> bool:
 
 def make_app(agent: Any, max_request_bytes: int = 65536) -> web.Application:
     from ..web.local import AgentBackend
+    from .trace_api import register as register_traces
 
     api = Api(agent)
     app = web.Application(middlewares=[api.guard], client_max_size=max_request_bytes)
     api.routes(app)
+    register_traces(app, agent)
     ui.add_ui_routes(app, AgentBackend(agent))
     return app

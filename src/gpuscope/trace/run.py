@@ -5,7 +5,10 @@ the program's own sitecustomize still runs): every Python process of the command
 and initialises CUDA runs the PyTorch profiler for a window, by default 10 s after a 5 s warm-up
 (`--delay`, `--duration`), or a window every `--every`, and writes its own Kineto trace into `--out`
 (see bootstrap/sitecustomize.py). With `--samples` the GPUs are sampled at 10 Hz meanwhile and each
-trace is also written as a Perfetto timeline with the GPU's metrics as counter tracks.
+trace is also written as a Perfetto timeline with the GPU's metrics as counter tracks. With
+`--on-demand` there is no window of its own: each process waits for the agent's requests
+(`POST /api/v1/trace`) in `--agent-dir`/trace-requests and writes into `--agent-dir`/traces, within
+a duty budget (trace/ondemand.py).
 
 Signals and exit code as `gpuscope run`: a SIGINT or SIGTERM sent to gpuscope alone is forwarded to
 CMD and its processes (each flushes its trace as it exits), a second one terminates CMD, and the exit
@@ -39,13 +42,15 @@ NO_TRACE = ("no trace: the program never initialised CUDA through PyTorch; "
 
 
 def environment(out_dir: str, delay_s: float, duration_s: float, every_s: float, stack: bool,
-                run_id: str, base: dict[str, str] | None = None) -> dict[str, str]:
+                run_id: str, base: dict[str, str] | None = None, requests_dir: str | None = None) -> dict[str, str]:
     """CMD's environment: ours plus the bootstrap first on PYTHONPATH and the tracing settings."""
     env = dict(os.environ if base is None else base)
     env["PYTHONPATH"] = os.pathsep.join([BOOTSTRAP_DIR] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.update({"GPUSCOPE_TRACE_DIR": os.path.abspath(out_dir), "GPUSCOPE_TRACE_DELAY_S": repr(delay_s),
                 "GPUSCOPE_TRACE_DURATION_S": repr(duration_s), "GPUSCOPE_TRACE_EVERY_S": repr(every_s),
                 "GPUSCOPE_TRACE_STACK": "1" if stack else "0", "GPUSCOPE_TRACE_RUN": run_id})
+    if requests_dir:
+        env["GPUSCOPE_TRACE_ON_DEMAND"] = os.path.abspath(requests_dir)
     return env
 
 
@@ -58,7 +63,7 @@ def check_windows(delay_s: float, duration_s: float, every_s: float) -> None:
 
 def trace(cmd: list[str], *, out_dir: str = "gpuscope-traces", delay_s: float = 5.0, duration_s: float = 10.0,
         every_s: float = 0.0, stack: bool = True, samples: bool = False, simulate: str | None = None,
-        gpus: int | None = None) -> tuple[int, dict[str, Any]]:
+        gpus: int | None = None, requests_dir: str | None = None) -> tuple[int, dict[str, Any]]:
     """Run `cmd` traced; return (the exit code to use, what was written: {"processes": [...], "traces": [...]})."""
     _check(cmd)
     check_windows(delay_s, duration_s, every_s)
@@ -94,7 +99,8 @@ def trace(cmd: list[str], *, out_dir: str = "gpuscope-traces", delay_s: float = 
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     started = time.time()
     try:
-        child = _start(cmd, environment(out_dir, delay_s, duration_s, every_s, stack, run_id))
+        child = _start(cmd, environment(out_dir, delay_s, duration_s, every_s, stack, run_id,
+                                        requests_dir=requests_dir))
         if interrupts:
             child.send_signal(signal.SIGINT)
         if sampler is not None:
@@ -202,8 +208,17 @@ def run(args: Any) -> int:
     if args.gpus is not None and args.simulate is None:
         print("gpuscope: --gpus only applies to a simulated node; add --simulate SCENARIO.", file=sys.stderr)
         return 2
+    if args.agent_dir and not args.on_demand:
+        print("gpuscope: --agent-dir only applies with --on-demand.", file=sys.stderr)
+        return 2
+    out, requests_dir = args.out, None
+    if args.on_demand:
+        from ..agent.config import default_data_dir
+
+        agent_dir = args.agent_dir or str(default_data_dir())
+        out, requests_dir = os.path.join(agent_dir, "traces"), os.path.join(agent_dir, "trace-requests")
     try:
-        code, report = trace(cmd, out_dir=args.out, delay_s=args.delay, duration_s=args.duration,
+        code, report = trace(cmd, out_dir=out, requests_dir=requests_dir, delay_s=args.delay, duration_s=args.duration,
                            every_s=args.every or 0.0, stack=not args.no_stack, samples=args.samples,
                            simulate=args.simulate, gpus=args.gpus)
     except RunError as e:
@@ -225,6 +240,12 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--duration", type=interval, default=10.0, help="how long each window traces (default 10s)")
     p.add_argument("--every", type=interval, default=None,
                    help="trace a --duration window this often (e.g. 5m) instead of once")
+    p.add_argument("--on-demand", action="store_true",
+                   help="no window of its own: trace when the agent asks (POST /api/v1/trace), at most 1 %% of "
+                        "wall time; traces go to the agent's data directory, --out/--delay/--duration/--every do not apply")
+    p.add_argument("--agent-dir", metavar="DIR",
+                   help="with --on-demand: the agent's data directory (default: the agent's default, "
+                        "/var/lib/gpuscope as root, else ~/.local/share/gpuscope)")
     p.add_argument("--no-stack", action="store_true", help="leave out Python stacks (smaller, cheaper traces)")
     p.add_argument("--samples", action="store_true",
                    help="sample the GPUs at 10 Hz meanwhile and also write each trace as <name>.perfetto.json.gz "

@@ -17,6 +17,12 @@ that option (older torch) the callbacks are thread-local and only kernels and Py
 threads are seen, which the status file says. Start and stop happen on that one thread because a
 thread-local profiler state can only be popped by the thread that pushed it.
 
+On demand (`gpuscope trace --on-demand`, or GPUSCOPE_TRACE_ON_DEMAND=<request dir> with
+GPUSCOPE_TRACE_DIR=<trace dir> set by hand) there is no window of its own: the thread registers the
+process in the request directory, looks there once a second (one stat()) for a request addressed to
+its pid or to all, and traces for as long as asked within its duty budget (../ondemand.py, loaded by
+path, holds the protocol and the budget; GPUSCOPE_TRACE_MAX_DUTY, default 0.01).
+
 It must never break the program: every failure is swallowed (one line on stderr when the profiler
 cannot start, such as when another profiler holds CUPTI), nothing is printed to stdout, and the
 program's own sitecustomize (next on sys.path) still runs. Only the standard library is used: the
@@ -56,6 +62,7 @@ class _Tracer:
         self.duration_s = _number("GPUSCOPE_TRACE_DURATION_S", 10)
         self.every_s = _number("GPUSCOPE_TRACE_EVERY_S", 0)
         self.with_stack = os.environ.get("GPUSCOPE_TRACE_STACK", "1") == "1"
+        self.requests_dir = os.environ.get("GPUSCOPE_TRACE_ON_DEMAND", "")
         self.pid = os.getpid()
         self.exiting = threading.Event()
         self.done = threading.Event()
@@ -130,7 +137,9 @@ class _Tracer:
                        "pid": self.pid, "rank": rank,
                        "argv": list(sys.argv), "torch": getattr(torch, "__version__", "?"),
                        "cuda_initialised_unix_ns": time.time_ns(), "traces": []}
-        self._write_status(status="waiting")
+        self._write_status(status="on_demand" if self.requests_dir else "waiting")
+        if self.requests_dir:
+            return self._on_demand(torch)
         window = 0
         while True:
             start_at = cuda_at + self.delay_s + window * self.every_s
@@ -151,6 +160,50 @@ class _Tracer:
             if self.every_s <= 0 or self.exiting.is_set():
                 return
             window += 1
+
+    def _on_demand(self, torch):
+        od = _ondemand()
+        host, since = socket.gethostname(), time.time()
+        budget = od.Budget(_number("GPUSCOPE_TRACE_MAX_DUTY", od.DEFAULT_MAX_DUTY))
+        watcher = od.Watcher(self.requests_dir)
+        me = {"host": host, "pid": self.pid, "rank": self._rank(), "since_unix": since,
+              "trace_dir": self.out_dir, "max_duty": budget.max_duty, "next_allowed_unix": None}
+        od.register(self.requests_dir, me)
+        try:
+            while not self.exiting.wait(1.0):
+                if not watcher.changed():
+                    continue
+                for req in od.pending_for(self.requests_dir, self.pid, host, since):
+                    try:
+                        self._answer(od, torch, req, budget, host)
+                    except Exception as e:  # this request failed; the next one may not
+                        od.mark_done(self.requests_dir, req["id"], host, self.pid, status="failed",
+                                     reason=f"{type(e).__name__}: {e}", duration_s=req["duration_s"])
+                    od.register(self.requests_dir, dict(me, next_allowed_unix=budget.next_allowed_unix()))
+                    if self.exiting.is_set():
+                        return
+        finally:
+            od.unregister(self.requests_dir, host, self.pid)
+
+    def _answer(self, od, torch, req, budget, host):
+        """One request: refused (and why), or traced and written, with its answer beside it."""
+        answer = {"duration_s": req["duration_s"], "rank": self._rank()}
+        why = budget.refuse(req["duration_s"])
+        if why:
+            od.mark_done(self.requests_dir, req["id"], host, self.pid, status="refused", reason=why, **answer)
+            return
+        prof, all_threads, error = self._start(torch)
+        if prof is None:
+            od.mark_done(self.requests_dir, req["id"], host, self.pid, status="profiler_failed", reason=error, **answer)
+            return
+        budget.spend(time.monotonic(), req["duration_s"])
+        started = {"unix_ns": time.time_ns(), "monotonic_ns": time.monotonic_ns()}
+        self.exiting.wait(req["duration_s"])
+        meta = self._stop_and_write(prof, 0, started, all_threads, suffix="." + req["id"])
+        kept = ("file", "profiler_start_unix_ns", "profiler_stop_unix_ns", "cpu_ops_all_threads", "with_stack")
+        od.mark_done(self.requests_dir, req["id"], host, self.pid, status="written", reason="",
+                     cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+                     **answer, **{k: meta[k] for k in kept})
 
     def _start(self, torch):
         from torch.profiler import ProfilerActivity, profile
@@ -173,10 +226,11 @@ class _Tracer:
             return None, False, f"{type(e).__name__}: {first}"
         return prof, all_threads, ""
 
-    def _stop_and_write(self, prof, window, started, all_threads):
+    def _stop_and_write(self, prof, window, started, all_threads, suffix=None):
         stopped_ns = time.time_ns()
         prof.stop()
-        suffix = f".w{window}" if self.every_s > 0 else ""
+        if suffix is None:
+            suffix = f".w{window}" if self.every_s > 0 else ""
         path = self._stem() + suffix + ".pt.trace.json.gz"
         raw = self._stem() + suffix + ".pt.trace.json.tmp"
         meta = {"host": socket.gethostname(), "pid": self.pid, "rank": self._rank(), "window": window,
@@ -195,6 +249,7 @@ class _Tracer:
                     pass
         self.status["traces"].append(dict(meta, file=os.path.basename(path)))
         self._write_status(status="written")
+        return self.status["traces"][-1]
 
     # -- exit ------------------------------------------------------------------------------------------
     def flush(self):
@@ -215,6 +270,16 @@ class _Tracer:
     def after_fork_in_child(self):
         self.pid = os.getpid()
         self.thread = None  # threads do not survive fork; the child traces only if it imports torch itself
+
+
+def _ondemand():
+    """trace/ondemand.py by its path, as a private module: importing gpuscope here would run the
+    package's __init__ (numpy and more) inside the traced program, which may not even have it."""
+    path = os.path.join(os.path.dirname(_HERE), "ondemand.py")
+    spec = importlib.util.spec_from_file_location("_gpuscope_trace_ondemand", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _gzip_with_key(src, dst, key, value):

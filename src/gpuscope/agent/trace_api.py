@@ -1,0 +1,256 @@
+"""Traces on demand through the agent: POST /api/v1/trace, GET /api/v1/traces, GET /api/v1/traces/<id>/kernels.
+
+The agent never runs anything a request names: it writes a request file into DATA_DIR/trace-requests
+and the processes that opted in (`gpuscope trace --on-demand -- CMD`) decide, under their own duty
+budget, whether to trace (trace/ondemand.py holds the protocol). A thread here picks up each trace
+they write into DATA_DIR/traces, computes its kernel statistics once (cached beside the trace as
+<file>.kernels.json) and stores, at the trace's end, per GPU and kernel (the 20 longest in total,
+the rest as kernel="other"):
+
+    gpu_kernel_time_seconds{kernel, gpu}   GPU time of the kernel in that window, seconds
+    gpu_kernel_launches{kernel, gpu}       how many times it ran in that window
+
+`gpu` is the CUDA device index inside the process mapped through its CUDA_VISIBLE_DEVICES when that
+lists indices; it matches the agent's NVML index unless CUDA orders the devices differently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+import socket
+import threading
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from ..trace import ondemand as od
+from ..web.api import error_response, json_response
+from .timeparse import TimeError, parse_duration
+
+log = logging.getLogger("gpuscope.agent.traces")
+
+TOP_KERNELS = 20           # kernel names stored per GPU and trace; the rest are summed as "other"
+CACHED_KERNELS = 200       # kernel names kept per GPU in <file>.kernels.json
+SCAN_INTERVAL_S = 1.0
+NO_ONE = "no process opted in: start it with gpuscope trace --on-demand -- ..."
+_ID = re.compile(r"[0-9a-f]{16}")
+
+
+class TraceBadRequest(Exception):
+    pass
+
+
+def short_name(kernel: str) -> str:
+    """A kernel's name without its return type, template and parameter lists, at most 80 characters:
+    'void at::native::vectorized_elementwise_kernel<4, ...>(int, ...)' -> 'at::native::vectorized_elementwise_kernel'."""
+    name = kernel.strip()
+    if name.startswith("void "):
+        name = name[5:]
+    cut = min((i for i in (name.find("<"), name.find("(")) if i > 0), default=len(name))
+    return name[:cut].strip()[:80] or kernel[:80]
+
+
+def _gpu_labels(visible: str | None) -> dict[int, str]:
+    parts = [p.strip() for p in (visible or "").split(",") if p.strip()]
+    return {i: p for i, p in enumerate(parts)} if parts and all(p.isdigit() for p in parts) else {}
+
+
+def kernel_table(path: str, visible: str | None) -> list[dict[str, Any]]:
+    """Per GPU and kernel name: count, total/p50/p99 time and launch delay p50 (seconds), longest first."""
+    import numpy as np
+
+    from ..trace.analyze import _launcher_rows, kernel_stats
+    from ..trace.kineto import load
+    from ..trace.model import EventKind
+
+    trace = load(path)
+    ev = trace.events
+    kernels = np.flatnonzero(ev["kind"] == EventKind.KERNEL)
+    labels = _gpu_labels(visible)
+    out = []
+    for device in np.unique(ev["device"][kernels]):
+        rows = kernels[ev["device"][kernels] == device]
+        gpu = labels.get(int(device), str(int(device)))
+        for k in kernel_stats(trace, rows, _launcher_rows(trace, rows))[:CACHED_KERNELS]:
+            out.append({"gpu": gpu, "name": k.name, "short_name": short_name(k.name), "count": k.count,
+                        "total_s": k.total_ns / 1e9, "p50_s": k.p50_ns / 1e9, "p99_s": k.p99_ns / 1e9,
+                        "launch_delay_p50_s": None if k.launch_delay_p50_ns is None else k.launch_delay_p50_ns / 1e9})
+    return out
+
+
+def store_rows(kernels: list[dict[str, Any]]) -> tuple[list[tuple[str, dict[str, str]]], list[float]]:
+    """The store series of one trace: per GPU the TOP_KERNELS short names by time, the rest as 'other'."""
+    per: dict[tuple[str, str], list[float]] = {}
+    for k in kernels:
+        acc = per.setdefault((k["gpu"], k["short_name"]), [0.0, 0])
+        acc[0] += k["total_s"]
+        acc[1] += k["count"]
+    series: list[tuple[str, dict[str, str]]] = []
+    values: list[float] = []
+    for gpu in sorted({g for g, _ in per}):
+        ranked = sorted(((n, v) for (g, n), v in per.items() if g == gpu), key=lambda x: -x[1][0])
+        top, rest = ranked[:TOP_KERNELS], ranked[TOP_KERNELS:]
+        if rest:
+            top.append(("other", [sum(v[0] for _, v in rest), sum(v[1] for _, v in rest)]))
+        for name, (total_s, count) in top:
+            series += [("gpu_kernel_time_seconds", {"kernel": name, "gpu": gpu}),
+                       ("gpu_kernel_launches", {"kernel": name, "gpu": gpu})]
+            values += [total_s, float(count)]
+    return series, values
+
+
+class Traces:
+    """The agent's side: requests out, traces in, their kernel statistics into the store."""
+
+    def __init__(self, agent: Any) -> None:
+        self.agent = agent
+        self.requests_dir = str(agent.cfg.data_path / "trace-requests")
+        self.traces_dir = str(agent.cfg.data_path / "traces")
+        self.host = socket.gethostname()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._failed: set[str] = set()
+
+    # -- the ingest thread -------------------------------------------------------------------------
+    async def start(self, _app: web.Application) -> None:
+        for d in (self.requests_dir, self.traces_dir):
+            os.makedirs(d, exist_ok=True)
+        self._thread = threading.Thread(target=self._loop, name="gpuscope-traces", daemon=True)
+        self._thread.start()
+
+    async def stop(self, _app: web.Application) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(SCAN_INTERVAL_S):
+            try:
+                self.ingest()
+            except Exception:  # noqa: BLE001 - the agent keeps sampling and serving
+                log.exception("ingesting traces failed")
+
+    def ingest(self) -> None:
+        """Kernel statistics of every written trace not seen yet: cached, and into the store."""
+        for done in od.list_traces(self.requests_dir):
+            file = done.get("file")
+            if done.get("status") != "written" or not isinstance(file, str) or file in self._failed:
+                continue
+            path = os.path.join(self.traces_dir, os.path.basename(file))
+            cache = path + ".kernels.json"
+            if os.path.exists(cache) or not os.path.exists(path):
+                continue
+            try:
+                kernels = kernel_table(path, done.get("cuda_visible_devices"))
+            except Exception as e:  # noqa: BLE001 - an unreadable trace is reported, not retried
+                self._failed.add(file)
+                log.warning("trace %s: no kernel statistics (%s: %s)", file, type(e).__name__, e)
+                continue
+            tmp = f"{cache}.tmp"
+            Path(tmp).write_text(json.dumps({"kernels": kernels}))
+            os.replace(tmp, cache)
+            series, values = store_rows(kernels)
+            end_ns = int(done.get("profiler_stop_unix_ns") or 0)
+            if series and end_ns > 0 and self.agent.store is not None:
+                self.agent.store.append_batch(series, [end_ns], [values])
+            log.info("trace %s: %d kernel name(s) stored", file, len(kernels), extra={"f_event": "trace"})
+
+    def _kernels(self, done: dict[str, Any]) -> list[dict[str, Any]] | None:
+        file = done.get("file")
+        if not isinstance(file, str):
+            return None
+        try:
+            with open(os.path.join(self.traces_dir, os.path.basename(file)) + ".kernels.json") as f:
+                kernels = json.load(f)["kernels"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        return kernels if isinstance(kernels, list) else None
+
+    # -- HTTP --------------------------------------------------------------------------------------
+    async def request_trace(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        try:
+            doc = json.loads(body) if body.strip() else {}
+        except ValueError:
+            return error_response(400, 'The body must be JSON such as {"duration": "5s", "pids": [1234]}.')
+        try:
+            duration_s, pids = _parse_request(doc)
+        except (TraceBadRequest, TimeError) as e:
+            return error_response(400, str(e))
+        live = await asyncio.get_running_loop().run_in_executor(None, od.opted_in, self.requests_dir, self.host)
+        targets = live if pids == "all" else [p for p in live if p["pid"] in pids]
+        if not live:
+            return error_response(409, NO_ONE)
+        if not targets:
+            return error_response(409, f"none of the pids {pids} opted in; these did: {sorted(p['pid'] for p in live)}.")
+        od.expire_requests(self.requests_dir)
+        req = od.write_request(self.requests_dir, duration_s, pids, host=self.host)
+        log.info("trace requested: %g s from %s", duration_s, pids, extra={"f_event": "trace_request"})
+        return json_response({"id": req["id"], "duration_s": duration_s, "processes": [
+            {k: p.get(k) for k in ("pid", "host", "rank", "max_duty", "next_allowed_unix")} for p in targets]},
+            status=202)
+
+    async def list_(self, request: web.Request) -> web.Response:
+        def run() -> list[dict[str, Any]]:
+            out = []
+            for d in od.list_traces(self.requests_dir)[:200]:
+                kernels = self._kernels(d) if d.get("status") == "written" else None
+                start = d.get("profiler_start_unix_ns")
+                out.append({"id": d.get("id"), "pid": d.get("pid"), "host": d.get("host"), "rank": d.get("rank"),
+                            "status": d.get("status"), "reason": d.get("reason") or None,
+                            "start_unix": start / 1e9 if isinstance(start, int) else None,
+                            "duration_s": d.get("duration_s"), "file": d.get("file"),
+                            "kernel_names": None if kernels is None else len(kernels)})
+            return out
+
+        traces = await asyncio.get_running_loop().run_in_executor(None, run)
+        processes = await asyncio.get_running_loop().run_in_executor(None, od.opted_in, self.requests_dir, self.host)
+        return json_response({"traces": traces, "opted_in": processes})
+
+    async def kernels(self, request: web.Request) -> web.Response:
+        trace_id = request.match_info["id"]
+        if not _ID.fullmatch(trace_id):
+            return error_response(404, f"No trace with id {trace_id!r}; see /api/v1/traces.")
+        found = [d for d in od.list_traces(self.requests_dir) if d.get("id") == trace_id and d.get("status") == "written"]
+        if not found:
+            return error_response(404, f"No trace was written for request {trace_id}; see /api/v1/traces.")
+        return json_response({"id": trace_id, "traces": [
+            {"pid": d.get("pid"), "host": d.get("host"), "file": d.get("file"), "kernels": self._kernels(d)}
+            for d in found]})
+
+
+def _parse_request(doc: Any) -> tuple[float, list[int] | str]:
+    if not isinstance(doc, dict):
+        raise TraceBadRequest('The body must be a JSON object such as {"duration": "5s"}.')
+    unknown = sorted(set(doc) - {"duration", "pids"})
+    if unknown:
+        raise TraceBadRequest(f"Unknown field(s) {', '.join(unknown)}: a request has duration and pids.")
+    raw = doc.get("duration", "5s")
+    if isinstance(raw, bool) or not isinstance(raw, str | int | float):
+        raise TraceBadRequest(f"duration must be a duration such as \"5s\", not {raw!r}.")
+    duration_s = parse_duration(str(raw), "duration")
+    if not od.MIN_DURATION_S <= duration_s <= od.MAX_DURATION_S:
+        raise TraceBadRequest(f"duration must be between {od.MIN_DURATION_S:g} s and {od.MAX_DURATION_S:g} s, "
+                              f"not {duration_s:g} s.")
+    pids = doc.get("pids")
+    if pids is None:
+        return duration_s, "all"
+    if not isinstance(pids, list) or not pids or not all(isinstance(p, int) and not isinstance(p, bool) and p > 0
+                                                         for p in pids):
+        raise TraceBadRequest("pids must be a non-empty list of process ids (integers), or left out for all.")
+    return duration_s, sorted(set(pids))
+
+
+def register(app: web.Application, agent: Any) -> None:
+    """The trace routes on the agent's app, and the ingest thread for its lifetime."""
+    traces = Traces(agent)
+    app.router.add_post("/api/v1/trace", traces.request_trace)
+    app.router.add_get("/api/v1/traces", traces.list_)
+    app.router.add_get("/api/v1/traces/{id}/kernels", traces.kernels)
+    app.on_startup.append(traces.start)
+    app.on_cleanup.append(traces.stop)

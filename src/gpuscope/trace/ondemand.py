@@ -1,0 +1,233 @@
+"""Traces on demand: the file protocol between the agent and the processes that opted in.
+
+Standard library only, no relative imports, nothing newer than Python 3.8: the bootstrap (bootstrap/sitecustomize.py) loads this
+file by its path inside the traced program, where gpuscope itself may not be importable. One copy of
+the protocol, read by both sides, instead of a second one in the bootstrap that could drift.
+
+Everything lives in one request directory (the agent's `DATA_DIR/trace-requests`):
+
+    proc.<host>.<pid>.json          a process that opted in: pid, host, rank, budget (removed at exit)
+    req.<id>.json                   a request: {"id", "duration_s", "pids": [..] | "all", "created_unix"}
+    done.<id>.<host>.<pid>.json     one process's answer: status written | refused | profiler_failed,
+                                    the reason, and the trace file (in the agent's DATA_DIR/traces)
+
+Files are written to a temporary name and renamed, so a reader never sees half of one. The agent
+only writes requests; a process decides for itself, under its own duty budget, whether to trace.
+
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> register(d, {"host": "h", "pid": 7, "rank": None})
+    >>> req = write_request(d, 5.0, "all", host="h")
+    >>> [r["id"] for r in pending_for(d, 7, "h", since_unix=0)] == [req["id"]]
+    True
+    >>> mark_done(d, req["id"], "h", 7, status="refused", reason="test")
+    >>> pending_for(d, 7, "h", since_unix=0), [t["status"] for t in list_traces(d)]
+    ([], ['refused'])
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import socket
+import time
+from typing import Any
+
+MIN_DURATION_S = 1.0
+MAX_DURATION_S = 30.0
+DEFAULT_MAX_DUTY = 0.01
+# A request older than this is history: a process that opts in later does not act on it.
+REQUEST_TTL_S = 60.0
+_ID = re.compile(r"[0-9a-f]{16}")
+
+
+def _write_json(path: str, doc: dict[str, Any]) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f)
+    os.replace(tmp, path)
+
+
+def _read_json(path: str) -> dict[str, Any] | None:
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _listing(req_dir: str, prefix: str) -> list[str]:
+    try:
+        names = os.listdir(req_dir)
+    except OSError:
+        return []
+    return sorted(n for n in names if n.startswith(prefix) and n.endswith(".json"))
+
+
+# -- the agent's side -------------------------------------------------------------------------------
+def write_request(req_dir: str, duration_s: float, pids: list[int] | str, host: str | None = None) -> dict[str, Any]:
+    """Write a request for `pids` (or "all") to trace `duration_s` seconds; returns it, with its new id."""
+    os.makedirs(req_dir, exist_ok=True)
+    req = {"id": secrets.token_hex(8), "duration_s": float(duration_s), "pids": pids,
+           "host": host or socket.gethostname(), "created_unix": time.time()}
+    _write_json(os.path.join(req_dir, f"req.{req['id']}.json"), req)
+    return req
+
+
+def opted_in(req_dir: str, host: str | None = None) -> list[dict[str, Any]]:
+    """The status files of the live processes of this host that opted in (files of dead ones are removed)."""
+    host = host or socket.gethostname()
+    out = []
+    for name in _listing(req_dir, "proc."):
+        doc = _read_json(os.path.join(req_dir, name))
+        if doc is None or doc.get("host") != host or not isinstance(doc.get("pid"), int):
+            continue
+        if not _alive(doc["pid"]):
+            _remove(os.path.join(req_dir, name))  # killed before its exit hook could remove it
+            continue
+        out.append(doc)
+    return out
+
+
+def list_traces(req_dir: str) -> list[dict[str, Any]]:
+    """Every process's answer to every request (done markers), newest first."""
+    read = [_read_json(os.path.join(req_dir, n)) for n in _listing(req_dir, "done.")]
+    docs = [d for d in read if d is not None]
+    return sorted(docs, key=lambda d: -float(d.get("answered_unix") or 0))
+
+
+def expire_requests(req_dir: str, now: float | None = None) -> None:
+    """Remove requests nobody will act on any more (their answers stay)."""
+    now = time.time() if now is None else now
+    for name in _listing(req_dir, "req."):
+        path = os.path.join(req_dir, name)
+        doc = _read_json(path)
+        if doc is None or now - float(doc.get("created_unix") or 0) > REQUEST_TTL_S:
+            _remove(path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+# -- the traced process's side ----------------------------------------------------------------------
+def register(req_dir: str, status: dict[str, Any]) -> None:
+    """Say (or update) that this process takes requests: proc.<host>.<pid>.json."""
+    os.makedirs(req_dir, exist_ok=True)
+    _write_json(os.path.join(req_dir, f"proc.{status['host']}.{status['pid']}.json"), status)
+
+
+def unregister(req_dir: str, host: str, pid: int) -> None:
+    _remove(os.path.join(req_dir, f"proc.{host}.{pid}.json"))
+
+
+def pending_for(req_dir: str, pid: int, host: str, since_unix: float) -> list[dict[str, Any]]:
+    """Requests addressed to this pid (or to all) on this host, made after `since_unix`, not expired,
+    not answered yet, from a trusted writer (this process's user, root, or the directory's owner),
+    oldest first."""
+    try:
+        trusted = {os.getuid(), 0, os.stat(req_dir).st_uid}
+    except OSError:
+        return []
+    now = time.time()
+    out = []
+    for name in _listing(req_dir, "req."):
+        path = os.path.join(req_dir, name)
+        try:
+            if os.stat(path).st_uid not in trusted:
+                continue
+        except OSError:
+            continue
+        req = _read_json(path)
+        if req is None or not _valid(req) or req.get("host") != host:
+            continue
+        if req["pids"] != "all" and pid not in req["pids"]:
+            continue
+        if not since_unix <= req["created_unix"] <= now + 5 or now - req["created_unix"] > REQUEST_TTL_S:
+            continue
+        if os.path.exists(os.path.join(req_dir, f"done.{req['id']}.{host}.{pid}.json")):
+            continue
+        out.append(req)
+    return sorted(out, key=lambda r: r["created_unix"])
+
+
+def _valid(req: dict[str, Any]) -> bool:
+    """A request's fields are used in file names and as a duration: check them all, trust none."""
+    pids = req.get("pids")
+    return (isinstance(req.get("id"), str) and _ID.fullmatch(req["id"]) is not None
+            and isinstance(req.get("duration_s"), (int, float)) and not isinstance(req["duration_s"], bool)
+            and isinstance(req.get("created_unix"), (int, float))
+            and (pids == "all" or (isinstance(pids, list)
+                                  and all(isinstance(p, int) and not isinstance(p, bool) for p in pids))))
+
+
+def mark_done(req_dir: str, request_id: str, host: str, pid: int, **fields: Any) -> None:
+    """This process's answer to one request (status, reason, file, ...)."""
+    doc = {"id": request_id, "host": host, "pid": pid, "answered_unix": time.time(), **fields}
+    _write_json(os.path.join(req_dir, f"done.{request_id}.{host}.{pid}.json"), doc)
+
+
+class Watcher:
+    """Whether the request directory may hold something new, for one stat() a second: its mtime
+    changes when a file is created or renamed in it. Filesystems with coarse mtimes (1 s, 2 s) can
+    hide a second change within one tick, so a recent mtime is listed again until it is old enough."""
+
+    def __init__(self, req_dir: str) -> None:
+        self.req_dir = req_dir
+        self._seen_ns = -1
+
+    def changed(self) -> bool:
+        try:
+            mtime_ns = os.stat(self.req_dir).st_mtime_ns
+        except OSError:
+            return False
+        recent = time.time_ns() - mtime_ns < 3 * 10**9
+        if mtime_ns == self._seen_ns and not recent:
+            return False
+        self._seen_ns = mtime_ns
+        return True
+
+
+class Budget:
+    """The hard overhead budget of one process: a window of d seconds may start only d / max_duty
+    seconds after the previous window started (1 %: a 5 s window at most every 500 s), so over any
+    run of windows the profiler is on at most max_duty of the wall time. Monotonic clock."""
+
+    def __init__(self, max_duty: float = DEFAULT_MAX_DUTY) -> None:
+        self.max_duty = max_duty if 0 < max_duty <= 1 else DEFAULT_MAX_DUTY
+        self.next_allowed = float("-inf")  # monotonic seconds
+
+    def refuse(self, duration_s: float, now: float | None = None) -> str:
+        """Why a window of duration_s cannot start now, or "" when it can."""
+        now = time.monotonic() if now is None else now
+        if not MIN_DURATION_S <= duration_s <= MAX_DURATION_S:
+            return f"the duration {duration_s:g} s is outside {MIN_DURATION_S:g}..{MAX_DURATION_S:g} s"
+        if now < self.next_allowed:
+            return (f"over the duty budget of {self.max_duty * 100:g} % of wall time: the next window may "
+                    f"start in {self.next_allowed - now:.0f} s")
+        return ""
+
+    def spend(self, started: float, duration_s: float) -> None:
+        self.next_allowed = started + duration_s / self.max_duty
+
+    def next_allowed_unix(self, now: float | None = None) -> float | None:
+        if self.next_allowed == float("-inf"):
+            return None
+        now = time.monotonic() if now is None else now
+        return time.time() + max(0.0, self.next_allowed - now)

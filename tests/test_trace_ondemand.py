@@ -1,0 +1,203 @@
+"""Traces on demand: the file protocol (trace/ondemand.py), and a real agent asking a real program that
+runs under `gpuscope trace --on-demand` with a fake `torch` (as in test_trace_run.py), over HTTP."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from test_agent import AgentProc, env, http
+from test_trace_run import FAKE_TORCH, PROG
+
+from gpuscope.agent.trace_api import NO_ONE, short_name, store_rows
+from gpuscope.trace import ondemand as od
+
+TEMPLATED = "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float> >(int, float)"
+# A second kernel, with a templated name and its own launch, beside the fake's "gemm".
+SECOND_KERNEL = (
+    '{"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": pid, "tid": pid, "ts": ts + 20, '
+    '"dur": 2.0, "args": {"correlation": 8}},\n'
+    '{"ph": "X", "cat": "kernel", "name": ' + json.dumps(TEMPLATED) + ', "pid": 0, "tid": 7, "ts": ts + 25, '
+    '"dur": 4.0, "args": {"correlation": 8, "device": 0, "stream": 7}},\n'
+    '{"ph": "M", "name": "process_name"')
+
+
+# -- the protocol ----------------------------------------------------------------------------------
+def test_requests_reach_the_pids_they_name_once(tmp_path):
+    d = str(tmp_path)
+    to_all = od.write_request(d, 2, "all", host="h")
+    to_7 = od.write_request(d, 3, [7], host="h")
+    od.write_request(d, 3, [8], host="h")
+    od.write_request(d, 3, "all", host="other-host")
+    assert [r["id"] for r in od.pending_for(d, 7, "h", since_unix=0)] == [to_all["id"], to_7["id"]]
+    assert od.pending_for(d, 7, "h", since_unix=time.time() + 1) == []  # made before it opted in
+    od.mark_done(d, to_all["id"], "h", 7, status="written", file="x.pt.trace.json.gz")
+    assert [r["id"] for r in od.pending_for(d, 7, "h", since_unix=0)] == [to_7["id"]]
+    assert [t["id"] for t in od.list_traces(d)] == [to_all["id"]]
+
+
+def test_malformed_and_expired_requests_are_ignored(tmp_path):
+    d = str(tmp_path)
+    now = time.time()
+    bad = [{"id": "../../etc/passwd", "duration_s": 1, "pids": "all", "host": "h", "created_unix": now},
+           {"id": "0123456789abcdef", "duration_s": "1", "pids": "all", "host": "h", "created_unix": now},
+           {"id": "0123456789abcdee", "duration_s": 1, "pids": [True], "host": "h", "created_unix": now},
+           {"id": "0123456789abcded", "duration_s": 1, "pids": "all", "host": "h",
+            "created_unix": now - od.REQUEST_TTL_S - 1}]
+    for i, req in enumerate(bad):
+        (tmp_path / f"req.{i}.json").write_text(json.dumps(req))
+    (tmp_path / "req.junk.json").write_text("{not json")
+    assert od.pending_for(d, 7, "h", since_unix=0) == []
+    od.expire_requests(d)
+    assert sorted(p.name for p in tmp_path.glob("req.*")) == ["req.0.json", "req.1.json", "req.2.json"]
+
+
+def test_opted_in_lists_live_processes_and_forgets_dead_ones(tmp_path):
+    d = str(tmp_path)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    od.register(d, {"host": "h", "pid": os.getpid()})
+    od.register(d, {"host": "h", "pid": dead.pid})
+    assert [p["pid"] for p in od.opted_in(d, host="h")] == [os.getpid()]
+    assert not (tmp_path / f"proc.h.{dead.pid}.json").exists()
+    od.unregister(d, "h", os.getpid())
+    assert od.opted_in(d, host="h") == []
+
+
+def test_the_duty_budget_spaces_windows():
+    b = od.Budget(0.01)
+    assert b.refuse(5, now=100.0) == "" and b.next_allowed_unix(now=100.0) is None
+    b.spend(100.0, 5)
+    assert "duty budget of 1 %" in b.refuse(5, now=599.0) and "in 1 s" in b.refuse(5, now=599.0)
+    assert b.refuse(5, now=600.0) == ""
+    assert "outside 1..30 s" in b.refuse(31, now=10_000.0)
+    assert od.Budget(7).max_duty == od.DEFAULT_MAX_DUTY  # a nonsense setting cannot lift the cap
+
+
+def test_the_watcher_costs_one_stat_when_nothing_changed(tmp_path):
+    w = od.Watcher(str(tmp_path))
+    assert w.changed()
+    old = time.time_ns() - 10 * 10**9
+    os.utime(tmp_path, ns=(old, old))
+    assert w.changed() and not w.changed()
+    (tmp_path / "req.x.json").write_text("{}")
+    assert w.changed()
+    assert not od.Watcher(str(tmp_path / "absent")).changed()
+
+
+def test_kernel_names_are_shortened_and_bounded():
+    assert short_name(TEMPLATED) == "at::native::vectorized_elementwise_kernel"
+    assert short_name("gemm") == "gemm" and short_name("sm90_xmma_gemm_f16(x)") == "sm90_xmma_gemm_f16"
+    kernels = [{"gpu": "0", "short_name": f"k{i}", "total_s": float(i), "count": 1} for i in range(25)]
+    series, values = store_rows(kernels + [{"gpu": "1", "short_name": "k0", "total_s": 2.0, "count": 3}])
+    names = [lab["kernel"] for m, lab in series if m == "gpu_kernel_time_seconds" and lab["gpu"] == "0"]
+    assert len(names) == 21 and names[0] == "k24" and names[-1] == "other"
+    assert values[series.index(("gpu_kernel_time_seconds", {"kernel": "other", "gpu": "0"}))] == sum(range(5))
+    assert values[series.index(("gpu_kernel_launches", {"kernel": "k0", "gpu": "1"}))] == 3
+
+
+# -- a real agent and a real program ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def fake(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fake_ondemand")
+    (root / "torch").mkdir()
+    for name, text in FAKE_TORCH.items():
+        if name == "profiler.py":
+            assert '{"ph": "M", "name": "process_name"' in text
+            text = text.replace('{"ph": "M", "name": "process_name"', SECOND_KERNEL)
+        (root / "torch" / name).write_text(text)
+    (root / "prog.py").write_text(PROG)
+    return root
+
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory):
+    a = AgentProc(tmp_path_factory.mktemp("agent"), "--simulate", "healthy")
+    a.wait_ready()
+    yield a
+    a.stop()
+
+
+def call(agent: AgentProc, path: str, body: object = None, token: bool = True, raw: bytes | None = None):
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    code, out = http(agent.port, path, agent.token() if token else None, method="POST" if data is not None or
+                     path == "/api/v1/trace" else "GET", data=data)
+    return code, json.loads(out)
+
+
+def wait_for(what, timeout: float = 20.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        got = what()
+        if got:
+            return got
+        time.sleep(0.2)
+    raise AssertionError("timed out")
+
+
+def test_requests_are_checked(agent):
+    code, out = call(agent, "/api/v1/trace", {"duration": "1s"}, token=False)
+    assert code == 401, out
+    for body, words in [(b"{nope", "must be JSON"), (b"[1]", "JSON object"),
+                        (b'{"duration": "40s"}', "between 1 s and 30 s"), (b'{"duration": "0.5s"}', "between"),
+                        (b'{"duration": "soon"}', "not a duration"), (b'{"pids": ["12"]}', "pids must be"),
+                        (b'{"pids": []}', "pids must be"), (b'{"cmd": "rm -rf /"}', "Unknown field")]:
+        code, out = call(agent, "/api/v1/trace", raw=body)
+        assert code == 400 and words in out["error"], (body, out)
+        assert out["error"].count(". ") == 0  # one sentence
+    code, out = call(agent, "/api/v1/trace", {"duration": "1s"})
+    assert code == 409 and out["error"] == NO_ONE
+
+
+def test_a_program_traced_on_demand_through_the_agent(agent, fake):
+    e = env()
+    e["PYTHONPATH"] = f"{fake}{os.pathsep}{e['PYTHONPATH']}"
+    e.update(PROG_SLEEP="60")
+    prog = subprocess.Popen([sys.executable, "-m", "gpuscope.cli", "trace", "--on-demand", "--agent-dir",
+                             str(agent.data), "--", sys.executable, str(fake / "prog.py"), "plain"],
+                            env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        [me] = wait_for(lambda: call(agent, "/api/v1/traces")[1]["opted_in"])
+        code, out = call(agent, "/api/v1/trace", {"duration": "1s", "pids": [me["pid"] + 1]})
+        assert code == 409 and str(me["pid"]) in out["error"]
+
+        code, out = call(agent, "/api/v1/trace", {"duration": "1s", "pids": [me["pid"]]})
+        assert code == 202, out
+        assert out["processes"][0]["pid"] == me["pid"] and out["processes"][0]["max_duty"] == 0.01
+        first = out["id"]
+        listed = wait_for(lambda: [t for t in call(agent, "/api/v1/traces")[1]["traces"]
+                                   if t["id"] == first and t["kernel_names"]])
+        assert listed[0]["status"] == "written" and listed[0]["duration_s"] == 1.0
+        assert (agent.data / "traces" / listed[0]["file"]).exists()
+
+        code, out = call(agent, f"/api/v1/traces/{first}/kernels")
+        assert code == 200
+        kernels = out["traces"][0]["kernels"]
+        assert {k["short_name"] for k in kernels} == {"gemm", "at::native::vectorized_elementwise_kernel"}
+        gemm = next(k for k in kernels if k["name"] == "gemm")
+        assert gemm["count"] == 1 and gemm["total_s"] == pytest.approx(10e-6) and gemm["gpu"] == "0"
+        assert gemm["launch_delay_p50_s"] == pytest.approx(0.0)  # the fake launches end as the kernel starts
+
+        kernel_time = "/api/v1/query_range?metric=gpu_kernel_time_seconds&start=-5m&step=1s&agg=sum"
+        q = wait_for(lambda: call(agent, kernel_time)[1].get("series"), timeout=10)  # stored at the next flush
+        got = {s["labels"]["kernel"]: sum(v for v in s["values"] if v) for s in q}
+        assert got == pytest.approx({"gemm": 10e-6, "at::native::vectorized_elementwise_kernel": 4e-6}), q
+        code, q = call(agent, "/api/v1/query_range?metric=gpu_kernel_launches&start=-5m&step=1s&agg=sum&kernel=gemm")
+        assert [sum(v for v in s["values"] if v) for s in q["series"]] == [1.0]
+
+        code, out = call(agent, "/api/v1/trace", {"duration": "1s"})  # too soon after the first
+        assert code == 202 and out["processes"][0]["next_allowed_unix"] > time.time() + 60
+        second = out["id"]
+        refused = wait_for(lambda: [t for t in call(agent, "/api/v1/traces")[1]["traces"] if t["id"] == second])
+        assert refused[0]["status"] == "refused" and "duty budget of 1 %" in refused[0]["reason"]
+        assert call(agent, f"/api/v1/traces/{second}/kernels")[0] == 404
+        assert call(agent, "/api/v1/traces/nope/kernels")[0] == 404
+    finally:
+        prog.terminate()
+        _, err = prog.communicate(timeout=30)
+    assert "1 trace file(s)" in err, err
+    assert call(agent, "/api/v1/traces")[1]["opted_in"] == []  # it unregistered as it exited
