@@ -111,9 +111,10 @@ def test_top_at_120x40_shows_every_gpu_sorts_filters_and_quits_cleanly(tmux_fact
 
 def test_top_at_80x24_compacts_to_one_line_per_gpu(tmux_factory):
     t = tmux_factory(80, 24)
-    screen = t.wait(_dense_gpus, "one line per GPU for all 8 GPUs")
+    # The first frames may come before the process table has its height: wait for the whole layout.
+    screen = t.wait(lambda s: _dense_gpus(s) and len(_proc_rows(s)) >= 5,
+                    "one line per GPU for all 8 GPUs and a table of processes")
     assert "NVML util*" in screen and "PID USER" in screen
-    assert len(_proc_rows(screen)) >= 5
     assert all(len(ln) <= 80 for ln in screen.splitlines())
     t.keys("r")  # ascending SM%
     t.wait(lambda s: "SM%▲" in s, "the sort direction reversed")
