@@ -12,6 +12,7 @@ import time
 import pytest
 from test_agent import AgentProc, env, http
 from test_trace_run import FAKE_TORCH, PROG
+from test_web_chromium import Page, browser  # noqa: F401,F811 - a fixture
 
 from gpuscope.agent.trace_api import NO_ONE, short_name, store_rows
 from gpuscope.trace import ondemand as od
@@ -201,3 +202,27 @@ def test_a_program_traced_on_demand_through_the_agent(agent, fake):
         _, err = prog.communicate(timeout=30)
     assert "1 trace file(s)" in err, err
     assert call(agent, "/api/v1/traces")[1]["opted_in"] == []  # it unregistered as it exited
+
+
+def test_the_dashboard_shows_the_kernels_of_the_last_trace(tmp_path, browser):  # noqa: F811
+
+    a = AgentProc(tmp_path, "--simulate", "healthy")
+    try:
+        a.wait_ready()
+        done = {"id": "0123456789abcdef", "host": "h", "pid": 42, "status": "written", "file": "h.42.x.pt.trace.json.gz",
+                "duration_s": 5.0, "profiler_start_unix_ns": time.time_ns(), "answered_unix": time.time()}
+        (a.data / "trace-requests" / "done.0123456789abcdef.h.42.json").write_text(json.dumps(done))
+        kernels = [{"gpu": "0", "name": "<img src=x onerror=alert(1)>", "short_name": "<img src=x onerror=alert(1)>",
+                    "count": 3, "total_s": 2e-3, "p50_s": 6e-4, "p99_s": 9e-4, "launch_delay_p50_s": None},
+                   {"gpu": "0", "name": TEMPLATED, "short_name": short_name(TEMPLATED), "count": 9, "total_s": 0.5,
+                    "p50_s": 0.05, "p99_s": 0.06, "launch_delay_p50_s": 4e-6}]
+        (a.data / "traces" / (done["file"] + ".kernels.json")).write_text(json.dumps({"kernels": kernels}))
+        page = Page(browser, f"http://127.0.0.1:{a.port}").open("/ui/")
+        page.until("!document.querySelector('#kernels-box').hidden")
+        rows = page.js("[...document.querySelectorAll('#kernels tbody tr')].map(r => r.innerText)")
+        assert rows[0].split("\t")[:4] == ["at::native::vectorized_elementwise_kernel", "0", "9", "500.00 ms"]
+        assert rows[1].startswith("<img src=x onerror=alert(1)>")  # text, never markup
+        assert "pid 42, 5 s" in page.js("document.querySelector('#kernels-note').textContent")
+        assert page.errors == []
+    finally:
+        a.stop()

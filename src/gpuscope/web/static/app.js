@@ -510,6 +510,36 @@
     if (api.overview) { renderCards(api.overview); renderProcesses(api.overview); }
   }
 
+  // -- the kernels of the last trace taken on demand (gpuscope trace --on-demand, POST /api/v1/trace);
+  // only the agent has /api/v1/traces: elsewhere, or before any trace, the box stays hidden -----------
+  function seconds(v) {
+    if (v === null || v === undefined) return "–";
+    return v >= 1 ? v.toFixed(2) + " s" : v >= 1e-3 ? (v * 1e3).toFixed(2) + " ms" : (v * 1e6).toFixed(1) + " µs";
+  }
+  async function loadKernels() {
+    const list = await getJson("/api/v1/traces");
+    const last = (list.traces || []).find((t) => t.status === "written" && t.kernel_names);
+    if (!last) return;
+    const one = await getJson("/api/v1/traces/" + encodeURIComponent(last.id) + "/kernels");
+    const mine = (one.traces || []).find((t) => t.pid === last.pid);
+    if (!mine || !mine.kernels) return;
+    const kernels = mine.kernels.slice().sort((a, b) => b.total_s - a.total_s).slice(0, 20);
+    const body = $("#kernels tbody");
+    body.textContent = "";
+    for (const k of kernels) {
+      const name = el("td", "", k.short_name);
+      name.title = k.name;
+      const tr = el("tr");
+      tr.append(name, el("td", "", k.gpu), el("td", "num", String(k.count)), el("td", "num", seconds(k.total_s)),
+        el("td", "num", seconds(k.p50_s)), el("td", "num", seconds(k.p99_s)), el("td", "num", seconds(k.launch_delay_p50_s)));
+      body.appendChild(tr);
+    }
+    const at = last.start_unix ? new Date(last.start_unix * 1000).toLocaleString() : "";
+    $("#kernels-note").textContent = "pid " + last.pid + ", " + last.duration_s + " s from " + at +
+      (mine.kernels.length > kernels.length ? ", the 20 longest of " + mine.kernels.length : "");
+    $("#kernels-box").hidden = false;
+  }
+
   async function start() {
     readUrl();
     initControls();
@@ -525,6 +555,8 @@
     connect();
     await load();
     setInterval(() => { if (isLive() && loadSeq) loadTimeline(loadSeq).catch(() => {}); }, 15000);
+    loadKernels().catch(() => {});
+    setInterval(() => loadKernels().catch(() => {}), 30000);
     let resizeTimer = 0;
     window.addEventListener("resize", () => {
       clearTimeout(resizeTimer);
