@@ -173,6 +173,7 @@ def test_a_program_traced_on_demand_through_the_agent(agent, fake):
         listed = wait_for(lambda: [t for t in call(agent, "/api/v1/traces")[1]["traces"]
                                    if t["id"] == first and t["kernel_names"]])
         assert listed[0]["status"] == "written" and listed[0]["duration_s"] == 1.0
+        assert listed[0]["kernel_names"] == 2 and listed[0]["kernel_launches"] == 2
         assert (agent.data / "traces" / listed[0]["file"]).exists()
 
         code, out = call(agent, f"/api/v1/traces/{first}/kernels")

@@ -205,7 +205,8 @@ class Traces:
                             "status": d.get("status"), "reason": d.get("reason") or None,
                             "start_unix": start / 1e9 if isinstance(start, int) else None,
                             "duration_s": d.get("duration_s"), "file": d.get("file"),
-                            "kernel_names": None if kernels is None else len(kernels)})
+                            "kernel_names": None if kernels is None else len(kernels),
+                            "kernel_launches": None if kernels is None else sum(k.get("count", 0) for k in kernels)})
             return out
 
         traces = await asyncio.get_running_loop().run_in_executor(None, run)
