@@ -555,8 +555,10 @@
     connect();
     await load();
     setInterval(() => { if (isLive() && loadSeq) loadTimeline(loadSeq).catch(() => {}); }, 15000);
-    loadKernels().catch(() => {});
-    setInterval(() => loadKernels().catch(() => {}), 30000);
+    if (meta.source === "agent") {  // traces live on an agent; a Prometheus-backed page has none to ask for
+      loadKernels().catch(() => {});
+      setInterval(() => loadKernels().catch(() => {}), 30000);
+    }
     let resizeTimer = 0;
     window.addEventListener("resize", () => {
       clearTimeout(resizeTimer);
