@@ -69,6 +69,42 @@ def test_opted_in_lists_live_processes_and_forgets_dead_ones(tmp_path):
     assert od.opted_in(d, host="h") == []
 
 
+def test_planted_names_do_not_redirect_writes(tmp_path):
+    """In a directory other users can write, a symlink planted at the name a writer will use must not
+    make it write through the link (the old temporary name was predictable: <name>.<pid>.tmp)."""
+    d = str(tmp_path)
+    victim = tmp_path.parent / f"{tmp_path.name}-victim"
+    victim.write_text("precious")
+    req_id = "0123456789abcdef"
+    target = tmp_path / f"done.{req_id}.h.7.json"
+    os.symlink(victim, f"{target}.{os.getpid()}.tmp")
+    od.mark_done(d, req_id, "h", 7, status="refused", reason="test")
+    assert victim.read_text() == "precious"
+    assert json.loads(target.read_text())["status"] == "refused" and not target.is_symlink()
+
+
+def test_hostile_protocol_files_are_skipped_not_fatal(tmp_path):
+    """Files anyone with write access to the directory could plant: no exception, no hang, no
+    unbounded read, and a symlink never counts as a request."""
+    d = str(tmp_path)
+    os.mkfifo(tmp_path / "done.fifo.json")  # opening it for reading would block forever
+    os.symlink("/dev/zero", tmp_path / "done.zero.json")  # reading it would never end
+    (tmp_path / "done.big.json").write_text(json.dumps({"id": "x", "pad": "x" * (od.MAX_FILE_BYTES + 1)}))
+    (tmp_path / "done.a.json").write_text(json.dumps({"id": "a", "answered_unix": "yesterday"}))
+    (tmp_path / "done.b.json").write_text(json.dumps({"id": "b", "answered_unix": 10**400}))
+    (tmp_path / "req.c.json").write_text(json.dumps({"id": "c", "created_unix": "now"}))
+    for i, pid in enumerate([10**30, -1, 0, True]):
+        (tmp_path / f"proc.h.{i}.json").write_text(json.dumps({"host": "h", "pid": pid}))
+    real = od.write_request(d, 2, "all", host="h")
+    (tmp_path / "real.json").write_text(json.dumps(dict(real, id="0123456789abcdef")))
+    os.symlink(tmp_path / "real.json", tmp_path / "req.0123456789abcdef.json")
+    assert sorted(t["id"] for t in od.list_traces(d)) == ["a", "b"]
+    od.expire_requests(d)
+    assert not (tmp_path / "req.c.json").exists()
+    assert od.opted_in(d, host="h") == []
+    assert [r["id"] for r in od.pending_for(d, 7, "h", since_unix=0)] == [real["id"]]
+
+
 def test_the_duty_budget_spaces_windows():
     b = od.Budget(0.01)
     assert b.refuse(5, now=100.0) == "" and b.next_allowed_unix(now=100.0) is None

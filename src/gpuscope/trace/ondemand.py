@@ -32,6 +32,8 @@ import os
 import re
 import secrets
 import socket
+import stat
+import tempfile
 import time
 from typing import Any
 
@@ -41,22 +43,55 @@ DEFAULT_MAX_DUTY = 0.01
 # A request older than this is history: a process that opts in later does not act on it.
 REQUEST_TTL_S = 60.0
 _ID = re.compile(r"[0-9a-f]{16}")
+# A protocol file is a few hundred bytes; anything bigger is not one of ours (and is not read whole).
+MAX_FILE_BYTES = 64 << 10
 
 
 def _write_json(path: str, doc: dict[str, Any]) -> None:
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(doc, f)
-    os.replace(tmp, path)
+    """Through a new file of a random name (O_EXCL, no symlink followed), renamed into place: in a
+    directory other users can write, a name planted in advance must not redirect the write."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".tmp-", suffix=".json")
+    try:
+        os.fchmod(fd, 0o644)  # the other side (the agent, or the traced process's user) reads it
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f)
+        os.replace(tmp, path)
+    except BaseException:
+        _remove(tmp)
+        raise
 
 
 def _read_json(path: str) -> dict[str, Any] | None:
+    """A regular file's JSON object, or None: never a symlink, FIFO or device (which could block the
+    reader or feed it forever), never more than MAX_FILE_BYTES."""
     try:
-        with open(path) as f:
-            doc = json.load(f)
-    except (OSError, ValueError):
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
         return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_FILE_BYTES:
+            return None
+        with os.fdopen(fd, "rb") as f:
+            fd = -1
+            doc = json.loads(f.read(MAX_FILE_BYTES + 1))
+    except (OSError, ValueError, RecursionError):
+        return None
+    finally:
+        if fd >= 0:
+            os.close(fd)
     return doc if isinstance(doc, dict) else None
+
+
+def _unix(value: Any) -> float:
+    """A time stamp from a file anyone could have written: a finite number, else 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return 0.0
+    try:
+        value = float(value)
+    except OverflowError:
+        return 0.0
+    return value if value == value and abs(value) != float("inf") else 0.0
 
 
 def _listing(req_dir: str, prefix: str) -> list[str]:
@@ -83,7 +118,7 @@ def opted_in(req_dir: str, host: str | None = None) -> list[dict[str, Any]]:
     out = []
     for name in _listing(req_dir, "proc."):
         doc = _read_json(os.path.join(req_dir, name))
-        if doc is None or doc.get("host") != host or not isinstance(doc.get("pid"), int):
+        if doc is None or doc.get("host") != host or not _valid_pid(doc.get("pid")):
             continue
         if not _alive(doc["pid"]):
             _remove(os.path.join(req_dir, name))  # killed before its exit hook could remove it
@@ -96,7 +131,7 @@ def list_traces(req_dir: str) -> list[dict[str, Any]]:
     """Every process's answer to every request (done markers), newest first."""
     read = [_read_json(os.path.join(req_dir, n)) for n in _listing(req_dir, "done.")]
     docs = [d for d in read if d is not None]
-    return sorted(docs, key=lambda d: -float(d.get("answered_unix") or 0))
+    return sorted(docs, key=lambda d: -_unix(d.get("answered_unix")))
 
 
 def expire_requests(req_dir: str, now: float | None = None) -> None:
@@ -105,17 +140,22 @@ def expire_requests(req_dir: str, now: float | None = None) -> None:
     for name in _listing(req_dir, "req."):
         path = os.path.join(req_dir, name)
         doc = _read_json(path)
-        if doc is None or now - float(doc.get("created_unix") or 0) > REQUEST_TTL_S:
+        if doc is None or now - _unix(doc.get("created_unix")) > REQUEST_TTL_S:
             _remove(path)
+
+
+def _valid_pid(pid: Any) -> bool:
+    # 0 and negative pids name process groups for kill(); beyond pid_t, kill() raises OverflowError
+    return isinstance(pid, int) and not isinstance(pid, bool) and 0 < pid < 2**31
 
 
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
     except PermissionError:  # another user's process: alive
         return True
+    except (OSError, OverflowError):  # ProcessLookupError: gone
+        return False
     return True
 
 
@@ -150,9 +190,10 @@ def pending_for(req_dir: str, pid: int, host: str, since_unix: float) -> list[di
     for name in _listing(req_dir, "req."):
         path = os.path.join(req_dir, name)
         try:
-            if os.stat(path).st_uid not in trusted:
-                continue
+            st = os.lstat(path)  # the file itself: a symlink is never a request
         except OSError:
+            continue
+        if not stat.S_ISREG(st.st_mode) or st.st_uid not in trusted:
             continue
         req = _read_json(path)
         if req is None or not _valid(req) or req.get("host") != host:
