@@ -263,3 +263,79 @@ def test_the_dashboard_shows_the_kernels_of_the_last_trace(tmp_path, browser):  
         assert page.errors == []
     finally:
         a.stop()
+
+
+# -- the agent's side, in process: hostile files in its directories, retention ----------------------
+def _traces(tmp_path):
+    import types
+
+    from gpuscope.agent.trace_api import Traces
+
+    data = tmp_path / "data"
+    (data / "traces").mkdir(parents=True)
+    (data / "trace-requests").mkdir()
+    return Traces(types.SimpleNamespace(cfg=types.SimpleNamespace(data_path=data), store=None)), data
+
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "traces", "compute_bound.pt.trace.json.gz")
+
+
+def _written(data, req_id: str, file: str, **fields) -> None:
+    od.mark_done(str(data / "trace-requests"), req_id, "h", 7, status="written", file=file, **fields)
+
+
+def test_the_agent_never_writes_or_reads_through_a_planted_symlink(tmp_path):
+    import shutil
+
+    t, data = _traces(tmp_path)
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    name = "h.7.0123456789abcdef.pt.trace.json.gz"
+    shutil.copy(FIXTURE, data / "traces" / name)
+    os.symlink(victim, data / "traces" / f"{name}.kernels.json.tmp")  # the old cache's temporary name
+    os.symlink(FIXTURE, data / "traces" / "h.8.0123456789abcdef.pt.trace.json.gz")  # could point anywhere
+    _written(data, "0123456789abcdef", name)
+    _written(data, "fedcba9876543210", "h.8.0123456789abcdef.pt.trace.json.gz")
+    t.ingest()
+    assert victim.read_text() == "precious"
+    assert json.loads((data / "traces" / f"{name}.kernels.json").read_text())["kernels"]
+    assert not os.path.lexists(data / "traces" / "h.8.0123456789abcdef.pt.trace.json.gz.kernels.json")
+
+
+def test_listing_survives_hostile_answers_and_caches(tmp_path):
+    import asyncio
+
+    t, data = _traces(tmp_path)
+    _written(data, "0123456789abcdef", "a.pt.trace.json.gz", profiler_start_unix_ns=10**400)
+    (data / "traces" / "a.pt.trace.json.gz.kernels.json").write_text(
+        json.dumps({"kernels": [1, {"count": "many"}, {"count": 3, "name": "<k>"}]}))
+
+    async def listing():
+        return await t.list_(None)
+
+    body = json.loads(asyncio.run(listing()).text)
+    assert body["traces"][0]["start_unix"] is None and body["traces"][0]["kernel_launches"] == 3
+
+
+def test_retention_keeps_the_newest_traces_and_answers(tmp_path, monkeypatch):
+    from gpuscope.agent import trace_api
+
+    t, data = _traces(tmp_path)
+    monkeypatch.setattr(trace_api, "KEEP_TRACES", 2)
+    monkeypatch.setattr(trace_api, "KEEP_ANSWERS", 3)
+    for i in range(5):
+        for path in (data / "traces" / f"h.{i}.pt.trace.json.gz", data / "traces" / f"h.{i}.pt.trace.json.gz.kernels.json",
+                     data / "trace-requests" / f"done.{i}.h.{i}.json"):
+            path.write_text("{}")
+            os.utime(path, ns=(i * 10**9, i * 10**9))
+    (data / "traces" / "unrelated.txt").write_text("kept")
+    t.prune()
+    assert sorted(p.name for p in (data / "traces").iterdir()) == [
+        "h.3.pt.trace.json.gz", "h.3.pt.trace.json.gz.kernels.json",
+        "h.4.pt.trace.json.gz", "h.4.pt.trace.json.gz.kernels.json", "unrelated.txt"]
+    assert sorted(p.name for p in (data / "trace-requests").iterdir()) == [
+        "done.2.h.2.json", "done.3.h.3.json", "done.4.h.4.json"]
+    monkeypatch.setattr(trace_api, "KEEP_TRACES", 100)
+    monkeypatch.setattr(trace_api, "KEEP_TRACES_BYTES", 2)  # the byte cap: only the newest (2 bytes) fits
+    t.prune()
+    assert not (data / "traces" / "h.3.pt.trace.json.gz").exists() and (data / "traces" / "h.4.pt.trace.json.gz").exists()

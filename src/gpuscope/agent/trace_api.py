@@ -10,6 +10,9 @@ the rest as kernel="other"):
     gpu_kernel_time_seconds{kernel, gpu}   GPU time of the kernel in that window, seconds
     gpu_kernel_launches{kernel, gpu}       how many times it ran in that window
 
+Retention: the newest KEEP_TRACES trace files, at most KEEP_TRACES_BYTES of them, and the newest
+KEEP_ANSWERS answers stay; older ones are deleted after each pass (nothing else ever deletes them).
+
 `gpu` is the CUDA device index inside the process mapped through its CUDA_VISIBLE_DEVICES when that
 lists indices; it matches the agent's NVML index unless CUDA orders the devices differently.
 """
@@ -22,8 +25,9 @@ import logging
 import os
 import re
 import socket
+import stat
+import tempfile
 import threading
-from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -37,6 +41,11 @@ log = logging.getLogger("gpuscope.agent.traces")
 TOP_KERNELS = 20           # kernel names stored per GPU and trace; the rest are summed as "other"
 CACHED_KERNELS = 200       # kernel names kept per GPU in <file>.kernels.json
 SCAN_INTERVAL_S = 1.0
+PRUNE_EVERY = 60           # ingest passes between two retention passes
+KEEP_TRACES = 500          # trace files kept in DATA_DIR/traces, newest first ...
+KEEP_TRACES_BYTES = 4 << 30  # ... and at most this many bytes of them
+KEEP_ANSWERS = 2000        # done markers kept in DATA_DIR/trace-requests
+TRACE_SUFFIX = ".pt.trace.json.gz"
 NO_ONE = "no process opted in: start it with gpuscope trace --on-demand -- ..."
 _ID = re.compile(r"[0-9a-f]{16}")
 
@@ -129,9 +138,13 @@ class Traces:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
 
     def _loop(self) -> None:
+        passes = 0
         while not self._stop.wait(SCAN_INTERVAL_S):
             try:
                 self.ingest()
+                if passes % PRUNE_EVERY == 0:
+                    self.prune()
+                passes += 1
             except Exception:  # noqa: BLE001 - the agent keeps sampling and serving
                 log.exception("ingesting traces failed")
 
@@ -143,33 +156,52 @@ class Traces:
                 continue
             path = os.path.join(self.traces_dir, os.path.basename(file))
             cache = path + ".kernels.json"
-            if os.path.exists(cache) or not os.path.exists(path):
-                continue
+            if os.path.lexists(cache) or not _regular(path):
+                continue  # a symlink planted in the traces directory is never followed by the agent
             try:
                 kernels = kernel_table(path, done.get("cuda_visible_devices"))
             except Exception as e:  # noqa: BLE001 - an unreadable trace is reported, not retried
                 self._failed.add(file)
                 log.warning("trace %s: no kernel statistics (%s: %s)", file, type(e).__name__, e)
                 continue
-            tmp = f"{cache}.tmp"
-            Path(tmp).write_text(json.dumps({"kernels": kernels}))
-            os.replace(tmp, cache)
+            _write_new(cache, json.dumps({"kernels": kernels}))
             series, values = store_rows(kernels)
             end_ns = int(done.get("profiler_stop_unix_ns") or 0)
             if series and end_ns > 0 and self.agent.store is not None:
                 self.agent.store.append_batch(series, [end_ns], [values])
             log.info("trace %s: %d kernel name(s) stored", file, len(kernels), extra={"f_event": "trace"})
 
+    def prune(self) -> None:
+        """Retention: delete all but the newest KEEP_TRACES traces (at most KEEP_TRACES_BYTES) and
+        all but the newest KEEP_ANSWERS answers."""
+        traces = _newest_first(self.traces_dir, lambda n: n.endswith(TRACE_SUFFIX))
+        kept_bytes = 0
+        for i, (size, name) in enumerate(traces):
+            kept_bytes += size
+            if i >= KEEP_TRACES or kept_bytes > KEEP_TRACES_BYTES:
+                for path in (name, name + ".kernels.json", name.replace(TRACE_SUFFIX, ".perfetto.json.gz")):
+                    _unlink(os.path.join(self.traces_dir, path))
+        answers = _newest_first(self.requests_dir, lambda n: n.startswith("done.") and n.endswith(".json"))
+        for _, name in answers[KEEP_ANSWERS:]:
+            _unlink(os.path.join(self.requests_dir, name))
+        self._failed.clear()  # bounded: a trace that failed and is still there is tried once more
+
     def _kernels(self, done: dict[str, Any]) -> list[dict[str, Any]] | None:
         file = done.get("file")
         if not isinstance(file, str):
             return None
-        try:
-            with open(os.path.join(self.traces_dir, os.path.basename(file)) + ".kernels.json") as f:
-                kernels = json.load(f)["kernels"]
-        except (OSError, ValueError, KeyError, TypeError):
+        path = os.path.join(self.traces_dir, os.path.basename(file)) + ".kernels.json"
+        if not _regular(path):
             return None
-        return kernels if isinstance(kernels, list) else None
+        try:
+            with open(path) as f:
+                kernels = json.load(f)["kernels"]
+        except (OSError, ValueError, KeyError, TypeError, RecursionError):
+            return None
+        if not isinstance(kernels, list):
+            return None
+        # the traces directory may be writable by others: keep only rows shaped like ours
+        return [k for k in kernels if isinstance(k, dict) and _count(k.get("count")) is not None]
 
     # -- HTTP --------------------------------------------------------------------------------------
     async def request_trace(self, request: web.Request) -> web.Response:
@@ -200,13 +232,13 @@ class Traces:
             out = []
             for d in od.list_traces(self.requests_dir)[:200]:
                 kernels = self._kernels(d) if d.get("status") == "written" else None
-                start = d.get("profiler_start_unix_ns")
+                start = od._unix(d.get("profiler_start_unix_ns"))
                 out.append({"id": d.get("id"), "pid": d.get("pid"), "host": d.get("host"), "rank": d.get("rank"),
                             "status": d.get("status"), "reason": d.get("reason") or None,
-                            "start_unix": start / 1e9 if isinstance(start, int) else None,
+                            "start_unix": start / 1e9 if start else None,
                             "duration_s": d.get("duration_s"), "file": d.get("file"),
                             "kernel_names": None if kernels is None else len(kernels),
-                            "kernel_launches": None if kernels is None else sum(k.get("count", 0) for k in kernels)})
+                            "kernel_launches": None if kernels is None else sum(_count(k.get("count")) or 0 for k in kernels)})
             return out
 
         traces = await asyncio.get_running_loop().run_in_executor(None, run)
@@ -223,6 +255,55 @@ class Traces:
         return json_response({"id": trace_id, "traces": [
             {"pid": d.get("pid"), "host": d.get("host"), "file": d.get("file"), "kernels": self._kernels(d)}
             for d in found]})
+
+
+def _regular(path: str) -> bool:
+    """A regular file, not a symlink (a symlink in a shared directory could point anywhere)."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**53 else None
+
+
+def _newest_first(directory: str, wanted: Any) -> list[tuple[int, str]]:
+    """(bytes, name) of the entries of `directory` whose name is `wanted`, newest (mtime) first."""
+    try:
+        names = [n for n in os.listdir(directory) if wanted(n)]
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        try:
+            st = os.lstat(os.path.join(directory, name))
+        except OSError:
+            continue
+        found.append((st.st_mtime_ns, st.st_size, name))
+    return [(size, name) for _, size, name in sorted(found, reverse=True)]
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _write_new(path: str, text: str) -> None:
+    """`text` into `path` through a fresh temporary file (O_EXCL, random name) renamed into place:
+    the agent, often root, must not write through a name someone planted in the traces directory."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-", suffix=".json")
+    try:
+        os.fchmod(fd, 0o644)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink(tmp)
+        raise
 
 
 def _parse_request(doc: Any) -> tuple[float, list[int] | str]:
