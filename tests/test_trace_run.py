@@ -236,3 +236,44 @@ def test_usage_errors(fake, tmp_path):
 ])
 def test_the_bare_form_is_the_run_action(argv, expected):
     assert with_run_action(argv, {"analyze": 1, "run": 1, "merge": 1}) == expected
+
+
+def test_the_bootstrap_never_writes_through_a_planted_link(tmp_path, monkeypatch):
+    """The trace directory may be shared (the agent's, on demand): a symlink planted at any name the
+    traced program writes must not redirect the write (the old temporary names were predictable)."""
+    import importlib.util
+    import socket
+
+    from gpuscope.trace.bootstrap import DIR
+
+    monkeypatch.delenv("GPUSCOPE_TRACE_DIR", raising=False)  # loading it installs nothing
+    for var in ("RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    spec = importlib.util.spec_from_file_location("_boot_under_test", os.path.join(DIR, "sitecustomize.py"))
+    boot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(boot)
+    out = tmp_path / "traces"
+    out.mkdir()
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    stem = f"{socket.gethostname()}.{os.getpid()}"
+    for name in (".gpuscope.json.tmp", ".pt.trace.json.tmp", ".pt.trace.json.gz.tmp"):
+        os.symlink(victim, out / (stem + name))
+
+    class Prof:
+        def stop(self):
+            pass
+
+        def export_chrome_trace(self, path):
+            with open(path, "w") as f:
+                f.write('{"traceEvents": []}')
+
+    tracer = boot._Tracer(str(out))
+    tracer.status = {"traces": []}
+    tracer._stop_and_write(Prof(), 0, {"unix_ns": 1, "monotonic_ns": 1}, True)
+    assert victim.read_text() == "precious"
+    assert json.loads((out / f"{stem}.gpuscope.json").read_text())["status"] == "written"
+    written = json.loads(gzip.decompress((out / f"{stem}.pt.trace.json.gz").read_bytes()))
+    assert written["traceEvents"] == [] and written["gpuscope"]["pid"] == os.getpid()
+    assert sorted(p.name for p in out.iterdir() if not p.is_symlink()) == [f"{stem}.gpuscope.json",
+                                                                          f"{stem}.pt.trace.json.gz"]

@@ -35,9 +35,11 @@ import importlib.machinery
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 
@@ -85,10 +87,20 @@ class _Tracer:
     def _write_status(self, **fields):
         self.status.update(fields)
         path = self._stem() + ".gpuscope.json"
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.status, f)
-        os.replace(tmp, path)
+        # A fresh file of a random name (O_EXCL, no symlink followed): the trace directory may be
+        # shared, and a link planted at a predictable name would make this program write through it.
+        fd, tmp = tempfile.mkstemp(dir=self.out_dir, prefix=".tmp-", suffix=".json")
+        try:
+            os.fchmod(fd, 0o644)
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.status, f)
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
 
     # -- the profiler thread -------------------------------------------------------------------------
     def on_torch_imported(self):
@@ -232,21 +244,22 @@ class _Tracer:
         if suffix is None:
             suffix = f".w{window}" if self.every_s > 0 else ""
         path = self._stem() + suffix + ".pt.trace.json.gz"
-        raw = self._stem() + suffix + ".pt.trace.json.tmp"
+        # The raw export and the compressed copy go to a directory only this user can enter (a shared
+        # trace directory must not let anyone plant a link where they are written), then one rename.
+        private = tempfile.mkdtemp(dir=self.out_dir, prefix=".tmp-")
+        raw = os.path.join(private, "raw.pt.trace.json")
+        packed = os.path.join(private, "packed.pt.trace.json.gz")
         meta = {"host": socket.gethostname(), "pid": self.pid, "rank": self._rank(), "window": window,
                 "profiler_start_unix_ns": started["unix_ns"], "profiler_start_monotonic_ns": started["monotonic_ns"],
                 "profiler_stop_unix_ns": stopped_ns, "cpu_ops_all_threads": all_threads,
                 "with_stack": self.with_stack}
         try:
             prof.export_chrome_trace(raw)
-            _gzip_with_key(raw, path + ".tmp", "gpuscope", meta)
-            os.replace(path + ".tmp", path)
+            _gzip_with_key(raw, packed, "gpuscope", meta)
+            os.chmod(packed, 0o644)
+            os.replace(packed, path)
         finally:
-            for leftover in (raw, path + ".tmp"):
-                try:
-                    os.unlink(leftover)
-                except OSError:
-                    pass
+            shutil.rmtree(private, ignore_errors=True)
         self.status["traces"].append(dict(meta, file=os.path.basename(path)))
         self._write_status(status="written")
         return self.status["traces"][-1]
