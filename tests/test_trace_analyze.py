@@ -146,6 +146,9 @@ def test_straggler_among_ranks():
     (b'{"traceEvents": [{"ph": "X", "name": "k", "ts": 1, "dur": -5}]}', "negative duration"),
     (b'{"schemaVersion": 7, "traceEvents": []}', "unknown Kineto schema version"),
     (b'{"baseTimeNanoseconds": "soon", "traceEvents": []}', "baseTimeNanoseconds"),
+    (b'{"baseTimeNanoseconds": 10000000000000000000, "traceEvents": []}', "baseTimeNanoseconds"),
+    (b'{"traceEvents": [{"ph": "X", "name": "k", "ts": 1, "dur": 1e300}]}', "out of range"),
+    (b'{"traceEvents": [{"ph": "X", "name": "k", "ts": -1e20, "dur": 1}]}', "out of range"),
 ])
 def test_bad_input_is_one_sentence_naming_the_file(tmp_path, content, expect):
     path = tmp_path / "bad.json"

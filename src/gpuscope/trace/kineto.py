@@ -93,6 +93,9 @@ class _SplitFailed(Exception):
 _EVENTS_KEY = re.compile(rb'"traceEvents"\s*:\s*\[')
 _BOUNDARY = re.compile(rb"\}\s*,\s*\{")
 _CHUNK_BYTES = 4 << 20
+# Times in ns are int64: a base, stamp or duration past 2**62 ns (146 years) is no trace of ours and
+# would overflow (or wrap around) once added up.
+_MAX_NS = 1 << 62
 
 
 def _split(raw: bytes) -> tuple[dict[str, Any], Iterator[list[Any]]] | None:
@@ -152,8 +155,9 @@ def _check(src: str, doc: dict[str, Any]) -> int:
         raise TraceError(f"{src} was written by an unknown Kineto schema version ({version!r}); "
                          f"gpuscope reads schema {', '.join(map(str, _SCHEMA_VERSIONS))}.")
     base = doc.get("baseTimeNanoseconds", 0)
-    if type(base) is not int:
-        raise TraceError(f"{src} is not a usable trace: baseTimeNanoseconds is {base!r}, not an integer.")
+    if type(base) is not int or not 0 <= base < _MAX_NS:
+        raise TraceError(f"{src} is not a usable trace: baseTimeNanoseconds is {base!r}, not an integer "
+                         "number of nanoseconds.")
     return base
 
 
@@ -255,6 +259,9 @@ def _build(src: str, chunks: Iterator[list[Any]], base_ns: int) -> Trace:
     dur_us = np.frombuffer(dur, dtype=np.float64)[:n]
     if n and dur_us.min() < 0:
         raise TraceError(f"{src} is not a usable trace: an event has a negative duration.")
+    if n and max(np.abs(ts_us).max(), dur_us.max()) * 1000.0 >= _MAX_NS:
+        raise TraceError(f"{src} is not a usable trace: an event's time stamp or duration is out of range "
+                         "(beyond a century).")
     cols["ts_ns"] = np.rint(ts_us * 1000.0).astype(np.int64) + np.int64(base_ns)
     cols["dur_ns"] = np.rint(dur_us * 1000.0).astype(np.int64)
     del ts, dur, ts_us, dur_us
