@@ -156,6 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--no-html", action="store_true", help="write no HTML report")
     r.add_argument("--no-stacks", action="store_true",
                    help="never sample the command's Python stacks (py-spy) to tell launch-, sync- and input-bound apart")
+    r.add_argument("--trace", action="store_true",
+                   help="run CMD with the tracing bootstrap on demand (PyTorch programs): a GPU whose verdict stays "
+                        "launch-or-sync-, host- or input-bound without certainty for 2 verdicts gets one 3 s trace "
+                        "of its processes, and the trace's verdict (certain, with the file:line) replaces the "
+                        "metrics' from then on; traces are kept in <report stem>-traces/ beside the HTML report "
+                        "(or the JSON one with --no-html), else in a temporary directory removed at the end")
     r.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
 
     a = sub.add_parser("agent", help="run the agent: sampler, on-disk history, /metrics and the query API",
@@ -610,8 +616,12 @@ def _run(args: argparse.Namespace) -> int:
     if args.html and args.json and os.path.abspath(args.html) == os.path.abspath(args.json):
         raise UsageError(f"--html and --json both name {args.json}; give each report its own file.")
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    html = None if args.no_html else (args.html or time.strftime("gpuscope-run-%Y%m%d-%H%M%S.html"))
+    beside = html or args.json
+    trace_dir = os.path.splitext(beside)[0] + "-traces" if args.trace and beside else None
     try:
-        code, report = runcmd.run(cmd, simulate=args.simulate, gpus=args.gpus, stacks=not args.no_stacks)
+        code, report = runcmd.run(cmd, simulate=args.simulate, gpus=args.gpus, stacks=not args.no_stacks,
+                                  trace=args.trace, trace_dir=trace_dir)
     except runcmd.RunError as e:
         print(f"gpuscope: {e}", file=sys.stderr)
         return e.code
@@ -622,13 +632,12 @@ def _run(args: argparse.Namespace) -> int:
             write_atomic(args.json, json.dumps(report, indent=1, default=str))
         except OSError as e:
             print(f"gpuscope: cannot write the JSON report {args.json}: {e.strerror or e}.", file=sys.stderr)
-    if not args.no_html:
-        path = args.html or time.strftime("gpuscope-run-%Y%m%d-%H%M%S.html", time.localtime(report["started_at"]))
+    if html is not None:
         try:
-            write_html(report, path)
-            print(f"  report: {path}", file=sys.stderr)
+            write_html(report, html)
+            print(f"  report: {html}", file=sys.stderr)
         except OSError as e:
-            print(f"gpuscope: cannot write the HTML report {path}: {e.strerror or e}.", file=sys.stderr)
+            print(f"gpuscope: cannot write the HTML report {html}: {e.strerror or e}.", file=sys.stderr)
     return code
 
 

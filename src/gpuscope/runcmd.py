@@ -10,6 +10,10 @@ Signals: Ctrl-C at a terminal reaches CMD directly (it shares our process group)
 sent to gpuscope alone is forwarded to CMD. A second one terminates CMD (SIGTERM, then SIGKILL after
 5 s). Either way gpuscope waits for CMD, reports what it saw and exits with CMD's exit code (128 + N
 when a signal N ended it, as a shell would say). The child is never left running behind.
+
+With `trace` (`gpuscope run --trace`), CMD runs with the tracing bootstrap in on-demand mode (see
+trace/ondemand.py), and a GPU whose verdict the metrics cannot settle (`_Tracing`) gets one 3 s trace
+of its processes; that trace's verdict then replaces the metrics' for that GPU (trace.verdicts.refine).
 """
 
 from __future__ import annotations
@@ -19,7 +23,10 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
+import uuid
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -27,7 +34,7 @@ from typing import Any
 import psutil
 
 from ._redact import redact_cmdline
-from .diagnose import Profiler, diagnose, windows_from_snapshots
+from .diagnose import Profiler, Verdict, diagnose, windows_from_snapshots
 from .diagnose.thresholds import DEFAULT
 from .report.processes import RunProcesses
 from .report.timeline import GpuTimeline, gpu_order
@@ -39,6 +46,10 @@ TREE_EVERY_S = 2.0  # how often the child's process tree is read
 TERM_GRACE_S = 5.0  # after SIGTERM, this long before SIGKILL
 #: Primary verdicts that need no change: never "what to change first".
 FINE = {"healthy", "compute_bound", "idle", "power_capped"}
+TRACE_WINDOW_S = 3.0  # `run --trace`: how long one trace window lasts
+TRACE_AFTER = 2  # an unsettled verdict this many times in a row asks for a trace
+TRACE_TIMEOUT_S = 30.0  # no answer this long after the request: no trace will come
+TRACE_WAITING = f"tracing {TRACE_WINDOW_S:.0f} s to tell launch- from sync-bound…"
 
 
 class RunError(RuntimeError):
@@ -141,14 +152,18 @@ def _start(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Pope
 
 
 def run(cmd: list[str], *, simulate: str | None = None, gpus: int | None = None, interval: float = 0.1,
-        out: Any = sys.stderr, max_points: int = 6144, stacks: bool = True) -> tuple[int, dict[str, Any]]:
+        out: Any = sys.stderr, max_points: int = 6144, stacks: bool = True, trace: bool = False,
+        trace_dir: str | None = None, trace_timeout_s: float = TRACE_TIMEOUT_S) -> tuple[int, dict[str, Any]]:
     """Run `cmd`, watch the GPUs meanwhile; return (the exit code to use, the report dict).
 
     With `stacks`, a GPU that waits on a saturated thread of the command's processes (never another
-    user's) has that process's Python stacks sampled for 2 s (py-spy), at most every 30 s."""
+    user's) has that process's Python stacks sampled for 2 s (py-spy), at most every 30 s. With `trace`,
+    such a GPU whose verdict stays unsettled gets a trace (`_Tracing`), written into `trace_dir` (kept)
+    or into a temporary directory removed at the end."""
     _check(cmd)  # before touching the GPUs: a typo gets its sentence at once
     sampler = Sampler(SamplerConfig(interval=interval), simulate=simulate, gpus=gpus)
     sampler.open()
+    tmp = tempfile.mkdtemp(prefix="gpuscope-run-") if trace else None  # private: mode 0700
     started_at = time.time()
     interrupts = 0
     child: subprocess.Popen[bytes] | None = None
@@ -175,14 +190,25 @@ def run(cmd: list[str], *, simulate: str | None = None, gpus: int | None = None,
     tty = hasattr(out, "isatty") and out.isatty()
     segments: list[Segment] = []
     last_end: dict[str, float] = {}
+    tracing: _Tracing | None = None
     try:
         first = sampler.sample_once()
-        child = _start(cmd)
+        env = None
+        if tmp is not None:
+            from .trace.run import environment
+
+            traces_at = _trace_dir(trace_dir, tmp)
+            env = environment(traces_at, 0.0, TRACE_WINDOW_S, 0.0, True, uuid.uuid4().hex,
+                              requests_dir=os.path.join(tmp, "requests"))
+        child = _start(cmd, env)
         t0 = time.time()
         if interrupts:  # a Ctrl-C while it started: the command hears of it too
             child.send_signal(signal.SIGINT)
         procs = RunProcesses(child.pid, simulated=sampler.simulated is not None)
         profiler = _profiler(procs) if stacks and sampler.simulated is None else None
+        if tmp is not None:
+            tracing = _Tracing(os.path.join(tmp, "requests"), traces_at, _traceable(sampler, procs, child.pid),
+                               trace_timeout_s)
         collector = _Collector(t0, procs, max_points)
         sampler.subscribe(collector)
         mono0 = time.monotonic()
@@ -200,10 +226,14 @@ def run(cmd: list[str], *, simulate: str | None = None, gpus: int | None = None,
             snap = sampler.latest()
             if snap is not None and (tty or now - last_status >= 10.0) and now - last_status >= 1.0:
                 line = _status(snap, time.time() - t0)
+                if tracing is not None and tracing.waiting():
+                    line += "  " + TRACE_WAITING
                 print(("\r" + line + "\033[K") if tty else line, end="" if tty else "\n", file=out, flush=True)
                 last_status = now
+            if tracing is not None:
+                tracing.poll()
             if now >= next_verdict:
-                made = _verdicts(sampler, t0, last_end, profiler=profiler)
+                made = _verdicts(sampler, t0, last_end, profiler=profiler, tracing=tracing)
                 segments.extend(made)
                 # Until the history is long enough for a verdict, look again soon.
                 next_verdict = now + (EVERY_S if made or now - mono0 > WINDOW_S else 0.5)
@@ -222,8 +252,12 @@ def run(cmd: list[str], *, simulate: str | None = None, gpus: int | None = None,
         sampler.stop()
         if tty and child is not None:
             print("\r\033[K", end="", file=out, flush=True)  # the live line gives way to the summary
+        if tracing is not None:
+            tracing.finish()
+        if tmp is not None:  # the requests, and the traces unless trace_dir keeps them beside a report
+            shutil.rmtree(tmp, ignore_errors=True)
     assert child is not None and procs is not None  # the try ends no other way
-    segments.extend(_verdicts(sampler, t0, last_end, final=True, profiler=profiler))
+    segments.extend(_verdicts(sampler, t0, last_end, final=True, profiler=profiler, tracing=tracing))
     last = sampler.latest()
     duration = time.time() - t0
     rc = child.returncode
@@ -238,7 +272,34 @@ def run(cmd: list[str], *, simulate: str | None = None, gpus: int | None = None,
         "series": {k: collector.timelines[k].points() for k in sorted(collector.timelines, key=gpu_order)},
         "killed_by_signal": -rc if rc is not None and rc < 0 else None,
     })
+    if tracing is not None:
+        report["trace"] = {"dir": trace_dir, "kept": trace_dir is not None, "requests": tracing.records}
     return code, report
+
+
+def _trace_dir(wanted: str | None, tmp: str) -> str:
+    path = wanted or os.path.join(tmp, "traces")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise RunError(f"Cannot create the trace directory {path}: {e.strerror or e}.", 2) from None
+    return path
+
+
+def _traceable(sampler: Sampler, procs: RunProcesses, child_pid: int) -> Any:
+    """The pids a trace of one GPU is asked from: the command's processes on that GPU.
+
+    On the simulated node the GPU processes are made up (no process has their pids) and the command
+    runs on the CPU only, so the command's own processes stand for every simulated GPU: a trace one of
+    them writes refines the verdicts of the GPU that asked (refine's gpu_of_pid maps their pids to it)."""
+
+    def pids_of(gpu: str) -> list[int]:
+        if sampler.simulated is not None:
+            return [child_pid] + [p.pid for p in procs.live_descendants()]
+        snap = sampler.latest()
+        return sorted({p.pid for p in (snap.processes if snap is not None else []) if p.gpu == gpu and procs.ours(p.pid)})
+
+    return pids_of
 
 
 def _profiler(procs: RunProcesses) -> Any:
@@ -251,6 +312,141 @@ def _profiler(procs: RunProcesses) -> Any:
         return sample(pid)
 
     return profiler
+
+
+def _unsettled(v: Verdict) -> str | None:
+    """The family of a primary verdict that the metrics and stack samples leave open, or None.
+
+    launch_or_sync_bound only says that the GPU waits on a busy host thread; host_bound is what stacks
+    say when no cause stands out (0.6); input_starved under 0.8 is the metrics' reading of idle gaps
+    (from stacks it is 0.85). sync_bound and launch_bound come from stacks only and are taken as said."""
+    if v.kind in ("launch_or_sync_bound", "host_bound"):
+        return "host"
+    if v.kind == "input_starved" and v.confidence < 0.8:
+        return "input"
+    return None
+
+
+class _Tracing:
+    """`run --trace`: asks the command's processes of a GPU for one trace when its verdict stays
+    unsettled, waits for the answer without blocking the run, analyses the trace on a thread, and from
+    then on refines that GPU's verdicts with it. One trace per GPU, or one more if the unsettled
+    verdict changes family. Used from the main loop; the analysis thread hands over under a lock."""
+
+    def __init__(self, req_dir: str, trace_dir: str, pids_of: Any, timeout_s: float = TRACE_TIMEOUT_S) -> None:
+        self.req_dir, self.trace_dir, self.pids_of, self.timeout_s = req_dir, trace_dir, pids_of, timeout_s
+        self.records: list[dict[str, Any]] = []
+        self._streak: dict[str, tuple[str | None, int]] = {}
+        self._asked: dict[str, str] = {}  # GPU -> the family its latest trace was asked for
+        self._pending: dict[str, tuple[dict[str, Any], float]] = {}  # GPU -> (record, monotonic asked at)
+        self._loading: dict[str, tuple[dict[str, Any], threading.Thread]] = {}
+        self._traced: dict[str, tuple[dict[str, Any], list[Verdict]]] = {}
+        self._gpu_of_pid: dict[int, str] = {}
+        self._lock = threading.Lock()
+
+    def waiting(self) -> bool:
+        return bool(self._pending or self._loading)
+
+    def observe(self, found: list[Verdict], t_s: float) -> None:
+        """After a round of (refined) verdicts: count unsettled ones in a row, ask where it is due."""
+        seen: set[str] = set()
+        for v in found:
+            if not v.primary or v.gpu in seen:
+                continue
+            seen.add(v.gpu)
+            family = _unsettled(v)
+            last, n = self._streak.get(v.gpu, (None, 0))
+            n = n + 1 if family is not None and family == last else int(family is not None)
+            self._streak[v.gpu] = (family, n)
+            busy = v.gpu in self._pending or v.gpu in self._loading
+            if family is not None and n >= TRACE_AFTER and self._asked.get(v.gpu) != family and not busy:
+                self._ask(v.gpu, family, t_s)
+
+    def _ask(self, gpu: str, family: str, t_s: float) -> None:
+        from .trace import ondemand
+
+        self._asked[gpu] = family
+        pids = self.pids_of(gpu)
+        rec: dict[str, Any] = {"gpu": gpu, "family": family, "requested_at_s": round(t_s, 1), "pids": pids,
+                               "window_s": TRACE_WINDOW_S, "request_id": None, "pid": None, "file": None,
+                               "verdict": None, "confidence": None, "summary": None, "line": None,
+                               "refined_verdicts": 0, "note": None}
+        self.records.append(rec)
+        if not pids:
+            rec["note"] = "no trace came: none of the command's processes uses this GPU"
+            return
+        rec["request_id"] = ondemand.write_request(self.req_dir, TRACE_WINDOW_S, pids)["id"]
+        self._gpu_of_pid.update((pid, gpu) for pid in pids)
+        self._pending[gpu] = (rec, time.monotonic())
+
+    def poll(self, final: bool = False) -> None:
+        """Take in the answers that came, the analyses that ended, and give up on requests that timed out."""
+        from .trace import ondemand
+
+        answers = ondemand.list_traces(self.req_dir) if self._pending else []
+        for gpu, (rec, asked) in list(self._pending.items()):
+            mine = [a for a in answers if a.get("id") == rec["request_id"]]
+            written = next((a for a in mine if a.get("status") == "written" and a.get("file")), None)
+            if written is not None:
+                rec["pid"], rec["file"] = written.get("pid"), os.path.join(self.trace_dir, str(written["file"]))
+                worker = threading.Thread(target=self._analyse, args=(gpu, rec), name="gpuscope-run-trace",
+                                          daemon=True)
+                self._loading[gpu] = (rec, worker)
+                worker.start()
+            elif len(mine) >= len(rec["pids"]) or final or time.monotonic() - asked > self.timeout_s:
+                why = "; ".join(str(a.get("reason") or a.get("status")) for a in mine)
+                rec["note"] = f"no trace came: {why or 'the process did not answer'}"
+            else:
+                continue
+            del self._pending[gpu]
+        for gpu, (_rec, worker) in list(self._loading.items()):
+            if not worker.is_alive():
+                del self._loading[gpu]
+
+    def _analyse(self, gpu: str, rec: dict[str, Any]) -> None:
+        from .trace.kineto import load
+        from .trace.verdicts import verdicts
+
+        try:
+            found = verdicts(load(rec["file"]))
+        except Exception as e:  # an unreadable trace or an analysis bug: the metrics' verdicts stand
+            with self._lock:
+                rec["note"] = f"the trace could not be analysed ({type(e).__name__}: {e})"
+            return
+        mine = [v for v in found if self._gpu_of_pid.get(v.evidence.get("pid", -1)) == gpu] or found[:1]
+        with self._lock:
+            if mine:
+                v = mine[0]
+                rec.update(verdict=v.kind, confidence=v.confidence, summary=v.summary, line=v.evidence.get("line"))
+            else:
+                rec["note"] = "the trace holds no GPU work"
+            self._traced[gpu] = (rec, found)
+
+    def finish(self) -> None:
+        """The run ended: last answers in, and the analyses given up to `timeout_s` to end."""
+        self.poll(final=True)
+        end = time.monotonic() + self.timeout_s
+        for rec, worker in list(self._loading.values()):
+            worker.join(max(0.0, end - time.monotonic()))
+            if worker.is_alive():
+                rec["note"] = "the trace was still being analysed when the run ended"
+        self._loading.clear()
+
+    def refine(self, found: list[Verdict]) -> list[Verdict]:
+        """The verdicts of a window, each traced GPU's refined with its trace (trace.verdicts.refine)."""
+        from .trace.verdicts import refine
+
+        with self._lock:
+            traced = dict(self._traced)
+        for gpu, (rec, trace_verdicts) in traced.items():
+            mine = [v for v in found if v.gpu == gpu]
+            if not trace_verdicts or not any(v.primary for v in mine):
+                continue
+            # Only this GPU's: a trace verdict that maps to no watched GPU has no window to stand for.
+            refined = [v for v in refine(mine, trace_verdicts, self._gpu_of_pid) if v.gpu == gpu]
+            rec["refined_verdicts"] += sum(1 for v in refined if v.primary and "metrics_verdict" in v.evidence)
+            found = [v for v in found if v.gpu != gpu] + refined
+        return found
 
 
 def _reap(child: subprocess.Popen[bytes]) -> None:
@@ -292,7 +488,7 @@ def _energy(snap: Any) -> dict[str, float]:
 
 
 def _verdicts(sampler: Sampler, t0: float, last_end: dict[str, float], final: bool = False,
-              profiler: Any = None) -> list[Segment]:
+              profiler: Any = None, tracing: _Tracing | None = None) -> list[Segment]:
     history = list(sampler.history)
     if not history:
         return []
@@ -307,7 +503,12 @@ def _verdicts(sampler: Sampler, t0: float, last_end: dict[str, float], final: bo
     out = []
     primary_seen: set[str] = set()
     ends: dict[str, float] = {}
-    for v in diagnose(windows_from_snapshots(window), profiler=profiler):
+    found = diagnose(windows_from_snapshots(window), profiler=profiler)
+    if tracing is not None:
+        found = tracing.refine(found)
+        if not final:
+            tracing.observe(found, end / 1e9 - t0)
+    for v in found:
         if not (v.primary or v.severity != "info"):
             continue
         # One primary verdict per GPU and window (the rules give it first); any other, such as a
@@ -419,8 +620,27 @@ def render(report: dict[str, Any]) -> str:
                 if s["gpu"] == gpu]
         if side:
             lines.append("    also: " + ", ".join(side))
+    if report.get("trace") is not None:
+        lines.extend(_trace_lines(report["trace"]))
     cf = report["change_first"]
     if cf:
         lines.append(f"  change first: {cf['summary']}")
         lines.extend(f"    -> {a}" for a in cf["advice"])
     return "\n".join(lines)
+
+
+def _trace_lines(trace: dict[str, Any]) -> list[str]:
+    """What `run --trace` asked for and what each trace said."""
+    if not trace["requests"]:
+        return ["  traces: none needed (no GPU's verdict stayed unsettled)"]
+    lines = []
+    for r in trace["requests"]:
+        head = f"  trace of GPU {r['gpu']} (asked at {_secs(r['requested_at_s'])} s)"
+        if r["file"] is None or r["verdict"] is None:
+            lines.append(f"{head}: {r['note'] or 'no trace came'}" + (f" [{r['file']}]" if r["file"] else ""))
+            continue
+        sure = " (certain)" if (r["confidence"] or 0) >= 0.9 else ""
+        lines.append(f"{head}: {r['file']}" + ("" if trace["kept"] else " (removed at the end)"))
+        lines.append(f"    {r['verdict']}{sure}" + (f" at {r['line']}" if r["line"] else "")
+                     + f"; it replaced the metrics' verdict {r['refined_verdicts']} time(s)")
+    return lines

@@ -174,6 +174,25 @@ def _timeline_table(r: dict[str, Any]) -> str:
     return "".join(out)
 
 
+def _traces(trace: dict[str, Any]) -> str:
+    """`run --trace`: each trace asked for, its file and verdict, or why none came."""
+    out = ["<h2>Traces</h2>"]
+    if not trace.get("requests"):
+        return out[0] + '<p class="muted">None needed: no GPU\'s verdict stayed unsettled.</p>'
+    out.append("<table><thead><tr><th>GPU</th><th>asked at</th><th>processes</th><th>trace</th><th>verdict</th>"
+               "</tr></thead><tbody>")
+    for r in trace["requests"]:
+        what = (f'<span class="swatch" style="background:{_color(r["verdict"])}"></span>{_e(r["verdict"])}'
+                f"<div>{_e(r['summary'])}</div>" if r.get("verdict") else _e(r.get("note") or "no trace came"))
+        out.append(f"<tr><td>{_e(r['gpu'])}</td><td class=num>{_e(fmt_time(r['requested_at_s']))}</td>"
+                   f"<td>{_e(', '.join(map(str, r.get('pids') or [])) or '–')}</td>"
+                   f"<td><code>{_e(r.get('file') or '–')}</code></td><td>{what}</td></tr>")
+    out.append("</tbody></table>")
+    if not trace.get("kept"):
+        out.append('<p class="muted">The traces were removed at the end of the run (no report to keep them beside).</p>')
+    return "".join(out)
+
+
 def _legend(items: Sequence[tuple[str, str, bool]]) -> str:
     return '<div class="legend">' + "".join(
         f'<span><span class="{"dash" if dashed else "solid"}" style="border-color:{c}"></span>{_e(label)}</span>'
@@ -297,6 +316,8 @@ def render_html(report: dict[str, Any]) -> str:
                      f"(scenario '{_e(sim)}'), not from real GPUs.</div>")
     parts.append(_summary(report))
     parts.append(_timeline_table(report))
+    if report.get("trace") is not None:
+        parts.append(_traces(report["trace"]))
     parts.append("<h2>Metrics per GPU</h2>")
     parts.append('<p class="muted">Time in seconds since the command started. Lines are means; a light band '
                  "around a line spans min–max where samples were merged. Background colours are the verdicts; "
