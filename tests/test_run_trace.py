@@ -127,3 +127,18 @@ def test_a_trace_is_asked_after_two_unsettled_verdicts_once_per_family(tmp_path)
 def req_host(tmp_path: Path) -> str:
     [name] = [n for n in os.listdir(tmp_path / "req") if n.startswith("req.")]
     return json.loads((tmp_path / "req" / name).read_text())["host"]
+
+
+def test_change_first_counts_the_time_before_a_trace_for_the_verdict_the_trace_settled():
+    from gpuscope.runcmd import _change_first
+
+    def span(kind, a, b, **ev):
+        return {"gpu": "0", "kind": kind, "start_s": a, "end_s": b, "severity": "warning", "summary": kind,
+                "recommendations": [f"fix {kind}"], "evidence": ev}
+
+    spans = [span("launch_or_sync_bound", 0, 15), span("sync_bound", 15, 23, metrics_verdict="launch_or_sync_bound")]
+    cf = _change_first(spans)
+    assert cf["kind"] == "sync_bound" and cf["seconds"] == 23 and cf["advice"] == ["fix sync_bound"]
+    # Without the trace's word, the longest verdict wins as before.
+    spans[1]["evidence"] = {}
+    assert _change_first(spans)["kind"] == "launch_or_sync_bound"

@@ -578,9 +578,13 @@ def _change_first(all_spans: list[dict[str, Any]]) -> dict[str, Any] | None:
     problems = [s for s in all_spans if s["kind"] not in FINE]
     if not problems:
         return None
+    # A trace that settled a GPU's verdict (sync- rather than launch-bound) speaks for the time before it
+    # too: the time that GPU spent under the metrics' unsettled verdict counts for the trace's.
+    settled = {(s["gpu"], s["evidence"]["metrics_verdict"]): s["kind"] for s in problems
+               if isinstance(s.get("evidence"), dict) and s["evidence"].get("metrics_verdict")}
     total: dict[str, float] = defaultdict(float)
     for s in problems:
-        total[s["kind"]] += s["end_s"] - s["start_s"]
+        total[settled.get((s["gpu"], s["kind"]), s["kind"])] += s["end_s"] - s["start_s"]
     rank = {"critical": 2, "warning": 1}
     kind = max(total, key=lambda k: (max(rank.get(s["severity"], 0) for s in problems if s["kind"] == k), total[k]))
     first = next(s for s in problems if s["kind"] == kind)
