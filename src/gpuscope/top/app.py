@@ -12,6 +12,7 @@ from rich.text import Text
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
+from textual.css.query import NoMatches
 from textual.screen import ModalScreen
 from textual.widget import Widget
 from textual.widgets import Button, Input, Static
@@ -183,6 +184,12 @@ class TopApp(App[None]):
         self.draw()
 
     def draw(self) -> None:
+        try:
+            self._draw()
+        except NoMatches:  # a tick that lands while the app tears its screen down: nothing to draw on
+            return
+
+    def _draw(self) -> None:
         w, h = self.size.width, self.size.height
         small = w < MIN_W or h < MIN_H
         main, note = self.query_one("#main"), self.query_one("#small", Lines)
