@@ -275,3 +275,27 @@ def test_parsing_in_chunks_gives_the_same_trace(tmp_path, monkeypatch):
     path.write_text(json.dumps(tricky))
     t = load(path)
     assert [t.name_of(i) for i in range(2)] == ["a}, {b" * 500, "k"] and t.meta["traceName"] == "x]y"
+
+
+def test_a_trace_past_the_size_cap_is_one_sentence_and_a_gzip_bomb_is_not_expanded(tmp_path):
+    import tracemalloc
+
+    from gpuscope.trace import kineto
+
+    bomb = tmp_path / "bomb.json.gz"
+    with gzip.open(bomb, "wb", compresslevel=9) as f:  # 64 MiB of zeros from a ~64 KiB file
+        chunk = b"0" * (1 << 20)
+        for _ in range(64):
+            f.write(chunk)
+    tracemalloc.start()
+    with pytest.raises(TraceError, match="larger than 8 MiB uncompressed"):
+        kineto.load(bomb, max_bytes=8 << 20)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 32 << 20, peak  # stopped soon after the cap, not after 64 MiB
+    plain = tmp_path / "big.json"
+    plain.write_bytes(b'{"traceEvents": []}' + b" " * (2 << 20))
+    with pytest.raises(TraceError, match="larger than 1 MiB"):
+        kineto.load(plain, max_bytes=1 << 20)
+    fixture = Path(__file__).parent / "fixtures" / "traces" / "compute_bound.pt.trace.json.gz"
+    assert len(kineto.load(fixture, max_bytes=8 << 20)) > 0  # under the cap: read as before

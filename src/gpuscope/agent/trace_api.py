@@ -69,6 +69,11 @@ def _gpu_labels(visible: str | None) -> dict[int, str]:
     return {i: p for i, p in enumerate(parts)} if parts and all(p.isdigit() for p in parts) else {}
 
 
+#: The agent reads traces other users' programs wrote: at most this much uncompressed (a 30 s window of
+#: a launch-bound loop with Python stacks is about 100 MiB), so a planted gzip bomb cannot exhaust it.
+INGEST_MAX_BYTES = 512 << 20
+
+
 def kernel_table(path: str, visible: str | None) -> list[dict[str, Any]]:
     """Per GPU and kernel name: count, total/p50/p99 time and launch delay p50 (seconds), longest first."""
     import numpy as np
@@ -77,7 +82,7 @@ def kernel_table(path: str, visible: str | None) -> list[dict[str, Any]]:
     from ..trace.kineto import load
     from ..trace.model import EventKind
 
-    trace = load(path)
+    trace = load(path, max_bytes=INGEST_MAX_BYTES)
     ev = trace.events
     kernels = np.flatnonzero(ev["kind"] == EventKind.KERNEL)
     labels = _gpu_labels(visible)

@@ -36,10 +36,15 @@ _ON_GPU = frozenset((EventKind.KERNEL, EventKind.MEMCPY, EventKind.MEMSET, Event
 _SCHEMA_VERSIONS = (1,)
 
 
-def load(path: str | os.PathLike[str]) -> Trace:
+#: The most a trace may be, uncompressed: about 8 M events. A bigger file (or a gzip bomb) would take
+#: several times this in memory to analyse; the agent, which reads what others write, asks for less.
+MAX_BYTES = 4 << 30
+
+
+def load(path: str | os.PathLike[str], max_bytes: int = MAX_BYTES) -> Trace:
     """Reads one rank's trace; any problem with the file is a `TraceError` of one sentence."""
     src = os.fspath(path)
-    raw = _read(src)
+    raw = _read(src, max_bytes)
     split = _split(raw)
     trace = None
     if split is not None:
@@ -66,24 +71,40 @@ def _parse(src: str) -> dict[str, Any]:
     return doc
 
 
-def _read(src: str) -> bytes:
+def _read(src: str, max_bytes: int = MAX_BYTES) -> bytes:
+    too_big = TraceError(f"{src} is larger than {max_bytes / 2**20:.0f} MiB uncompressed; "
+                         "trace a shorter window (gpuscope trace --duration) to analyse it.")
     try:
         with open(src, "rb") as f:
-            raw = f.read()
+            raw = f.read(max_bytes + 1)
+            if raw[:2] == b"\x1f\x8b":
+                f.seek(0)
+                raw = _gunzip(src, f, max_bytes)
     except FileNotFoundError:
         raise TraceError(f"Cannot read {src}: there is no such file.") from None
     except IsADirectoryError:
         raise TraceError(f"Cannot read {src}: it is a directory, not a trace file.") from None
     except OSError as e:
         raise TraceError(f"Cannot read {src}: {e.strerror or e}.") from None
-    if raw[:2] == b"\x1f\x8b":
-        try:
-            raw = gzip.decompress(raw)
-        except (EOFError, OSError, zlib.error):
-            raise TraceError(f"{src} is a truncated or corrupt gzip file.") from None
+    if len(raw) > max_bytes:
+        raise too_big
     if not raw.strip():
         raise TraceError(f"{src} is empty, not a trace.")
     return raw
+
+
+def _gunzip(src: str, f: Any, max_bytes: int) -> bytes:
+    """Decompressed in pieces, stopping past `max_bytes`: a small file cannot expand into all memory."""
+    out = bytearray()
+    try:
+        with gzip.GzipFile(fileobj=f) as z:
+            while piece := z.read(1 << 20):
+                out += piece
+                if len(out) > max_bytes:
+                    break
+    except (EOFError, OSError, zlib.error):
+        raise TraceError(f"{src} is a truncated or corrupt gzip file.") from None
+    return bytes(out)
 
 
 class _SplitFailed(Exception):
