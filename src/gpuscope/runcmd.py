@@ -28,6 +28,7 @@ import threading
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -131,6 +132,40 @@ def _terminal_reaches(pgrp: int) -> bool:
         os.close(fd)
 
 
+class Forwarder:
+    """The SIGINT/SIGTERM handler while a command runs under gpuscope (`run`, `trace`): a signal sent
+    to gpuscope alone goes to the command and every process it started (as a terminal's Ctrl-C would;
+    not again when the terminal already delivered it); a second one terminates the command."""
+
+    def __init__(self, descendants: Callable[[subprocess.Popen[bytes]], Iterable[Any]]) -> None:
+        self.descendants = descendants
+        self.child: subprocess.Popen[bytes] | None = None
+        self.interrupts = 0
+        self._old: dict[int, Any] = {}
+
+    def __call__(self, signum: int, _frame: Any) -> None:
+        self.interrupts += 1
+        child = self.child
+        if child is None or child.poll() is not None:
+            return
+        try:
+            if self.interrupts >= 2:
+                child.terminate()
+            elif signum != signal.SIGINT or not _terminal_reaches(os.getpgid(child.pid)):
+                child.send_signal(signum)
+                for p in self.descendants(child):
+                    p.send_signal(signum)
+        except (OSError, psutil.Error):  # gone meanwhile
+            pass
+
+    def install(self) -> None:
+        self._old = {s: signal.signal(s, self) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def restore(self) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
 def _check(cmd: list[str]) -> None:
     if not cmd:
         raise RunError("Nothing to run: give a command after --, e.g. gpuscope run -- python train.py.", 2)
@@ -165,28 +200,12 @@ def run(cmd: list[str], *, simulate: str | None = None, gpus: int | None = None,
     sampler.open()
     tmp = tempfile.mkdtemp(prefix="gpuscope-run-") if trace else None  # private: mode 0700
     started_at = time.time()
-    interrupts = 0
     child: subprocess.Popen[bytes] | None = None
     procs: RunProcesses | None = None
-
-    def forward(signum: int, _frame: Any) -> None:
-        nonlocal interrupts
-        interrupts += 1
-        if child is None or child.poll() is not None:
-            return
-        try:
-            if interrupts >= 2:
-                child.terminate()
-            elif signum != signal.SIGINT or not _terminal_reaches(os.getpgid(child.pid)):
-                # As a terminal's Ctrl-C would: the child and every process it started.
-                child.send_signal(signum)
-                for p in procs.live_descendants() if procs is not None else []:
-                    p.send_signal(signum)
-        except (OSError, psutil.Error):  # gone meanwhile
-            pass
+    forward = Forwarder(lambda c: procs.live_descendants() if procs is not None else [])
 
     # From here on a signal is ours to handle, and whatever happens, the child is not left behind.
-    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    forward.install()
     tty = hasattr(out, "isatty") and out.isatty()
     segments: list[Segment] = []
     last_end: dict[str, float] = {}
@@ -200,9 +219,9 @@ def run(cmd: list[str], *, simulate: str | None = None, gpus: int | None = None,
             traces_at = _trace_dir(trace_dir, tmp)
             env = environment(traces_at, 0.0, TRACE_WINDOW_S, 0.0, True, uuid.uuid4().hex,
                               requests_dir=os.path.join(tmp, "requests"))
-        child = _start(cmd, env)
+        child = forward.child = _start(cmd, env)
         t0 = time.time()
-        if interrupts:  # a Ctrl-C while it started: the command hears of it too
+        if forward.interrupts:  # a Ctrl-C while it started: the command hears of it too
             child.send_signal(signal.SIGINT)
         procs = RunProcesses(child.pid, simulated=sampler.simulated is not None)
         profiler = _profiler(procs) if stacks and sampler.simulated is None else None
@@ -237,7 +256,7 @@ def run(cmd: list[str], *, simulate: str | None = None, gpus: int | None = None,
                 segments.extend(made)
                 # Until the history is long enough for a verdict, look again soon.
                 next_verdict = now + (EVERY_S if made or now - mono0 > WINDOW_S else 0.5)
-            if interrupts >= 2:
+            if forward.interrupts >= 2:
                 if terminated_at is None:
                     terminated_at = now
                 elif now - terminated_at > TERM_GRACE_S:
@@ -245,10 +264,9 @@ def run(cmd: list[str], *, simulate: str | None = None, gpus: int | None = None,
     finally:
         if child is not None:
             _reap(child)
-            if interrupts and procs is not None:  # interrupted: nothing the command started may outlive it
+            if forward.interrupts and procs is not None:  # interrupted: nothing the command started may outlive it
                 _reap_all(procs.live_descendants())
-        for s, h in old.items():
-            signal.signal(s, h)
+        forward.restore()
         sampler.stop()
         if tty and child is not None:
             print("\r\033[K", end="", file=out, flush=True)  # the live line gives way to the summary
@@ -263,7 +281,7 @@ def run(cmd: list[str], *, simulate: str | None = None, gpus: int | None = None,
     rc = child.returncode
     code = 128 - rc if rc is not None and rc < 0 else (rc if rc is not None else 1)
     report = _summarise(segments, duration, _energy(first), _energy(last) if last is not None else {},
-                        code, interrupts > 0, sampler.simulated)
+                        code, forward.interrupts > 0, sampler.simulated)
     report.update({
         "command": redact_cmdline(cmd), "started_at": started_at, "hostname": first.hostname,
         "gpu_start_s": procs.gpu_start_s, "gpu_start_by_gpu": procs.gpu_start_by_gpu,

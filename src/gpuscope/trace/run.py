@@ -28,7 +28,7 @@ from typing import Any
 
 import psutil
 
-from ..runcmd import RunError, _check, _reap, _reap_all, _start, _terminal_reaches
+from ..runcmd import Forwarder, RunError, _check, _reap, _reap_all, _start
 from ..sampler import Sampler, SamplerConfig
 from .bootstrap import DIR as BOOTSTRAP_DIR
 from .perfetto import points, with_counters
@@ -78,52 +78,35 @@ def trace(cmd: list[str], *, out_dir: str = "gpuscope-traces", delay_s: float = 
         sampler.open()
         kept = []
         sampler.subscribe(lambda snap: kept.extend(points([snap])))
-    interrupts = 0
+    forward = Forwarder(lambda c: psutil.Process(c.pid).children(recursive=True))
+    forward.install()
     child = None
-
-    def forward(signum: int, _frame: Any) -> None:
-        nonlocal interrupts
-        interrupts += 1
-        if child is None or child.poll() is not None:
-            return
-        try:
-            if interrupts >= 2:
-                child.terminate()
-            elif signum != signal.SIGINT or not _terminal_reaches(os.getpgid(child.pid)):
-                child.send_signal(signum)
-                for p in psutil.Process(child.pid).children(recursive=True):
-                    p.send_signal(signum)
-        except (OSError, psutil.Error):  # gone meanwhile
-            pass
-
-    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     started = time.time()
     try:
-        child = _start(cmd, environment(out_dir, delay_s, duration_s, every_s, stack, run_id,
+        child = forward.child = _start(cmd, environment(out_dir, delay_s, duration_s, every_s, stack, run_id,
                                         requests_dir=requests_dir))
-        if interrupts:
+        if forward.interrupts:
             child.send_signal(signal.SIGINT)
         if sampler is not None:
             sampler.start()
         terminated_at = None
         while child.poll() is None:
             time.sleep(0.1)
-            if interrupts >= 2:
+            if forward.interrupts >= 2:
                 terminated_at = terminated_at or time.monotonic()
                 if time.monotonic() - terminated_at > FLUSH_GRACE_S:
                     child.kill()
     finally:
         if child is not None:
             descendants = []
-            if interrupts:
+            if forward.interrupts:
                 try:
                     descendants = psutil.Process(child.pid).children(recursive=True)
                 except psutil.Error:
                     pass
             _reap(child)
             _reap_all(descendants)
-        for s, h in old.items():
-            signal.signal(s, h)
+        forward.restore()
         if sampler is not None:
             sampler.stop()
     rc = child.returncode
