@@ -9,7 +9,6 @@ Every bad request ends in a 4xx with a JSON body {"error": "one sentence"}.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import re
@@ -34,25 +33,7 @@ class BadRequest(Exception):
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
-    return web.Response(text=json.dumps(_finite(data), default=_default, allow_nan=False), status=status,
-                        content_type="application/json")
-
-
-def _finite(o: Any) -> Any:
-    """JSON has no NaN or infinity: they become null (json.dumps never asks `default` about floats)."""
-    if isinstance(o, float):
-        return o if math.isfinite(o) else None
-    if isinstance(o, dict):
-        return {k: _finite(v) for k, v in o.items()}
-    if isinstance(o, list | tuple):
-        return [_finite(v) for v in o]
-    return o
-
-
-def _default(o: Any) -> Any:
-    if hasattr(o, "tolist"):
-        return _finite(o.tolist())
-    return str(o)
+    return web.Response(text=ui.dumps(data), status=status, content_type="application/json")
 
 
 _PERCENTILE = re.compile(r"p([0-9]+(?:\.[0-9]+)?)", re.ASCII)
