@@ -1,8 +1,11 @@
 """Shared doubles for the telemetry-core tests: a settable clock, a host-process reader that knows only
-the pids it is given, and a sampler factory that always stops what it started."""
+the pids it is given, and a sampler factory that always stops what it started; and the real headless
+Chromium the page, report and SVG tests drive."""
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -85,3 +88,14 @@ def open_devices() -> Callable[[Any], tuple[Nvml, list[Device]]]:
         return nv, discover(nv)
 
     return open_
+
+
+@pytest.fixture(scope="session")
+def chromium() -> str:
+    """The Debian Chromium's path. Missing: a failure in CI (.ci/run installs it), a skip elsewhere."""
+    exe = shutil.which("chromium") or shutil.which("chromium-browser")
+    if exe is None:
+        if os.environ.get("CI"):
+            pytest.fail("chromium is not installed; .ci/run installs it")
+        pytest.skip("chromium is not installed (Debian: apt-get install chromium)")
+    return exe

@@ -3,8 +3,6 @@ the process table, everything from the user escaped, the SIMULATED banner; rende
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 import zlib
 from html.parser import HTMLParser
@@ -168,15 +166,6 @@ def test_write_html_is_atomic_and_reports_failures(tmp_path):
     assert [f.name for f in tmp_path.iterdir()] == ["r.html"]  # no temporary file left behind
 
 
-def _chromium() -> str:
-    exe = shutil.which("chromium") or shutil.which("chromium-browser")
-    if exe is None:
-        if os.environ.get("CI"):
-            pytest.fail("chromium is not installed; .ci/run installs it")
-        pytest.skip("chromium is not installed (Debian: apt-get install chromium)")
-    return exe
-
-
 def _png_pixels(data: bytes) -> bytes:
     """The decompressed scanlines of a PNG (filter bytes included): enough to tell blank from not."""
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
@@ -190,8 +179,8 @@ def _png_pixels(data: bytes) -> bytes:
     return zlib.decompress(idat)
 
 
-def test_real_chromium_renders_the_svgs(tmp_path):
-    exe = _chromium()
+def test_real_chromium_renders_the_svgs(tmp_path, chromium):
+    exe = chromium
     path = tmp_path / "r.html"
     write_html(_report(), str(path))
     base = [exe, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--no-first-run",

@@ -4,8 +4,6 @@ JSON has the schema's required fields, and the SVG is XML that a real Chromium r
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -87,12 +85,8 @@ def test_svg_escapes_names_and_parses():
     assert any(t.startswith("f&g (a<b>.py:1)") for t in titles)
 
 
-def test_svg_renders_in_chromium(tmp_path):
-    exe = shutil.which("chromium") or shutil.which("chromium-browser")
-    if exe is None:
-        if os.environ.get("CI"):
-            pytest.fail("chromium is not installed; .ci/run installs it")
-        pytest.skip("chromium is not installed (Debian: apt-get install chromium)")
+def test_svg_renders_in_chromium(tmp_path, chromium):
+    exe = chromium
     sync_api = pytest.importorskip("playwright.sync_api")
     path = tmp_path / "healthy_training.svg"
     write_svg(_trace("healthy_training"), str(path))

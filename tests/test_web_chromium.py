@@ -7,8 +7,6 @@ tests poll with page.evaluate (run by the DevTools protocol, outside the CSP).
 
 from __future__ import annotations
 
-import os
-import shutil
 import socket
 import time
 import urllib.parse
@@ -21,18 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "test-artifacts"
 
 
-def _chromium() -> str:
-    exe = shutil.which("chromium") or shutil.which("chromium-browser")
-    if exe is None:
-        if os.environ.get("CI"):
-            pytest.fail("chromium is not installed; .ci/run installs it")
-        pytest.skip("chromium is not installed (Debian: apt-get install chromium)")
-    return exe
-
-
 @pytest.fixture(scope="module")
-def browser():
-    exe = _chromium()
+def browser(chromium):
+    exe = chromium
     sync_api = pytest.importorskip("playwright.sync_api", reason="pip install -e '.[test]' installs playwright")
     with sync_api.sync_playwright() as p:
         b = p.chromium.launch(executable_path=exe, args=["--no-sandbox"])

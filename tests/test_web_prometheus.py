@@ -14,7 +14,6 @@ import asyncio
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -377,11 +376,8 @@ def test_cli_serves_the_fleet_and_needs_a_token_beyond_loopback(fleet, tmp_path)
         assert d.stop() == 0
 
 
-def test_chromium_renders_the_fleet_from_prometheus(fleet):
+def test_chromium_renders_the_fleet_from_prometheus(fleet, chromium):
     _, prom = fleet
-    chromium = shutil.which("chromium")
-    if chromium is None:
-        pytest.skip("chromium is not installed (Debian: apt-get install chromium)")
     sync_api = pytest.importorskip("playwright.sync_api")
     d = Dashboard(prom.url)
     try:
