@@ -114,6 +114,18 @@ def parse_size(v: Any, where: str) -> int:
     raise ConfigError(f"{where} must be a size such as \"10GiB\" or a number of bytes, not {v!r}.")
 
 
+def is_loopback_host(host: str) -> bool:
+    """Only a literal loopback address ('127.0.0.1', '::1', '[::1]') or 'localhost' counts: a host name
+    that merely starts with '127.' does not."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def default_data_dir() -> Path:
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         return Path("/var/lib/gpuscope")
@@ -193,15 +205,7 @@ class Config:
 
     @property
     def loopback_only(self) -> bool:
-        """Only a literal loopback address or 'localhost' counts: a host name that merely starts with
-        '127.' does not."""
-        bind = self.agent.bind.strip().strip("[]")
-        if bind == "localhost":
-            return True
-        try:
-            return ipaddress.ip_address(bind).is_loopback
-        except ValueError:
-            return False
+        return is_loopback_host(self.agent.bind.strip())
 
 
 _DURATIONS = {("sampler", "interval"), ("sampler", "gpm_window"), ("sampler", "slow"), ("store", "flush_interval"),

@@ -5,7 +5,6 @@ its own thread, so no HTTP call or NVML read ever runs on the UI's event loop; t
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import socket
 import threading
@@ -16,6 +15,7 @@ from typing import Any
 
 from .. import viewmodel
 from ..agent.client import ClientError, get_json
+from ..agent.config import is_loopback_host
 
 log = logging.getLogger(__name__)
 
@@ -85,12 +85,7 @@ def _is_loopback(url: str) -> bool:
         host = urllib.parse.urlsplit(url).hostname or ""
     except ValueError:  # 'http://[::1': the probe says what is wrong with it, in one sentence
         return False
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return is_loopback_host(host)
 
 
 class AgentFeed(Feed):
