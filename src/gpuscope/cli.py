@@ -244,6 +244,10 @@ def build_parser() -> argparse.ArgumentParser:
         mod = importlib.import_module(module, __package__)
         mod.add_arguments(trsub.add_parser(action, help=mod.HELP))
 
+    for verb, module in _MODULE_VERBS.items():
+        mod = importlib.import_module(module, __package__)
+        mod.add_arguments(sub.add_parser(verb, help=mod.HELP, description=getattr(mod, "DESCRIPTION", None)))
+
     from .web.dashboard_cmd import add_arguments as _dashboard_arguments
 
     db = sub.add_parser("dashboard", help="the web dashboard over a Prometheus server: a whole fleet in one UI",
@@ -720,8 +724,18 @@ def _dashboard(args: argparse.Namespace) -> int:
 
     return run(args)
 
+# Commands that live in their own package: each module has HELP (and optionally DESCRIPTION),
+# add_arguments(parser) and run(args) -> int, and imports nothing heavy at module level.
+_MODULE_VERBS = {"loadtest": ".loadtest.cli", "capture": ".loadtest.capture", "guard": ".guard.cli"}
+
+
+def _module_verb(args: argparse.Namespace) -> int:
+    return importlib.import_module(_MODULE_VERBS[args.verb], __package__).run(args)
+
+
 _VERBS = {"alerts": _alerts, "doctor": _doctor, "diagnose": _diagnose, "run": _run, "sample": _sample, "scenarios": _scenarios, "agent": _agent, "query": _query, "top": _top,
-          "export": _export, "dashboard": _dashboard, "trace": _trace}
+          "export": _export, "dashboard": _dashboard, "trace": _trace,
+          **{verb: _module_verb for verb in _MODULE_VERBS}}
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,0 +1,1 @@
+"""Load testing GPU inference services, with the GPU's side of the story (`gpuscope loadtest`)."""
