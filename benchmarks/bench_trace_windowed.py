@@ -32,14 +32,16 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 GOAL_PERCENT = 1.0
 
 
-def _run(cmd: list[str], cwd: Path, seconds: float) -> tuple[int, float]:
+def _run(cmd: list[str], cwd: Path, seconds: float, gpu: int | None = None) -> tuple[int, float]:
     """(steps, seconds) of one workload run, from its `steps=N steps_per_s=X` line."""
-    p = subprocess.run(cmd, cwd=str(cwd), capture_output=True, text=True, timeout=seconds + 600)
+    env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": str(gpu)} if gpu is not None else {}))
+    p = subprocess.run(cmd, cwd=str(cwd), capture_output=True, text=True, timeout=seconds + 600, env=env)
     m = re.search(r"steps=(\d+) steps_per_s=([0-9.]+)", p.stdout)
     if p.returncode != 0 or m is None:
         raise SystemExit(f"{' '.join(cmd)} failed (exit {p.returncode}): {p.stderr[-1500:]}")
@@ -119,7 +121,12 @@ def main() -> int:
     ap.add_argument("--duration", type=float, default=1.0, help="seconds per window (default 1)")
     ap.add_argument("--delay", type=float, default=5.0, help="seconds before the first window (default 5)")
     ap.add_argument("--on-demand", action="store_true", help="also measure on-demand tracing with its duty budget")
+    ap.add_argument("--parallel-gpus", action="store_true",
+                    help="run plain and windowed at the same time on GPUs 0 and 1, swapping GPUs each round "
+                         "(so each mode gets --minutes in half the wall time; needs 2 GPUs, no --on-demand)")
     a = ap.parse_args()
+    if a.parallel_gpus and a.on_demand:
+        raise SystemExit("--parallel-gpus runs two modes on two GPUs; leave out --on-demand.")
     script = a.workloads / a.workload
     if not script.exists():
         raise SystemExit(f"No workload at {script}: give --workloads DIR or set GPUSCOPE_WORKLOADS.")
@@ -134,15 +141,30 @@ def main() -> int:
     asked = 0
     with tempfile.TemporaryDirectory() as tmp:
         win_dir, agent_dir = Path(tmp) / "windowed", Path(tmp) / "agent"
+        def windowed_cmd(r: int) -> list[str]:
+            return [py, "-m", "gpuscope.cli", "trace", "--out", str(win_dir / f"r{r}"), "--delay", f"{a.delay:g}s",
+                    "--duration", f"{a.duration:g}s", "--every", f"{a.every:g}s", "--", *work]
+
         for r in range(a.rounds):
+            if a.parallel_gpus:  # both modes at once, on GPUs that swap each round so neither GPU favours one
+                gpu = {"plain": r % 2, "windowed": 1 - r % 2}
+                with ThreadPoolExecutor(len(modes)) as pool:
+                    futures = {m: pool.submit(_run, work if m == "plain" else windowed_cmd(r), a.workloads,
+                                              seconds, gpu[m]) for m in modes}
+                    got = {m: f.result() for m, f in futures.items()}
+                for mode in modes:
+                    steps, secs = got[mode]
+                    totals[mode][0] += steps
+                    totals[mode][1] += secs
+                    per_run[mode].append(steps / secs)
+                    print(f"round {r + 1}/{a.rounds} {mode:10} GPU {gpu[mode]} {steps / secs:9.2f} steps/s", flush=True)
+                continue
             order = modes if r % 2 == 0 else modes[::-1]
             for mode in order:
                 if mode == "plain":
                     steps, secs = _run(work, a.workloads, seconds)
                 elif mode == "windowed":
-                    steps, secs = _run([py, "-m", "gpuscope.cli", "trace", "--out", str(win_dir / f"r{r}"),
-                                        "--delay", f"{a.delay:g}s", "--duration", f"{a.duration:g}s",
-                                        "--every", f"{a.every:g}s", "--", *work], a.workloads, seconds)
+                    steps, secs = _run(windowed_cmd(r), a.workloads, seconds)
                 else:
                     with _Asker(str(agent_dir / "trace-requests"), a.delay, a.every, a.duration) as asker:
                         steps, secs = _run([py, "-m", "gpuscope.cli", "trace", "--on-demand", "--agent-dir",
@@ -158,7 +180,8 @@ def main() -> int:
             traced["on_demand"] = _windows(agent_dir / "traces")
             allowed["on_demand"] = min(asked, a.rounds * _allowed(seconds, a.delay, a.every, 0.01, a.duration))
     plain = totals["plain"][0] / totals["plain"][1]
-    print(f"\n{a.workload}, {a.minutes:g} min per mode in {a.rounds} alternating runs; windows of "
+    print(f"\n{a.workload}, {a.minutes:g} min per mode in {a.rounds} alternating runs"
+          f"{' (both modes at once on two GPUs, swapped each round)' if a.parallel_gpus else ''}; windows of "
           f"{a.duration:g} s every {a.every:g} s after {a.delay:g} s")
     print(f"{'mode':10} {'steps/s':>9} {'overhead %':>10} {'ratio':>6} {'windows':>8} {'at most':>8}  per run")
     failed = False
