@@ -1,4 +1,4 @@
-"""`gpuscope trace [options] -- CMD ...`: trace a PyTorch program's CPU ops and CUDA kernels, unchanged.
+"""`gpuscope trace [options] -- CMD ...`: trace a CUDA program's kernels, copies and syncs, unchanged.
 
 CMD runs with gpuscope's bootstrap directory first on PYTHONPATH (the user's PYTHONPATH after it, and
 the program's own sitecustomize still runs): every Python process of the command that imports torch
@@ -9,6 +9,12 @@ trace is also written as a Perfetto timeline with the GPU's metrics as counter t
 `--on-demand` there is no window of its own: each process waits for the agent's requests
 (`POST /api/v1/trace`) in `--agent-dir`/trace-requests and writes into `--agent-dir`/traces, within
 a duty budget (trace/ondemand.py).
+
+Two backends (`--backend`, default auto): a process that imports torch runs the PyTorch profiler (CPU
+ops too); one that imports cupy, numba.cuda, jax or cuda-python and not torch is traced through CUPTI
+with NVIDIA's cupti-python (trace/cupti_backend.py, docs/trace-cupti.md): GPU kernels, copies, memsets
+and syncs, plus the runtime/driver calls the rules read with their Python lines; `--api all` records
+every runtime and driver call, at a cost of several times the run time of a launch-bound loop.
 
 Signals and exit code as `gpuscope run`: a SIGINT or SIGTERM sent to gpuscope alone is forwarded to
 CMD and its processes (each flushes its trace as it exits), a second one terminates CMD, and the exit
@@ -36,19 +42,32 @@ from .perfetto import points, with_counters
 #: After the second signal CMD gets this long to write its traces before SIGKILL (an export of a
 #: long window takes seconds).
 FLUSH_GRACE_S = 30.0
-HELP = "run a PyTorch program unchanged and trace its CPU ops and CUDA kernels (gpuscope trace -- CMD)"
-NO_TRACE = ("no trace: the program never initialised CUDA through PyTorch; "
-            "CUPTI tracing for other CUDA programs is not built yet.")
+HELP = ("run a CUDA program unchanged (PyTorch, CuPy, Numba, JAX, cuda-python) and trace its kernels, copies "
+        "and syncs (gpuscope trace -- CMD)")
+NO_TRACE = ("no trace: no process of the program imported torch, cupy, numba.cuda, jax or cuda-python "
+            "(the Python CUDA libraries gpuscope trace knows).")
+BACKENDS = ("auto", "torch", "cupti")
+# Why a process wrote no trace, by the status its bootstrap left (bootstrap/sitecustomize.py).
+_WHY = {"exited_before_window": "it exited before its window began (lower --delay)",
+        "profiler_failed": "the {backend} could not start ({error})",
+        "failed": "the tracer failed ({error})",
+        "waiting": "it ended before its window could be written",
+        "no_cuda": "it imported a CUDA library but never created a CUDA context",
+        "cupti_missing": "{error}",
+        "cupti_held": "{error}",
+        "cupti_failed": "CUPTI tracing could not start ({error})"}
 
 
 def environment(out_dir: str, delay_s: float, duration_s: float, every_s: float, stack: bool,
-                run_id: str, base: dict[str, str] | None = None, requests_dir: str | None = None) -> dict[str, str]:
+                run_id: str, base: dict[str, str] | None = None, requests_dir: str | None = None,
+                backend: str = "auto", api: str = "rules") -> dict[str, str]:
     """CMD's environment: ours plus the bootstrap first on PYTHONPATH and the tracing settings."""
     env = dict(os.environ if base is None else base)
     env["PYTHONPATH"] = os.pathsep.join([BOOTSTRAP_DIR] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.update({"GPUSCOPE_TRACE_DIR": os.path.abspath(out_dir), "GPUSCOPE_TRACE_DELAY_S": repr(delay_s),
                 "GPUSCOPE_TRACE_DURATION_S": repr(duration_s), "GPUSCOPE_TRACE_EVERY_S": repr(every_s),
-                "GPUSCOPE_TRACE_STACK": "1" if stack else "0", "GPUSCOPE_TRACE_RUN": run_id})
+                "GPUSCOPE_TRACE_STACK": "1" if stack else "0", "GPUSCOPE_TRACE_RUN": run_id,
+                "GPUSCOPE_TRACE_BACKEND": backend, "GPUSCOPE_TRACE_API": api})
     if requests_dir:
         env["GPUSCOPE_TRACE_ON_DEMAND"] = os.path.abspath(requests_dir)
     return env
@@ -63,10 +82,17 @@ def check_windows(delay_s: float, duration_s: float, every_s: float) -> None:
 
 def trace(cmd: list[str], *, out_dir: str = "gpuscope-traces", delay_s: float = 5.0, duration_s: float = 10.0,
         every_s: float = 0.0, stack: bool = True, samples: bool = False, simulate: str | None = None,
-        gpus: int | None = None, requests_dir: str | None = None) -> tuple[int, dict[str, Any]]:
+        gpus: int | None = None, requests_dir: str | None = None, backend: str = "auto",
+        api: str = "rules") -> tuple[int, dict[str, Any]]:
     """Run `cmd` traced; return (the exit code to use, what was written: {"processes": [...], "traces": [...]})."""
     _check(cmd)
     check_windows(delay_s, duration_s, every_s)
+    if backend not in BACKENDS:
+        raise RunError(f"--backend must be one of {', '.join(BACKENDS)}, not {backend!r}.", 2)
+    if api not in ("rules", "all"):
+        raise RunError(f"--api must be 'rules' or 'all', not {api!r}.", 2)
+    if api == "all" and backend == "torch":
+        raise RunError("--api all applies to the CUPTI backend; the PyTorch profiler records every call already.", 2)
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
@@ -84,7 +110,7 @@ def trace(cmd: list[str], *, out_dir: str = "gpuscope-traces", delay_s: float = 
     started = time.time()
     try:
         child = forward.child = _start(cmd, environment(out_dir, delay_s, duration_s, every_s, stack, run_id,
-                                        requests_dir=requests_dir))
+                                        requests_dir=requests_dir, backend=backend, api=api))
         if forward.interrupts:
             child.send_signal(signal.SIGINT)
         if sampler is not None:
@@ -155,12 +181,12 @@ def render(report: dict[str, Any]) -> str:
                         if t.get("perfetto") else ""))
         lines.extend("    " + s for s in _kernel_summary(t["path"]).splitlines())
     for p in report["processes"]:
-        why = {"exited_before_window": "it exited before its window began (lower --delay)",
-               "profiler_failed": f"the PyTorch profiler could not start ({p.get('error', '')})",
-               "failed": f"the tracer failed ({p.get('error', '')})",
-               "waiting": "it ended before its window could be written"}.get(p.get("status", ""))
+        why = _WHY.get(p.get("status", ""), "").format(
+            error=p.get("error", ""), backend="CUPTI backend" if p.get("backend") == "cupti" else "PyTorch profiler")
         if why and not p.get("traces"):
-            lines.append(f"  no trace from pid {p.get('pid')}: {why}.")
+            lines.append(f"  no trace from pid {p.get('pid')}: {why.rstrip('.')}.")
+        if p.get("torch_after_cupti"):
+            lines.append(f"  pid {p.get('pid')}: {p['torch_after_cupti']}.")
     if not report["processes"]:
         lines.append(f"  {NO_TRACE}")
     return "\n".join(lines)
@@ -203,7 +229,8 @@ def run(args: Any) -> int:
     try:
         code, report = trace(cmd, out_dir=out, requests_dir=requests_dir, delay_s=args.delay, duration_s=args.duration,
                            every_s=args.every or 0.0, stack=not args.no_stack, samples=args.samples,
-                           simulate=args.simulate, gpus=args.gpus)
+                           simulate=args.simulate, gpus=args.gpus, backend=getattr(args, "backend", "auto"),
+                           api=getattr(args, "api", "rules"))
     except RunError as e:
         print(f"gpuscope: {e}", file=sys.stderr)
         return e.code
@@ -230,6 +257,14 @@ def add_arguments(p: Any) -> None:
                    help="with --on-demand: the agent's data directory (default: the agent's default, "
                         "/var/lib/gpuscope as root, else ~/.local/share/gpuscope)")
     p.add_argument("--no-stack", action="store_true", help="leave out Python stacks (smaller, cheaper traces)")
+    p.add_argument("--backend", choices=BACKENDS, default="auto",
+                   help="auto (default): the PyTorch profiler in processes that import torch, CUPTI (needs "
+                        "cupti-python) in those that import cupy, numba.cuda, jax or cuda-python and not torch; "
+                        "torch or cupti: only that one (cupti also traces torch programs, without CPU ops)")
+    p.add_argument("--api", choices=("rules", "all"), default="rules",
+                   help="CUPTI backend: record only the runtime/driver calls the rules read (memcpy, memset, "
+                        "synchronize, malloc/free; default), or all of them, kernel launches included: about "
+                        "50 us of Python each, several times slower for a launch-bound loop")
     p.add_argument("--samples", action="store_true",
                    help="sample the GPUs at 10 Hz meanwhile and also write each trace as <name>.perfetto.json.gz "
                         "with SM, tensor, DRAM, NVML utilization, power, memory and PCIe as counter tracks")

@@ -1,10 +1,11 @@
-"""Traces a PyTorch program from inside it, with no change to the program (`gpuscope trace -- CMD`).
+"""Traces a CUDA program from inside it, with no change to the program (`gpuscope trace -- CMD`).
 
 `gpuscope trace` puts this file's directory first on PYTHONPATH, so every Python interpreter the
-command starts imports it at start-up. Until the program imports `torch` it costs one finder on
-sys.meta_path that answers None for every other module. When `torch` has been imported, a daemon
-thread waits for CUDA to be initialised, then runs the PyTorch profiler (Kineto: CPU ops, CUDA
-kernels and copies, optionally Python stacks) for the window(s) the parent asked for, and writes
+command starts imports it at start-up. Until the program imports `torch` (or, for the CUPTI backend,
+cupy, numba.cuda, jax or cuda-python) it costs one finder on sys.meta_path that answers None for every
+other module. When `torch` has been imported, a daemon thread waits for CUDA to be initialised, then
+runs the PyTorch profiler (Kineto: CPU ops, CUDA kernels and copies, optionally Python stacks) for the
+window(s) the parent asked for, and writes
 
     <dir>/<host>.<pid>[.rank<N>][.w<k>].pt.trace.json.gz   the Kineto trace, plus a top-level
                                                             "gpuscope" key (clock pair, host, pid, rank)
@@ -22,6 +23,17 @@ GPUSCOPE_TRACE_DIR=<trace dir> set by hand) there is no window of its own: the t
 process in the request directory, looks there once a second (one stat()) for a request addressed to
 its pid or to all, and traces for as long as asked within its duty budget (../ondemand.py, loaded by
 path, holds the protocol and the budget; GPUSCOPE_TRACE_MAX_DUTY, default 0.01).
+
+Backends (GPUSCOPE_TRACE_BACKEND=auto|torch|cupti, `gpuscope trace --backend`): in auto a program that
+imports cupy, numba.cuda, jax or cuda-python, and not torch, is traced through CUPTI instead
+(../cupti_backend.py, loaded by path; it needs NVIDIA's cupti-python in the program's environment):
+the subscriber is taken at that import, so that the creation of the first CUDA context starts the
+--delay clock, and the windows write the same Kineto-compatible files (GPU kernels, copies, memsets,
+syncs, the runtime/driver calls the rules read with their Python stacks; every API call only with
+GPUSCOPE_TRACE_API=all). torch keeps the PyTorch profiler; a torch imported after CUPTI started is not
+profiled (one CUPTI subscriber per process), which the status file says. With cupti-python missing,
+or CUPTI held by another profiler, one line goes to stderr, the status file says why, and the program
+runs on untraced; a program that never creates a CUDA context writes a status of "no_cuda".
 
 It must never break the program: every failure is swallowed (one line on stderr when the profiler
 cannot start, such as when another profiler holds CUPTI), nothing is printed to stdout, and the
@@ -65,6 +77,11 @@ class _Tracer:
         self.every_s = _number("GPUSCOPE_TRACE_EVERY_S", 0)
         self.with_stack = os.environ.get("GPUSCOPE_TRACE_STACK", "1") == "1"
         self.requests_dir = os.environ.get("GPUSCOPE_TRACE_ON_DEMAND", "")
+        self.backend_mode = os.environ.get("GPUSCOPE_TRACE_BACKEND", "auto")
+        self.api_all = os.environ.get("GPUSCOPE_TRACE_API", "rules") == "all"
+        self.backend = None  # "torch" or "cupti" once one has started
+        self.session = None  # the CUPTI backend's Session
+        self.trigger = None  # the import that started the CUPTI backend
         self.pid = os.getpid()
         self.exiting = threading.Event()
         self.done = threading.Event()
@@ -102,10 +119,61 @@ class _Tracer:
                 pass
             raise
 
+    # -- which backend -------------------------------------------------------------------------------
+    def watched(self):
+        """The module names whose import may start tracing, for this backend mode."""
+        if self.backend_mode == "torch":
+            return ("torch",)
+        return ("torch",) + _CUPTI_TRIGGERS
+
+    def on_imported(self, name):
+        if name == "torch" and self.backend_mode != "cupti":
+            if self.backend == "cupti":
+                self.status["torch_after_cupti"] = (
+                    "torch was imported after CUPTI tracing started: the PyTorch profiler cannot run in this "
+                    "process (one CUPTI subscriber per process), so torch's CPU ops are not traced")
+                if "run" in self.status:  # else the status written when CUDA starts carries it
+                    self._write_status()
+                return
+            if self.backend is None:
+                self.on_torch_imported()
+            return
+        if self.backend is not None or (self.backend_mode == "auto" and "torch" in sys.modules):
+            return  # torch keeps the PyTorch profiler
+        self._start_cupti(name)
+
+    def _base_status(self):
+        return {"run": os.environ.get("GPUSCOPE_TRACE_RUN"), "host": socket.gethostname(), "pid": self.pid,
+                "rank": self._rank(), "argv": list(sys.argv), "traces": []}
+
+    def _start_cupti(self, trigger):
+        self.backend = "cupti"
+        try:
+            module = _load_private("cupti_backend.py", "_gpuscope_trace_cupti")
+            if self.api_all:
+                sys.stderr.write("gpuscope trace: GPUSCOPE_TRACE_API=all records every CUDA runtime and driver "
+                                 "call through cupti-python (tens of µs of Python each): a launch-bound program "
+                                 "runs several times slower while a window is open.\n")
+            self.session = module.Session(api_all=self.api_all, with_stack=self.with_stack)
+        except Exception as e:
+            status = getattr(e, "status", "cupti_failed")
+            self.status = dict(self._base_status(), backend="cupti", trigger=trigger)
+            try:
+                self._write_status(status=status, error=str(e) or type(e).__name__)
+            except Exception:
+                pass
+            sys.stderr.write(f"gpuscope trace: CUPTI tracing could not start in process {self.pid} ({e}); "
+                             "not tracing it, the program goes on.\n")
+            sys.stderr.flush()
+            return
+        self.trigger = trigger
+        self._start_thread()
+
     # -- the profiler thread -------------------------------------------------------------------------
     def on_torch_imported(self):
         if self.thread is not None:
             return
+        self.backend = "torch"
         # The profiler's start imports torch packages that torch itself loads lazily (torch._dynamo,
         # torch._inductor). Imported by the profiler thread while the program's thread imports them too
         # (an optimizer's first step does), they deadlock or come out half-initialised: seen on the H200
@@ -116,6 +184,9 @@ class _Tracer:
                 __import__(name)
             except Exception:
                 pass
+        self._start_thread()
+
+    def _start_thread(self):
         self.thread = threading.Thread(target=self._guarded, name="gpuscope-trace", daemon=True)
         self.thread.start()
         atexit.register(self.flush)
@@ -138,20 +209,26 @@ class _Tracer:
             self.done.set()
 
     def _run(self):
-        import torch
+        if self.backend == "cupti":
+            while not self.session.cuda_seen.is_set():
+                if self.exiting.wait(0.1):
+                    self.status = dict(self._base_status(), backend="cupti", trigger=self.trigger)
+                    self._write_status(status="no_cuda")  # it imported a CUDA library but never created a context
+                    return
+            versions = {"backend": "cupti", "trigger": self.trigger, "api": "all" if self.api_all else "rules"}
+        else:
+            import torch
 
-        while not torch.cuda.is_initialized():
-            if self.exiting.wait(0.1):
-                return  # never used CUDA (a DataLoader worker, a CPU-only run): nothing to write
+            while not torch.cuda.is_initialized():
+                if self.exiting.wait(0.1):
+                    return  # never used CUDA (a DataLoader worker, a CPU-only run): nothing to write
+            versions = {"backend": "torch", "torch": getattr(torch, "__version__", "?")}
         cuda_at = time.monotonic()
-        rank = self._rank()
-        self.status = {"run": os.environ.get("GPUSCOPE_TRACE_RUN"), "host": socket.gethostname(),
-                       "pid": self.pid, "rank": rank,
-                       "argv": list(sys.argv), "torch": getattr(torch, "__version__", "?"),
-                       "cuda_initialised_unix_ns": time.time_ns(), "traces": []}
+        self.status = dict(self._base_status(), **versions, cuda_initialised_unix_ns=time.time_ns(),
+                           **{k: v for k, v in self.status.items() if k == "torch_after_cupti"})
         self._write_status(status="on_demand" if self.requests_dir else "waiting")
         if self.requests_dir:
-            return self._on_demand(torch)
+            return self._on_demand()
         window = 0
         while True:
             start_at = cuda_at + self.delay_s + window * self.every_s
@@ -159,9 +236,10 @@ class _Tracer:
                 if not self.status["traces"]:
                     self._write_status(status="exited_before_window")
                 return
-            prof, all_threads, error = self._start(torch)
+            prof, all_threads, error = self._start()
             if prof is None:
-                sys.stderr.write(f"gpuscope trace: the PyTorch profiler could not start in process {self.pid} "
+                what = "CUPTI tracing" if self.backend == "cupti" else "the PyTorch profiler"
+                sys.stderr.write(f"gpuscope trace: {what} could not start in process {self.pid} "
                                  f"({error}); not tracing it, the program goes on.\n")
                 sys.stderr.flush()
                 self._write_status(status="profiler_failed", error=error)
@@ -173,7 +251,7 @@ class _Tracer:
                 return
             window += 1
 
-    def _on_demand(self, torch):
+    def _on_demand(self):
         od = _ondemand()
         host, since = socket.gethostname(), time.time()
         budget = od.Budget(_number("GPUSCOPE_TRACE_MAX_DUTY", od.DEFAULT_MAX_DUTY))
@@ -187,7 +265,7 @@ class _Tracer:
                     continue
                 for req in od.pending_for(self.requests_dir, self.pid, host, since):
                     try:
-                        self._answer(od, torch, req, budget, host)
+                        self._answer(od, req, budget, host)
                     except Exception as e:  # this request failed; the next one may not
                         od.mark_done(self.requests_dir, req["id"], host, self.pid, status="failed",
                                      reason=f"{type(e).__name__}: {e}", duration_s=req["duration_s"])
@@ -197,14 +275,14 @@ class _Tracer:
         finally:
             od.unregister(self.requests_dir, host, self.pid)
 
-    def _answer(self, od, torch, req, budget, host):
+    def _answer(self, od, req, budget, host):
         """One request: refused (and why), or traced and written, with its answer beside it."""
         answer = {"duration_s": req["duration_s"], "rank": self._rank()}
         why = budget.refuse(req["duration_s"])
         if why:
             od.mark_done(self.requests_dir, req["id"], host, self.pid, status="refused", reason=why, **answer)
             return
-        prof, all_threads, error = self._start(torch)
+        prof, all_threads, error = self._start()
         if prof is None:
             od.mark_done(self.requests_dir, req["id"], host, self.pid, status="profiler_failed", reason=error, **answer)
             return
@@ -217,7 +295,14 @@ class _Tracer:
                      cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
                      **answer, **{k: meta[k] for k in kept})
 
-    def _start(self, torch):
+    def _start(self):
+        if self.backend == "cupti":
+            window = self.session.window()
+            try:
+                window.start()
+            except Exception as e:  # CUPTI taken meanwhile, a CUPTI error
+                return None, False, f"{type(e).__name__}: {e}"
+            return window, True, ""
         from torch.profiler import ProfilerActivity, profile
 
         kwargs = {"activities": [ProfilerActivity.CPU, ProfilerActivity.CUDA],
@@ -252,7 +337,7 @@ class _Tracer:
         meta = {"host": socket.gethostname(), "pid": self.pid, "rank": self._rank(), "window": window,
                 "profiler_start_unix_ns": started["unix_ns"], "profiler_start_monotonic_ns": started["monotonic_ns"],
                 "profiler_stop_unix_ns": stopped_ns, "cpu_ops_all_threads": all_threads,
-                "with_stack": self.with_stack}
+                "with_stack": self.with_stack, "backend": self.backend}
         try:
             prof.export_chrome_trace(raw)
             _gzip_with_key(raw, packed, "gpuscope", meta)
@@ -286,13 +371,24 @@ class _Tracer:
 
 
 def _ondemand():
-    """trace/ondemand.py by its path, as a private module: importing gpuscope here would run the
+    return _load_private("ondemand.py", "_gpuscope_trace_ondemand")
+
+
+def _load_private(filename, name):
+    """A module of gpuscope/trace by its path, as a private module: importing gpuscope here would run the
     package's __init__ (numpy and more) inside the traced program, which may not even have it."""
-    path = os.path.join(os.path.dirname(_HERE), "ondemand.py")
-    spec = importlib.util.spec_from_file_location("_gpuscope_trace_ondemand", path)
+    if name in sys.modules:
+        return sys.modules[name]
+    path = os.path.join(os.path.dirname(_HERE), filename)
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    sys.modules[name] = module
     return module
+
+
+# Kept equal to cupti_backend.TRIGGERS (tests check): that module is loaded only when one is imported.
+_CUPTI_TRIGGERS = ("cupy", "numba.cuda", "jax", "cuda.bindings", "cuda.cudart", "cuda.core")
 
 
 def _gzip_with_key(src, dst, key, value):
@@ -315,11 +411,12 @@ def _gzip_with_key(src, dst, key, value):
 
 
 class _Loader:
-    """Wraps torch's own loader for the one exec of `torch`, then steps out of the way."""
+    """Wraps a watched module's own loader for its one exec, then steps out of the way."""
 
-    def __init__(self, loader, tracer):
+    def __init__(self, loader, tracer, name):
         self._loader = loader
         self._tracer = tracer
+        self._name = name
 
     def __getattr__(self, name):
         return getattr(self._loader, name)
@@ -337,31 +434,35 @@ class _Loader:
             if getattr(module, "__loader__", None) is self:
                 module.__loader__ = self._loader
         try:
-            self._tracer.on_torch_imported()
+            self._tracer.on_imported(self._name)
         except Exception:
             pass
 
 
-class _TorchFinder:
-    """On sys.meta_path until `import torch`; answers None for everything else."""
+class _Finder:
+    """On sys.meta_path until every watched module (torch, the CUPTI triggers) has been imported once;
+    answers None for everything else."""
 
-    def __init__(self, tracer):
+    def __init__(self, tracer, names):
         self._tracer = tracer
+        self._names = set(names)
 
     def find_spec(self, name, path=None, target=None):
-        if name != "torch":
+        if name not in self._names:
             return None
+        self._names.discard(name)  # also keeps the find_spec below from coming back here
+        if not self._names:
+            try:
+                sys.meta_path.remove(self)
+            except ValueError:
+                pass
         try:
-            sys.meta_path.remove(self)
-        except ValueError:
-            pass
-        try:
-            spec = importlib.util.find_spec("torch")
+            spec = importlib.util.find_spec(name)
         except Exception:
             return None
         if spec is None or spec.loader is None:
             return None
-        spec.loader = _Loader(spec.loader, self._tracer)
+        spec.loader = _Loader(spec.loader, self._tracer, name)
         return spec
 
     def invalidate_caches(self):
@@ -373,10 +474,11 @@ def _install():
     if not out_dir:
         return
     tracer = _Tracer(out_dir)
-    if "torch" in sys.modules:
-        tracer.on_torch_imported()
-    else:
-        sys.meta_path.insert(0, _TorchFinder(tracer))
+    names = tracer.watched()
+    for name in names:
+        if name in sys.modules:
+            tracer.on_imported(name)
+    sys.meta_path.insert(0, _Finder(tracer, [n for n in names if n not in sys.modules]))
     os.register_at_fork(after_in_child=tracer.after_fork_in_child)
 
 

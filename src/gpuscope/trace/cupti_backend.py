@@ -1,0 +1,406 @@
+"""The CUPTI backend of `gpuscope trace`: CUDA programs without PyTorch (CuPy, Numba, JAX, cuda-python).
+
+The bootstrap (bootstrap/sitecustomize.py) loads this file by its path when the program imports one of
+`TRIGGERS` and not torch, and drives a `Window` as it drives the PyTorch profiler: start(), stop(),
+export_chrome_trace(path). The file written is Kineto-compatible JSON (the cat names, args and
+pid/tid conventions of trace/kineto.py), so the loader, the rules and `trace flame` read it unchanged.
+
+Which records, and why (docs/trace-cupti.md has the figures): cupti-python makes a Python object of
+every record (tens of µs each), so only the GPU's own work is recorded by default (kernels, copies with
+their memory kinds, memsets, CUPTI's synchronization records) plus the runtime/driver API records of
+the few calls the rules read (memcpy, memset, synchronize, malloc/free), through
+cuptiActivityEnableRuntimeApi/DriverApi per callback id; each of those calls also gets its Python stack
+(a callback on those ids only). Kernel launches are not recorded unless `api_all` (the opt-in
+GPUSCOPE_TRACE_API=all), which records every runtime and driver call and slows a launch-bound loop many
+times. Records wait in 32 MiB buffers and are flushed when the window ends.
+
+Only the standard library and `cupti` are imported: this runs inside the traced program.
+"""
+
+import ast
+import bisect
+import functools
+import json
+import re
+import sys
+import threading
+import time
+
+#: Modules whose import starts CUPTI tracing in --backend auto (torch keeps the PyTorch profiler).
+TRIGGERS = ("cupy", "numba.cuda", "jax", "cuda.bindings", "cuda.cudart", "cuda.core")
+#: Large buffers: CUPTI hands a buffer back when it is full or flushed; with 32 MiB (about 150 k kernel
+#: records) a window rarely fills one, so the per-record Python work happens after the window.
+BUFFER_BYTES = 32 << 20
+HELD = ("another profiler holds CUPTI (Nsight Systems, the PyTorch profiler, DCGM profiling ...); "
+        "only one CUPTI subscriber can exist per process")
+# The API calls the rules read (sync_memcpy, sync_memset, sync_in_loop, pageable_memcpy's launcher).
+_RULE_CALLS = re.compile(r"^(cuda|cu)(Memcpy|Memset|Malloc|MemAlloc|Free|MemFree|MemHostAlloc|DeviceSynchronize|"
+                         r"ThreadSynchronize|CtxSynchronize|StreamSynchronize|EventSynchronize)")
+_VERSION_SUFFIX = re.compile(r"_(v\d+|ptsz|ptds)$")
+_STACK_DEPTH = 24
+_COPY = {1: "HtoD", 2: "DtoH", 3: "HtoA", 4: "AtoH", 5: "AtoA", 6: "AtoD", 7: "DtoA", 8: "DtoD", 9: "HtoH",
+         10: "PtoP"}
+_MEMORY = {1: "Pageable", 2: "Pinned", 3: "Device", 4: "Array", 5: "Managed", 6: "Device Static",
+           7: "Managed Static"}
+_SYNC = {1: "Event Sync", 2: "Stream Wait Event", 3: "Stream Sync", 4: "Context Sync"}
+
+
+class Unavailable(Exception):
+    """CUPTI cannot trace this process; `status` is the status file's word, str() the sentence."""
+
+    def __init__(self, status, message):
+        super().__init__(message)
+        self.status = status
+
+
+def base_name(cbid_name):
+    """'cudaMemcpyAsync_ptsz_v7000' -> 'cudaMemcpyAsync', as Kineto names API events."""
+    while True:
+        short = _VERSION_SUFFIX.sub("", cbid_name)
+        if short == cbid_name:
+            return short
+        cbid_name = short
+
+
+def load_cupti():
+    try:
+        from cupti import cupti
+    except ImportError as e:
+        raise Unavailable("cupti_missing", f"cupti-python is not installed ({e}); pip install cupti-python") from None
+    return cupti
+
+
+class Session:
+    """The process's one CUPTI subscriber, held from the trigger to the exit."""
+
+    def __init__(self, api_all=False, with_stack=True, cupti=None):
+        c = self.cupti = cupti or load_cupti()
+        self.api_all = api_all
+        self.with_stack = with_stack
+        self.cuda_seen = threading.Event()
+        self.lock = threading.Lock()
+        self.records = []
+        self.stacks = {}
+        self.dropped_buffers = 0
+        self.window_open = False
+        try:
+            self.subscriber = c.subscribe(self._on_callback, None)
+        except c.cuptiError as e:
+            if getattr(e, "status", None) == int(c.Result.ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED):
+                raise Unavailable("cupti_held", HELD) from None
+            raise Unavailable("cupti_failed", f"cuptiSubscribe failed: {e}") from None
+        try:
+            c.enable_callback(1, self.subscriber, c.CallbackDomain.RESOURCE, c.CallbackIdResource.CONTEXT_CREATED)
+            # API records then carry the OS thread id (gettid), as Kineto's CPU events do.
+            c.set_thread_id_type(c.ActivityThreadIdType.SYSTEM)
+            c.activity_register_callbacks(self._buffer_requested, self._buffer_completed)
+        except c.cuptiError as e:
+            self.close()
+            if getattr(e, "status", None) == int(c.Result.ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED):
+                raise Unavailable("cupti_held", HELD) from None
+            raise Unavailable("cupti_failed", f"CUPTI setup failed: {e}") from None
+        self.api_cbids = {}  # CallbackDomain -> [cbid] of the calls the rules read
+        for domain, enum in ((c.CallbackDomain.RUNTIME_API, c.RuntimeApiTraceCbid),
+                             (c.CallbackDomain.DRIVER_API, c.DriverApiTraceCbid)):
+            self.api_cbids[domain] = [int(m) for m in enum if _RULE_CALLS.match(m.name)]
+        self.api_names = {}
+        for domain, enum in ((c.CallbackDomain.RUNTIME_API, c.RuntimeApiTraceCbid),
+                             (c.CallbackDomain.DRIVER_API, c.DriverApiTraceCbid)):
+            self.api_names[int(domain)] = {int(m): base_name(m.name) for m in enum}
+        self.per_cbid = hasattr(c, "activity_enable_runtime_api") and hasattr(c, "activity_enable_driver_api")
+        _KIND_NAMES.update(_kind_names(c))
+
+    def close(self):
+        try:
+            self.cupti.unsubscribe(self.subscriber)
+        except Exception:
+            pass
+
+    # -- CUPTI's callbacks (any thread; never raise into CUDA) ------------------------------------------
+    def _on_callback(self, userdata, domain, cbid, cbdata):
+        try:
+            if domain == self.cupti.CallbackDomain.RESOURCE:
+                self.cuda_seen.set()
+            elif self.window_open and cbdata.callback_site == self.cupti.ApiCallbackSite.API_ENTER:
+                self.stacks[cbdata.correlation_id] = _stack(sys._getframe(1))
+        except Exception:
+            pass
+
+    def _buffer_requested(self):
+        return BUFFER_BYTES, 0
+
+    def _buffer_completed(self, activities):
+        try:
+            rows = [_plain(a) for a in activities]
+            with self.lock:
+                self.records.extend(r for r in rows if r is not None)
+        except Exception:
+            self.dropped_buffers += 1
+
+    # -- windows ---------------------------------------------------------------------------------------
+    def window(self):
+        return Window(self)
+
+
+class Window:
+    """One traced window, with the PyTorch profiler's start/stop/export_chrome_trace."""
+
+    def __init__(self, session):
+        self.s = session
+        self.clock = {}
+        self.kinds = []
+
+    def _switch(self, on):
+        s, c = self.s, self.s.cupti
+        flag = 1 if on else 0
+        if s.with_stack:
+            for domain, cbids in s.api_cbids.items():
+                for cbid in cbids:
+                    c.enable_callback(flag, s.subscriber, domain, cbid)
+        if s.per_cbid:
+            for domain, cbids in s.api_cbids.items():
+                enable = (c.activity_enable_runtime_api if domain == c.CallbackDomain.RUNTIME_API
+                          else c.activity_enable_driver_api)
+                for cbid in cbids:
+                    enable(cbid, flag)
+        for kind in self.kinds:
+            (c.activity_enable if on else c.activity_disable)(kind)
+
+    def start(self):
+        s, c = self.s, self.s.cupti
+        with s.lock:
+            s.records = []
+        s.stacks = {}
+        k = c.ActivityKind
+        self.kinds = [k.DEVICE, k.CONCURRENT_KERNEL, k.MEMCPY, k.MEMSET, k.SYNCHRONIZATION]
+        if s.api_all:
+            self.kinds += [k.RUNTIME, k.DRIVER]
+        self.clock["start"] = _clock_pair(c)
+        s.window_open = True
+        try:
+            self._switch(True)
+        except c.cuptiError as e:
+            s.window_open = False
+            try:
+                self._switch(False)
+            except Exception:
+                pass
+            if getattr(e, "status", None) == int(c.Result.ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED):
+                raise Unavailable("cupti_held", HELD) from None
+            raise
+
+    def stop(self):
+        s, c = self.s, self.s.cupti
+        s.window_open = False
+        try:
+            self._switch(False)
+        finally:
+            c.activity_flush_all(1)  # forced: hand back partly filled buffers too
+            self.clock["stop"] = _clock_pair(c)
+
+    def export_chrome_trace(self, path):
+        with self.s.lock:
+            records, self.s.records = self.s.records, []
+        doc = to_kineto(records, self.s.stacks, self.clock, self.s.api_names)
+        doc["gpuscope_cupti"] = {"api": "all" if self.s.api_all else "rules",
+                                 "per_call_api_records": self.s.per_cbid, "records": len(records),
+                                 "stacks": len(self.s.stacks), "dropped_buffers": self.s.dropped_buffers}
+        with open(path, "w") as f:
+            json.dump(doc, f, separators=(",", ":"))
+
+
+def _clock_pair(c):
+    return {"unix_ns": time.time_ns(), "cupti_ns": int(c.get_timestamp()), "monotonic_ns": time.monotonic_ns()}
+
+
+def _stack(frame):
+    """(file, first line, function, line) of the Python frames under a CUDA call, innermost first."""
+    out = []
+    while frame is not None and len(out) < _STACK_DEPTH:
+        code = frame.f_code
+        if not frame.f_globals.get("__name__", "").startswith("cupti"):
+            out.append((code.co_filename, code.co_firstlineno, code.co_name, frame.f_lineno))
+        frame = frame.f_back
+    return out
+
+
+def _plain(a):
+    """An activity object -> a tuple of plain values (the object may point into CUPTI's buffer)."""
+    kind = int(a.kind)
+    name = _KIND_NAMES.get(kind)
+    if name == "kernel":
+        return ("kernel", a.start, a.end, a.device_id, a.context_id, a.stream_id, a.correlation_id, a.name,
+                (a.grid_x, a.grid_y, a.grid_z), (a.block_x, a.block_y, a.block_z), a.registers_per_thread,
+                a.static_shared_memory + a.dynamic_shared_memory)
+    if name == "memcpy":
+        return ("memcpy", a.start, a.end, a.device_id, a.context_id, a.stream_id, a.correlation_id,
+                a.copy_kind, a.src_kind, a.dst_kind, a.bytes)
+    if name == "memset":
+        return ("memset", a.start, a.end, a.device_id, a.context_id, a.stream_id, a.correlation_id,
+                getattr(a, "memory_kind", 0), a.bytes)
+    if name == "sync":
+        return ("sync", a.start, a.end, a.context_id, a.stream_id, a.correlation_id, a.type)
+    if name in ("runtime", "driver"):
+        return (name, a.start, a.end, a.process_id, a.thread_id, a.correlation_id, a.cbid)
+    if name == "device":
+        return ("device", a.id, {
+            "id": a.id, "name": a.name, "totalGlobalMem": a.global_memory_size,
+            "computeMajor": a.compute_capability_major, "computeMinor": a.compute_capability_minor,
+            "maxThreadsPerBlock": a.max_threads_per_block,
+            "maxThreadsPerMultiprocessor": a.max_warps_per_multiprocessor * a.num_threads_per_warp,
+            "maxBlocksPerMultiprocessor": a.max_blocks_per_multiprocessor,
+            "regsPerBlock": a.max_registers_per_block, "regsPerMultiprocessor": a.max_registers_per_multiprocessor,
+            "warpSize": a.num_threads_per_warp, "sharedMemPerBlock": a.max_shared_memory_per_block,
+            "sharedMemPerMultiprocessor": a.max_shared_memory_per_multiprocessor, "numSms": a.num_multiprocessors})
+    return None
+
+
+_KIND_NAMES = {}
+
+
+def _kind_names(c):
+    k = c.ActivityKind
+    return {int(k.CONCURRENT_KERNEL): "kernel", int(k.KERNEL): "kernel", int(k.MEMCPY): "memcpy",
+            int(k.MEMSET): "memset", int(k.SYNCHRONIZATION): "sync", int(k.RUNTIME): "runtime",
+            int(k.DRIVER): "driver", int(k.DEVICE): "device"}
+
+
+# -- to Kineto JSON (after the window) ------------------------------------------------------------------
+
+
+def to_kineto(records, stacks, clock, api_names):
+    """Plain records -> a Kineto-compatible document (times: µs after baseTimeNanoseconds, Unix clock)."""
+    start, stop = clock["start"], clock.get("stop", clock["start"])
+    # CUPTI's clock is Unix ns on Linux; the offset measured at both ends keeps any other source honest.
+    offset_ns = ((start["unix_ns"] - start["cupti_ns"]) + (stop["unix_ns"] - stop["cupti_ns"])) // 2
+    base_ns = start["unix_ns"] // 1_000_000 * 1_000_000
+    shift = offset_ns - base_ns
+
+    def us(ns):
+        return round((ns + shift) / 1000.0, 3)
+
+    devices = {r[1]: r[2] for r in records if r[0] == "device"}
+    context_device = {r[4]: r[3] for r in records if r[0] in ("kernel", "memcpy", "memset")}
+    events = []
+    for r in records:
+        what = r[0]
+        if what == "kernel":
+            _, t0, t1, dev, ctx, stream, corr, name, grid, block, regs, smem = r
+            args = {"device": dev, "context": ctx, "stream": stream, "correlation": corr,
+                    "registers per thread": regs, "shared memory": smem, "grid": list(grid), "block": list(block)}
+            args.update(_occupancy(devices.get(dev), grid, block, regs, smem))
+            events.append({"ph": "X", "cat": "kernel", "name": name, "pid": dev, "tid": stream, "ts": us(t0),
+                           "dur": us(t1) - us(t0), "args": args})
+        elif what == "memcpy":
+            _, t0, t1, dev, ctx, stream, corr, copy, src, dst, nbytes = r
+            name = f"Memcpy {_COPY.get(copy, 'Unknown')} ({_MEMORY.get(src, 'Unknown')} -> {_MEMORY.get(dst, 'Unknown')})"
+            events.append({"ph": "X", "cat": "gpu_memcpy", "name": name, "pid": dev, "tid": stream, "ts": us(t0),
+                           "dur": us(t1) - us(t0),
+                           "args": {"device": dev, "context": ctx, "stream": stream, "correlation": corr,
+                                    "bytes": nbytes, "memory bandwidth (GB/s)": _gbps(nbytes, t1 - t0)}})
+        elif what == "memset":
+            _, t0, t1, dev, ctx, stream, corr, mem, nbytes = r
+            events.append({"ph": "X", "cat": "gpu_memset", "name": f"Memset ({_MEMORY.get(mem, 'Unknown')})",
+                           "pid": dev, "tid": stream, "ts": us(t0), "dur": us(t1) - us(t0),
+                           "args": {"device": dev, "context": ctx, "stream": stream, "correlation": corr,
+                                    "bytes": nbytes, "memory bandwidth (GB/s)": _gbps(nbytes, t1 - t0)}})
+        elif what == "sync":
+            _, t0, t1, ctx, stream, corr, kind = r
+            dev = context_device.get(ctx, 0)
+            stream = stream if stream < 0xFFFFFFFF else -1  # a context sync names no stream
+            events.append({"ph": "X", "cat": "cuda_sync", "name": _SYNC.get(kind, "Sync"), "pid": dev,
+                           "tid": stream, "ts": us(t0), "dur": us(t1) - us(t0),
+                           "args": {"device": dev, "context": ctx, "stream": stream, "correlation": corr}})
+    events.extend(_api_events(records, stacks, us, api_names))
+    return {"schemaVersion": 1, "deviceProperties": [devices[d] for d in sorted(devices)],
+            "displayTimeUnit": "ms", "baseTimeNanoseconds": base_ns, "traceName": "", "traceEvents": events}
+
+
+def _api_events(records, stacks, us, api_names):
+    """API calls, each with its Python stack as python_function events enclosing it (how Kineto nests)."""
+    calls = [r for r in records if r[0] in ("runtime", "driver")]
+    # The runtime makes driver calls of its own (cudaMemcpy -> cuMemcpy...): a driver call inside a
+    # runtime call on the same thread is that runtime call, and would count every sync twice.
+    runtime = {}
+    for r in calls:
+        if r[0] == "runtime":
+            runtime.setdefault(r[4], []).append((r[1], r[2]))
+    for spans in runtime.values():
+        spans.sort()
+    events, py_id = [], 0
+    for what, t0, t1, pid, tid, corr, cbid in calls:
+        if what == "driver" and _inside(runtime.get(tid, ()), t0, t1):
+            continue
+        domain = 2 if what == "runtime" else 1
+        name = api_names.get(domain, {}).get(cbid, f"cbid {cbid}")
+        events.append({"ph": "X", "cat": "cuda_" + what, "name": name, "pid": pid, "tid": tid, "ts": us(t0),
+                       "dur": us(t1) - us(t0), "args": {"cbid": cbid, "correlation": corr}})
+        frames = stacks.get(corr)
+        if not frames:
+            continue
+        leaf = _callee_at(frames[0][0], frames[0][3])
+        chain = [f"{file}({first}): {func}" for file, first, func, _ in reversed(frames)]
+        if leaf:
+            chain.append(f"<built-in method {leaf} of object>")
+        parent = -1
+        n = len(chain)
+        for depth, label in enumerate(chain):
+            pad_ns = n - depth  # each frame 1 ns outside the next, so they nest by time as Kineto's do
+            py_id += 1
+            events.append({"ph": "X", "cat": "python_function", "name": label, "pid": pid, "tid": tid,
+                           "ts": us(t0 - pad_ns), "dur": us(t1 + pad_ns) - us(t0 - pad_ns),
+                           "args": {"Python id": py_id, "Python parent id": parent}})
+            parent = py_id
+    return events
+
+
+def _inside(spans, t0, t1):
+    i = bisect.bisect_right(spans, (t0, float("inf"))) - 1
+    return i >= 0 and spans[i][0] <= t0 and t1 <= spans[i][1]
+
+
+@functools.lru_cache(maxsize=256)
+def _callee_at(path, line):
+    """The name of the outermost call on a source line (`cupy.cuda.Device().synchronize()` -> 'synchronize'):
+    a frame of that name under the caller's lets trace/stacks.py recover the calling line, as it does
+    for PyTorch's `<built-in method item ...>`. None when the source cannot be read."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, ValueError, UnicodeDecodeError):
+        return None
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and n.lineno == line]
+    inner = {id(c) for n in calls for c in ast.walk(n) if c is not n and isinstance(c, ast.Call)}
+    for n in calls:
+        if id(n) not in inner:
+            f = n.func
+            return f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+    return None
+
+
+def _gbps(nbytes, ns):
+    return round(nbytes / ns, 3) if ns > 0 else 0.0
+
+
+def _occupancy(props, grid, block, regs, smem):
+    """Kineto's 'blocks per SM', 'warps per SM' and 'est. achieved occupancy %', from the device's limits
+    (theoretical blocks per SM by threads, registers and shared memory; no allocation granularity)."""
+    if not props or not props.get("numSms"):
+        return {}
+    warp = props.get("warpSize") or 32
+    threads = block[0] * block[1] * block[2]
+    blocks = grid[0] * grid[1] * grid[2]
+    if threads <= 0 or blocks <= 0:
+        return {}
+    warps_per_block = -(-threads // warp)
+    max_warps = props["maxThreadsPerMultiprocessor"] // warp
+    fit = [props.get("maxBlocksPerMultiprocessor") or 32, props["maxThreadsPerMultiprocessor"] // threads]
+    if regs:
+        fit.append(props["regsPerMultiprocessor"] // (regs * warps_per_block * warp))
+    if smem:
+        fit.append(props["sharedMemPerMultiprocessor"] // smem)
+    resident_blocks = max(0, min(fit))
+    blocks_per_sm = blocks / props["numSms"]
+    warps = min(resident_blocks, blocks_per_sm) * warps_per_block
+    return {"blocks per SM": round(blocks_per_sm, 2), "warps per SM": round(blocks_per_sm * warps_per_block, 2),
+            "est. achieved occupancy %": int(min(100.0, 100.0 * warps / max_warps)) if max_warps else 0}
