@@ -1,17 +1,91 @@
-"""Placeholder while this command is being built (session 4); replaced by the real module."""
+"""`gpuscope guard`: check a guard config, or run the guard as a reverse proxy in front of a service."""
 
 from __future__ import annotations
 
 import argparse
+import urllib.parse
 
-HELP = "(being built)"
+HELP = "GPU-aware admission control: check a config, or run the guard as a proxy in front of a service"
+DESCRIPTION = """\
+Admission control for an inference service: priority classes with guaranteed shares, token buckets per
+class and tenant, an adaptive concurrency limit on latency and GPU signals, a circuit breaker.
+
+  gpuscope guard check guard.yaml
+  gpuscope guard proxy --config guard.yaml --upstream http://127.0.0.1:8000 --listen 127.0.0.1:8090
+
+The config is YAML or TOML; see docs/guard.md. Refused requests get 429 (503 with the circuit open) and
+Retry-After; the guard's own metrics are at /guard/metrics on the proxy."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    pass
+    parser.description = DESCRIPTION
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    sub = parser.add_subparsers(dest="guard_action", metavar="ACTION")
+    c = sub.add_parser("check", help="validate a guard config (exit 2 with the reason when it is bad)")
+    c.add_argument("config", metavar="CONFIG", help="the guard config, .yaml/.yml or .toml")
+    p = sub.add_parser("proxy", help="serve a reverse proxy with the guard in front of --upstream")
+    p.add_argument("--config", required=True, metavar="CONFIG", help="the guard config, .yaml/.yml or .toml")
+    p.add_argument("--upstream", required=True, metavar="URL", help="the service, e.g. http://127.0.0.1:8000")
+    p.add_argument("--listen", default="127.0.0.1:8090", metavar="HOST:PORT",
+                   help="where the proxy listens (default 127.0.0.1:8090)")
+
+
+def _config(path: str):  # noqa: ANN202 - GuardConfig, imported late
+    from ..cli import UsageError
+    from ._config import GuardConfigError, load
+
+    try:
+        return load(path)
+    except GuardConfigError as e:
+        raise UsageError(str(e)) from None
+
+
+def _listen(value: str) -> tuple[str, int]:
+    from ..cli import UsageError
+
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(f"--listen must be HOST:PORT such as 127.0.0.1:8090, not {value!r}.")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def _upstream(value: str) -> str:
+    from ..cli import UsageError
+
+    u = urllib.parse.urlsplit(value)
+    try:
+        _ = u.port
+    except ValueError:
+        raise UsageError(f"--upstream {value!r} has a bad port.") from None
+    if u.scheme not in ("http", "https") or not u.hostname:
+        raise UsageError(f"--upstream must be an http:// or https:// URL such as http://127.0.0.1:8000, not {value!r}.")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
     from ..cli import UsageError
 
-    raise UsageError("This command is not built yet.")
+    action = getattr(args, "guard_action", None)
+    if action is None:
+        raise UsageError("Say what to do: gpuscope guard check|proxy (see 'gpuscope guard --help').")
+    cfg = _config(args.config)
+    if action == "check":
+        names = ", ".join(f"{c.name} (share {c.share:g})" for c in cfg.classes)
+        print(f"{args.config}: OK: classes {names}; controller {cfg.controller.mode}; "
+              f"breaker {'on' if cfg.breaker.enabled else 'off'}; "
+              f"{'Redis ' + cfg.redis.url if cfg.redis.url else 'local buckets'}")
+        return 0
+    host, port = _listen(args.listen)
+    upstream = _upstream(args.upstream)
+    from aiohttp import web
+
+    from ._core import Guard
+    from .proxy import make_app
+
+    app = make_app(Guard.from_config(cfg), upstream)
+    print(f"gpuscope guard: proxying http://{host}:{port} -> {upstream} (metrics at /guard/metrics)", flush=True)
+    try:
+        web.run_app(app, host=host, port=port, print=None, handle_signals=True)
+    except OSError as e:
+        raise UsageError(f"Cannot listen on {host}:{port}: {e.strerror or e}.") from None
+    return 0

@@ -1,0 +1,116 @@
+"""A circuit breaker on the upstream: closed -> open -> half-open -> closed, by failure rate over a window.
+
+Closed: outcomes are kept for `window_s`; with at least `min_requests` of them and a failure share at or
+over `failure_rate`, it opens. Open: nothing goes upstream for `open_s`. Half-open: up to `probes`
+requests at a time go through as probes; `success_threshold` successes close it, one failure reopens it.
+A failure is what `failures` names: '5xx' (500-599), '429', '503' (alone, without '5xx'),
+'timeout', 'slo' (a success slower than `slo_s`). Times are monotonic seconds from the caller.
+
+    >>> from gpuscope.guard._config import BreakerConfig
+    >>> b = Breaker(BreakerConfig(min_requests=2, failure_rate=0.5, open_s=10))
+    >>> for t in (0.0, 0.1):
+    ...     b.record(b.allow(t), status=500, latency_s=0.1, timed_out=False, now=t)
+    >>> b.state, b.allow(1.0), b.allow(11.0), b.state
+    ('open', None, 'probe', 'half_open')
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+from ._config import BreakerConfig
+
+__all__ = ["Breaker"]
+
+log = logging.getLogger("gpuscope.guard")
+
+STATES = ("closed", "open", "half_open")
+
+
+class Breaker:
+    def __init__(self, cfg: BreakerConfig) -> None:
+        self.cfg = cfg
+        self.state = "closed"
+        self._outcomes: deque[tuple[float, bool]] = deque()
+        self._failures = 0
+        self._opened_at = 0.0
+        self._probes_out = 0
+        self._probe_ok = 0
+        f = set(cfg.failures)
+        self._f5xx, self._f429, self._f503 = "5xx" in f, "429" in f, "503" in f
+        self._ftimeout, self._fslo = "timeout" in f, "slo" in f and cfg.slo_s > 0
+
+    def allow(self, now: float) -> str | None:
+        """'pass' (closed), 'probe' (half-open, a probe slot taken) or None (open: do not call upstream)."""
+        if not self.cfg.enabled or self.state == "closed":
+            return "pass"
+        if self.state == "open":
+            if now - self._opened_at < self.cfg.open_s:
+                return None
+            self._set("half_open")
+            self._probes_out = 0
+            self._probe_ok = 0
+        if self._probes_out < self.cfg.probes:
+            self._probes_out += 1
+            return "probe"
+        return None
+
+    def cancel(self, token: str | None) -> None:
+        """A request that `allow` let through and that never went upstream."""
+        if token == "probe":
+            self._probes_out = max(0, self._probes_out - 1)
+
+    def retry_after_s(self, now: float) -> float:
+        return max(0.0, self.cfg.open_s - (now - self._opened_at)) if self.state == "open" else 1.0
+
+    def is_failure(self, status: int, latency_s: float, timed_out: bool) -> bool:
+        if timed_out:
+            return self._ftimeout
+        if status == 429:
+            return self._f429
+        if status == 503:
+            return self._f503 or self._f5xx
+        if 500 <= status <= 599:
+            return self._f5xx
+        return self._fslo and latency_s > self.cfg.slo_s
+
+    def record(self, token: str | None, status: int, latency_s: float, timed_out: bool, now: float) -> None:
+        """The outcome of a request that `allow` let through with `token`."""
+        if not self.cfg.enabled or token is None:
+            return
+        failed = self.is_failure(status, latency_s, timed_out)
+        if token == "probe":
+            self._probes_out = max(0, self._probes_out - 1)
+            if self.state != "half_open":
+                return
+            if failed:
+                self._open(now)
+            else:
+                self._probe_ok += 1
+                if self._probe_ok >= self.cfg.success_threshold:
+                    self._set("closed")
+                    self._outcomes.clear()
+                    self._failures = 0
+            return
+        if self.state != "closed":
+            return  # a request admitted before the breaker opened: its outcome is already old news
+        q = self._outcomes
+        q.append((now, failed))
+        self._failures += failed
+        cutoff = now - self.cfg.window_s
+        while q and q[0][0] < cutoff:
+            self._failures -= q.popleft()[1]
+        if len(q) >= self.cfg.min_requests and self._failures >= self.cfg.failure_rate * len(q):
+            self._open(now)
+
+    def _open(self, now: float) -> None:
+        self._opened_at = now
+        self._set("open")
+        self._outcomes.clear()
+        self._failures = 0
+
+    def _set(self, state: str) -> None:
+        if state != self.state:
+            log.warning("gpuscope guard: upstream circuit %s -> %s", self.state, state)
+            self.state = state

@@ -1,0 +1,98 @@
+"""GCRA token buckets: one theoretical arrival time (TAT) per key, no I/O.
+
+Emission interval `T = 1/rate`, tolerance `tau = T * burst`. A request of cost c at time `now` gives
+`TAT' = max(TAT, now) + c*T`; it conforms iff `TAT' - now <= tau`, and then TAT' is stored. This is a
+token bucket of capacity `burst` refilled at `rate`: over any interval of length t the admitted cost is
+at most `rate*t + burst`.
+
+    >>> b = Gcra(rate=2.0, burst=2.0)
+    >>> [b.take("k", 1.0, now=0.0) for _ in range(3)]
+    [0.0, 0.0, 0.5]
+
+`take` returns 0.0 when admitted, else the seconds until the same request would conform (Retry-After).
+Times are monotonic seconds supplied by the caller, so a wall-clock jump cannot refill a bucket.
+"""
+
+from __future__ import annotations
+
+__all__ = ["Gcra", "LocalBuckets"]
+
+
+class Gcra:
+    """Local GCRA buckets keyed by string; a bucket's parameters are fixed at construction."""
+
+    __slots__ = ("interval_s", "tau_s", "rate", "burst", "_tat", "_max_keys")
+
+    def __init__(self, rate: float, burst: float | None = None, max_keys: int = 100_000) -> None:
+        self.rate = float(rate)
+        self.burst = float(burst if burst is not None else max(rate, 1.0))
+        self.interval_s = 1.0 / self.rate
+        self.tau_s = self.interval_s * self.burst
+        self._tat: dict[str, float] = {}
+        self._max_keys = max_keys  # tenants are user-chosen strings: bound the memory they can take
+
+    def take(self, key: str, cost: float, now: float, factor: float = 1.0) -> float:
+        """Admit `cost` at `now` (0.0) or return the seconds to wait; `factor` scales the rate (0 < factor <= 1)."""
+        wait = self.peek(key, cost, now, factor)
+        if wait == 0.0:
+            self.commit(key, cost, now, factor)
+        return wait
+
+    def peek(self, key: str, cost: float, now: float, factor: float = 1.0) -> float:
+        interval = self.interval_s / factor
+        tat = self._tat.get(key, now)
+        if tat < now:
+            tat = now
+        over = tat + cost * interval - now - self.tau_s
+        return over if over > 0.0 else 0.0
+
+    def commit(self, key: str, cost: float, now: float, factor: float = 1.0) -> None:
+        tat = self._tat.get(key, now)
+        if tat < now:
+            tat = now
+        if len(self._tat) >= self._max_keys and key not in self._tat:
+            self._evict(now)
+        self._tat[key] = tat + cost * self.interval_s / factor
+
+    def _evict(self, now: float) -> None:
+        # A key whose TAT is in the past is a full bucket: forgetting it changes no decision.
+        for k in [k for k, t in self._tat.items() if t <= now]:
+            del self._tat[k]
+        if len(self._tat) >= self._max_keys:  # every key is in debt: drop the oldest half (bounded memory wins)
+            for k in list(self._tat)[: self._max_keys // 2]:
+                del self._tat[k]
+
+
+class LocalBuckets:
+    """Per-class and per-tenant GCRA buckets for the classes of a config; `rate_divisor` splits the rates
+    between replicas when these stand in for shared Redis buckets."""
+
+    __slots__ = ("_class", "_tenant", "_names")
+
+    def __init__(self, classes: list, rate_divisor: float = 1.0) -> None:
+        d = float(rate_divisor)
+        self._names = [c.name for c in classes]
+        self._class = [Gcra(c.rate / d, (c.burst if c.burst is not None else c.rate) / d) if c.rate else None
+                       for c in classes]
+        self._tenant = [Gcra(c.tenant_rate / d, (c.tenant_burst if c.tenant_burst is not None else c.tenant_rate) / d)
+                        if c.tenant_rate else None for c in classes]
+
+    def take(self, idx: int, tenant: str, cost: float, now: float, factor: float = 1.0) -> tuple[float, str]:
+        """(0.0, '') when both the class and the tenant bucket admit `cost`; else (wait_s, 'rate' | 'tenant_rate')."""
+        cb = self._class[idx]
+        tb = self._tenant[idx]
+        if cb is None and tb is None:
+            return 0.0, ""
+        name = self._names[idx]
+        if cb is not None:
+            w = cb.peek(name, cost, now, factor)
+            if w:
+                return w, "rate"
+        if tb is not None:
+            w = tb.peek(tenant, cost, now, factor)
+            if w:
+                return w, "tenant_rate"
+            tb.commit(tenant, cost, now, factor)
+        if cb is not None:
+            cb.commit(name, cost, now, factor)
+        return 0.0, ""

@@ -1,0 +1,102 @@
+"""Request classification: which priority class, which tenant, what it costs. No I/O.
+
+    >>> from gpuscope.guard._config import parse
+    >>> c = Classifier(parse({"classes": [{"name": "interactive"}, {"name": "batch"}],
+    ...                       "classify": {"cost": "tokens"}}))
+    >>> c.classify(RequestInfo(path="/v1/completions", headers={"x-priority": "interactive"},
+    ...                        body={"prompt": "x" * 40, "max_tokens": 16}))
+    (0, '', 26.0)
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._config import GuardConfig
+
+__all__ = ["Classifier", "RequestInfo", "estimate_tokens"]
+
+_CHARS_PER_TOKEN = 4.0  # the usual English-text rule of thumb for BPE tokenizers; an estimate, not a count
+_DEFAULT_MAX_TOKENS = 256.0  # what a completion costs when the body does not bound it
+
+
+@dataclass(slots=True)
+class RequestInfo:
+    """What the guard needs to know about a request. `headers` keys are lower-case; `body` is the parsed
+    JSON body (or raw bytes, parsed lazily) or None."""
+
+    path: str = "/"
+    headers: Mapping[str, str] = field(default_factory=dict)
+    body: Any = None
+    method: str = "POST"
+    tenant: str | None = None  # overrides the tenant header
+    klass: str | None = None  # overrides classification
+
+
+def estimate_tokens(body: Any) -> float:
+    """Prompt tokens (characters / 4) plus max_tokens (or max_completion_tokens) of an OpenAI request body."""
+    if isinstance(body, (bytes, bytearray)):
+        try:
+            body = json.loads(body)
+        except (ValueError, UnicodeDecodeError):
+            return 1.0
+    if not isinstance(body, dict):
+        return 1.0
+    chars = 0
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        chars += len(prompt)
+    elif isinstance(prompt, list):
+        chars += sum(len(p) if isinstance(p, str) else 4 * len(p) if isinstance(p, list) else 0 for p in prompt)
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        for m in messages:
+            c = m.get("content") if isinstance(m, dict) else None
+            if isinstance(c, str):
+                chars += len(c)
+            elif isinstance(c, list):  # content parts: count the text ones
+                chars += sum(len(p.get("text", "")) for p in c if isinstance(p, dict) and isinstance(p.get("text"), str))
+    out = body.get("max_tokens", body.get("max_completion_tokens"))
+    out_tokens = float(out) if isinstance(out, (int, float)) and not isinstance(out, bool) and out >= 0 \
+        else _DEFAULT_MAX_TOKENS
+    return max(1.0, chars / _CHARS_PER_TOKEN + out_tokens)
+
+
+class Classifier:
+    __slots__ = ("_index", "_header", "_tenant_header", "_routes", "_default", "_tokens")
+
+    def __init__(self, cfg: GuardConfig) -> None:
+        self._index = {c.name: i for i, c in enumerate(cfg.classes)}
+        cl = cfg.classify
+        self._header = cl.header
+        self._tenant_header = cl.tenant_header
+        # longest prefix first, so '/v1/embeddings/x' matches '/v1/embeddings' before '/v1'
+        self._routes = sorted(((p, self._index[c]) for p, c in cl.routes.items()), key=lambda r: -len(r[0]))
+        self._default = self._index[cl.default]
+        self._tokens = cl.cost == "tokens"
+
+    def classify(self, info: RequestInfo) -> tuple[int, str, float]:
+        """(class index, tenant, cost). An unknown class named in the header falls back to the route/default
+        class: a client cannot promote itself by inventing a name."""
+        h = info.headers
+        idx = -1
+        if info.klass is not None:
+            idx = self._index.get(info.klass, -1)
+        if idx < 0:
+            v = h.get(self._header)
+            if v is not None:
+                idx = self._index.get(v.strip().lower(), self._index.get(v.strip(), -1))
+        if idx < 0:
+            path = info.path
+            for prefix, i in self._routes:
+                if path.startswith(prefix):
+                    idx = i
+                    break
+            else:
+                idx = self._default
+        tenant = info.tenant if info.tenant is not None else h.get(self._tenant_header, "")
+        cost = estimate_tokens(info.body) if self._tokens else 1.0
+        return idx, tenant, cost

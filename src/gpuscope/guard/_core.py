@@ -1,0 +1,364 @@
+"""The guard: one decision per request, in microseconds, with no I/O unless Redis buckets are configured.
+
+    >>> from gpuscope.guard import Guard, RequestInfo, parse_config
+    >>> g = Guard(parse_config({"classes": [{"name": "interactive", "share": 0.9}, {"name": "batch", "share": 0.1}]}))
+    >>> d = g.acquire(RequestInfo(path="/v1/completions", headers={"x-priority": "batch"}))
+    >>> d.admitted, d.klass
+    (True, 'batch')
+    >>> g.release(d, status=200, latency_s=0.12)
+
+Order of a decision: classify -> breaker (open: degrade or 503) -> concurrency (can it run now?) ->
+buckets (class and tenant GCRA; over: 429 with Retry-After from the bucket) -> admit, or (async API only)
+wait in the bounded priority queue until a slot frees or the class's deadline passes.
+
+Concurrency with guaranteed shares (as Netflix concurrency-limits' percentage partitions): a class runs
+when the total in flight is under the limit, or when the class itself is under `share * limit`. So a
+class's share is always available to it, and what it does not use is borrowable by the others. When a
+slot frees, classes under their share are served first, then the highest priority. When the queue is
+full, a newcomer evicts the newest waiter of a lower class, or is shed itself: the lowest priority is
+shed first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ._breaker import Breaker
+from ._bucket import LocalBuckets
+from ._classify import Classifier, RequestInfo
+from ._config import GuardConfig
+from ._limit import AdaptiveLimit, GpuSignal
+
+__all__ = ["Decision", "Guard"]
+
+log = logging.getLogger("gpuscope.guard")
+
+_REFRESH_S = 0.25  # how often the decision path re-checks the GPU signal's staleness
+
+
+@dataclass(slots=True)
+class Decision:
+    """What the guard decided. Release every admitted decision exactly once (`Guard.release`)."""
+
+    admitted: bool
+    klass: str
+    tenant: str
+    cost: float
+    status: int = 200  # the HTTP status to answer with when not admitted (429 or 503)
+    reason: str = "admitted"  # admitted | rate | tenant_rate | concurrency | queue_full | queue_timeout |
+    #                           evicted | gpu_saturated | breaker_open
+    retry_after_s: float = 0.0
+    queued_s: float = 0.0
+    degrade: str = ""  # '' | 'cached' | 'model' | 'upstream': the breaker's fallback in force
+    target: str = ""  # the cheaper model or the other upstream for 'model' / 'upstream'
+    class_index: int = 0
+    start_s: float = 0.0
+    probe: str | None = None  # the breaker's token
+    released: bool = False
+
+    def retry_after_header(self) -> str:
+        """Retry-After in whole seconds (at least 1), as HTTP wants it."""
+        return str(max(1, math.ceil(self.retry_after_s)))
+
+
+class _Waiter:
+    __slots__ = ("fut", "loop", "decision", "handle")
+
+    def __init__(self, fut: asyncio.Future, loop: asyncio.AbstractEventLoop, decision: Decision) -> None:
+        self.fut = fut
+        self.loop = loop
+        self.decision = decision
+        self.handle: asyncio.TimerHandle | None = None
+
+
+class Guard:
+    """Admission control for one service. Thread-safe; the async API queues, the sync one never waits."""
+
+    def __init__(self, cfg: GuardConfig, clock: Callable[[], float] = time.monotonic, buckets: Any = None) -> None:
+        self.cfg = cfg
+        self._clock = clock
+        now = clock()
+        self._names = cfg.class_names()
+        n = len(self._names)
+        self._shares = [c.share for c in cfg.classes]
+        self._timeouts = [c.queue_timeout_s for c in cfg.classes]
+        self._classifier = Classifier(cfg)
+        self.limiter = AdaptiveLimit(cfg.controller, cfg.signals, now)
+        self.breaker = Breaker(cfg.breaker)
+        self.buckets = buckets if buckets is not None else LocalBuckets(cfg.classes)
+        self._async_buckets = hasattr(self.buckets, "atake")
+        self._lock = threading.Lock()
+        self.inflight = [0] * n
+        self.inflight_total = 0
+        self._queues: list[deque[_Waiter]] = [deque() for _ in range(n)]
+        self.queued_total = 0
+        self._next_refresh = now + _REFRESH_S
+        fb = cfg.breaker.fallback
+        self._degrade, self._target = (("model", fb[6:]) if fb.startswith("model:") else
+                                       ("upstream", fb[9:]) if fb.startswith("upstream:") else
+                                       ("cached", "") if fb == "cached" else ("", ""))
+        # metrics
+        self.admitted_total = [0] * n
+        self.queued_count_total = [0] * n
+        self.shed_total: dict[tuple[int, str], int] = {}
+        self.queue_wait_sum_s = [0.0] * n
+        self.queue_wait_count = [0] * n
+        self._cache: dict[str, tuple[bytes, str]] = {}
+
+    @classmethod
+    def from_config(cls, cfg: GuardConfig) -> Guard:
+        """A guard with Redis-shared buckets when the config names a Redis, local ones otherwise."""
+        if cfg.redis.url:
+            from ._redis import RedisBuckets
+
+            return cls(cfg, buckets=RedisBuckets(cfg))
+        return cls(cfg)
+
+    # -- the decision --------------------------------------------------------------------------
+    def acquire(self, info: RequestInfo) -> Decision:
+        """Decide now (never waits): admitted, or shed with status and Retry-After. Never raises."""
+        try:
+            d = self._pre(info)
+            if d.reason != "admitted":
+                return d
+            with self._lock:
+                if not self._runnable(d.class_index):
+                    return self._shed(d, "concurrency", self._concurrency_retry_s())
+            wait, why = self.buckets.take(d.class_index, d.tenant, d.cost, d.start_s, self.limiter.rate_factor)
+            if wait:
+                return self._shed(d, why, wait)
+            with self._lock:
+                if not self._runnable(d.class_index):  # another thread took the slot meanwhile
+                    return self._shed(d, "concurrency", self._concurrency_retry_s())
+                self._admit(d)
+            return d
+        except Exception:  # noqa: BLE001 - the guard runs inside the user's service and must not break it
+            log.exception("gpuscope guard: decision failed; admitting this request")
+            return Decision(True, "", "", 1.0, reason="admitted", released=True)
+
+    async def acquire_async(self, info: RequestInfo) -> Decision:
+        """Decide, waiting in the priority queue (up to the class's queue_timeout_s) when the limit is full."""
+        try:
+            d = self._pre(info)
+            if d.reason != "admitted":
+                return d
+            if self._async_buckets:
+                wait, why = await self.buckets.atake(d.class_index, d.tenant, d.cost, d.start_s,
+                                                     self.limiter.rate_factor)
+            else:
+                wait, why = self.buckets.take(d.class_index, d.tenant, d.cost, d.start_s, self.limiter.rate_factor)
+            if wait:
+                return self._shed(d, why, wait)
+            loop = asyncio.get_running_loop()
+            with self._lock:
+                if self._runnable(d.class_index) and not self._higher_waiting(d.class_index):
+                    self._admit(d)
+                    return d
+                w = self._enqueue(d, loop)
+                if w is None:
+                    return d  # shed: queue full of higher-priority work
+            return await w.fut
+        except Exception:  # noqa: BLE001
+            log.exception("gpuscope guard: decision failed; admitting this request")
+            return Decision(True, "", "", 1.0, reason="admitted", released=True)
+
+    def _pre(self, info: RequestInfo) -> Decision:
+        now = self._clock()
+        if now >= self._next_refresh:
+            self._next_refresh = now + _REFRESH_S
+            self.limiter.refresh(now)
+        idx, tenant, cost = self._classifier.classify(info)
+        d = Decision(True, self._names[idx], tenant, cost, class_index=idx, start_s=now)
+        token = self.breaker.allow(now)
+        if token is None:
+            if self._degrade in ("model", "upstream"):
+                d.degrade, d.target = self._degrade, self._target
+            else:
+                d.degrade = self._degrade
+                return self._shed(d, "breaker_open", self.breaker.retry_after_s(now), status=503)
+        d.probe = token
+        if self.limiter.rate_factor <= 0.0:
+            return self._shed(d, "gpu_saturated", self.cfg.signals.interval_s * self.cfg.controller.consecutive)
+        return d
+
+    def _effective_limit(self) -> float:
+        f = self.limiter.rate_factor
+        return self.limiter.limit * f if f < 1.0 else self.limiter.limit
+
+    def _runnable(self, idx: int) -> bool:
+        limit = self._effective_limit()
+        return self.inflight_total < limit or self.inflight[idx] < self._shares[idx] * limit
+
+    def _higher_waiting(self, idx: int) -> bool:
+        return self.queued_total > 0 and any(self._queues[i] for i in range(idx + 1))
+
+    def _admit(self, d: Decision) -> None:
+        self.inflight[d.class_index] += 1
+        self.inflight_total += 1
+        self.admitted_total[d.class_index] += 1
+
+    def _shed(self, d: Decision, reason: str, retry_after_s: float, status: int = 429) -> Decision:
+        d.admitted = False
+        d.reason = reason
+        d.status = status
+        d.retry_after_s = retry_after_s
+        d.released = True
+        key = (d.class_index, reason)
+        self.shed_total[key] = self.shed_total.get(key, 0) + 1
+        if reason != "breaker_open":
+            self._give_back_probe(d)
+        return d
+
+    def _give_back_probe(self, d: Decision) -> None:
+        self.breaker.cancel(d.probe)  # a shed probe never reached the upstream: its slot is free again
+        d.probe = None
+
+    def _concurrency_retry_s(self) -> float:
+        # a slot frees in about one typical latency; the gradient's long-run average is the best estimate
+        return max(0.1, self.limiter._long_s or 1.0)
+
+    # -- the queue ---------------------------------------------------------------------------------
+    def _enqueue(self, d: Decision, loop: asyncio.AbstractEventLoop) -> _Waiter | None:
+        idx = d.class_index
+        if self.queued_total >= self.cfg.queue_max:
+            victim = self._newest_lower_waiter(idx)
+            if victim is None:
+                self._shed(d, "queue_full", self._concurrency_retry_s())
+                return None
+            self._drop_waiter(victim, "evicted")
+        w = _Waiter(loop.create_future(), loop, d)
+        self._queues[idx].append(w)
+        self.queued_total += 1
+        self.queued_count_total[idx] += 1
+        timeout = self._timeouts[idx]
+        w.handle = loop.call_later(timeout, self._on_timeout, w)
+        return w
+
+    def _newest_lower_waiter(self, idx: int) -> _Waiter | None:
+        for i in range(len(self._queues) - 1, idx, -1):
+            q = self._queues[i]
+            while q:
+                w = q[-1]
+                if not w.fut.done():
+                    return w
+                q.pop()  # its client went away (cancelled)
+                self.queued_total -= 1
+        return None
+
+    def _drop_waiter(self, w: _Waiter, reason: str) -> None:
+        q = self._queues[w.decision.class_index]
+        try:
+            q.remove(w)
+        except ValueError:
+            return
+        self.queued_total -= 1
+        if w.handle is not None:
+            w.handle.cancel()
+        d = w.decision
+        self._shed(d, reason, self._concurrency_retry_s())
+        d.queued_s = self._clock() - d.start_s
+        w.loop.call_soon_threadsafe(_resolve, w.fut, d, None)
+
+    def _on_timeout(self, w: _Waiter) -> None:
+        with self._lock:
+            if not w.fut.done():
+                self._drop_waiter(w, "queue_timeout")
+
+    def _dispatch(self) -> None:
+        """Give freed slots to waiters: classes under their share first, then by priority. Holds the lock."""
+        while self.queued_total > 0:
+            w = self._pick()
+            if w is None:
+                return
+            d = w.decision
+            self._queues[d.class_index].popleft()
+            self.queued_total -= 1
+            if w.handle is not None:
+                w.handle.cancel()
+            self._admit(d)
+            d.queued_s = self._clock() - d.start_s
+            self.queue_wait_sum_s[d.class_index] += d.queued_s
+            self.queue_wait_count[d.class_index] += 1
+            w.loop.call_soon_threadsafe(_resolve, w.fut, d, self)
+
+    def _pick(self) -> _Waiter | None:
+        limit = self._effective_limit()
+        for q in self._queues:
+            while q and q[0].fut.done():  # its client went away (cancelled)
+                q.popleft()
+                self.queued_total -= 1
+        for i, q in enumerate(self._queues):
+            if q and self.inflight[i] < self._shares[i] * limit:
+                return q[0]
+        if self.inflight_total < limit:
+            for q in self._queues:
+                if q:
+                    return q[0]
+        return None
+
+    # -- outcomes ----------------------------------------------------------------------------------
+    def release(self, d: Decision, status: int = 200, latency_s: float | None = None, timed_out: bool = False,
+                ttft_s: float | None = None) -> None:
+        """The end of an admitted request: its HTTP status, latency (default: since admission), whether it
+        timed out, and its time to first token. Releasing twice, or a shed decision, does nothing."""
+        try:
+            if d.released:
+                return
+            d.released = True
+            now = self._clock()
+            if latency_s is None:
+                latency_s = now - d.start_s - d.queued_s
+            sample = ttft_s if ttft_s is not None and self.cfg.controller.signal == "ttft" else latency_s
+            dropped = timed_out or status in (429, 503)
+            with self._lock:
+                inflight = self.inflight_total
+                self.inflight[d.class_index] -= 1
+                self.inflight_total -= 1
+                self.breaker.record(d.probe, status, latency_s, timed_out, now)
+                self.limiter.observe(sample, inflight, dropped, now)
+                self._dispatch()
+        except Exception:  # noqa: BLE001
+            log.exception("gpuscope guard: release failed")
+
+    def _slot_back(self, idx: int) -> None:
+        """A dispatched waiter that had already gone (cancelled): its slot returns."""
+        with self._lock:
+            self.inflight[idx] -= 1
+            self.inflight_total -= 1
+            self._dispatch()
+
+    def observe_gpu(self, signal: GpuSignal) -> None:
+        """Feed a GPU/service reading (the poller does this; tests and custom integrations may too)."""
+        with self._lock:
+            self.limiter.observe_signal(signal)
+            self._dispatch()
+
+    # -- the cached-response fallback -------------------------------------------------------------
+    def cache_put(self, key: str, body: bytes, content_type: str) -> None:
+        if len(body) <= self.cfg.breaker.cache_bytes:
+            if len(self._cache) >= 1024 and key not in self._cache:
+                self._cache.pop(next(iter(self._cache)))
+            self._cache[key] = (body, content_type)
+
+    def cache_get(self, key: str) -> tuple[bytes, str] | None:
+        return self._cache.get(key)
+
+    def now(self) -> float:
+        return self._clock()
+
+
+def _resolve(fut: asyncio.Future, d: Decision, guard: Guard | None) -> None:
+    if fut.done():  # the waiter was cancelled (client went away) after it got a slot: give it back
+        if guard is not None and d.admitted:
+            d.released = True
+            guard._slot_back(d.class_index)
+        return
+    fut.set_result(d)

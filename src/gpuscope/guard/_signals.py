@@ -1,0 +1,143 @@
+"""The GPU and service signal poller: a gpuscope agent's /api/v1/latest and the service's /metrics.
+
+Every `signals.interval_s` it reads, from the agent, the watched GPU's SM activity (GPM; NVML
+utilization where GPM is absent), free memory ratio and throttle reasons (power or thermal ones count;
+idle, application clocks, sync boost and display clock do not), and from the service's /metrics the
+queue gauge (`vllm:num_requests_waiting` by default, summed over its label sets). A failed read feeds
+nothing: the signal ages, and the limiter's stale rules apply (see _limit.py). Without `signals.gpu`
+the GPU with the highest SM activity is watched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from ._core import Guard
+from ._limit import GpuSignal
+
+__all__ = ["SignalPoller", "signal_from_latest", "queue_from_metrics"]
+
+log = logging.getLogger("gpuscope.guard")
+
+_BENIGN = frozenset({"gpu_idle", "applications_clocks", "sync_boost", "display_clock", "none"})
+
+
+def signal_from_latest(snap: dict[str, Any], gpu: str, now: float) -> GpuSignal | None:
+    """A GpuSignal from the agent's /api/v1/latest answer (None when it has no such GPU)."""
+    best: GpuSignal | None = None
+    for g in snap.get("gpus") or []:
+        ident = g.get("identity") or {}
+        label = str(ident.get("index", "")) if ident.get("gpu_instance_id") is None else \
+            f"{ident.get('parent_index')}/mig{ident.get('gpu_instance_id')}"
+        if gpu and label != gpu and ident.get("uuid") != gpu:
+            continue
+        v = g.get("values") or {}
+        sm = v.get("gpu_sm_active_ratio", v.get("gpu_utilization_ratio"))
+        total = ident.get("memory_total_bytes") or v.get("gpu_memory_total_bytes")
+        used = v.get("gpu_memory_used_bytes")
+        free = v.get("gpu_memory_free_bytes")
+        free_ratio = None
+        if total:
+            if free is not None:
+                free_ratio = free / total
+            elif used is not None:
+                free_ratio = 1.0 - used / total
+        throttled = any(r not in _BENIGN for r in g.get("throttle_reasons") or [])
+        sig = GpuSignal(now, sm_active_ratio=sm, memory_free_ratio=free_ratio, throttled=throttled)
+        if best is None or (sm or 0.0) > (best.sm_active_ratio or 0.0):
+            best = sig
+    return best
+
+
+def queue_from_metrics(text: str, metric: str) -> float | None:
+    """The sum of a gauge over its label sets in Prometheus text; None when absent or unparsable."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = None
+    try:
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                if s.name == metric:
+                    total = (total or 0.0) + float(s.value)
+    except (ValueError, TypeError):
+        return None
+    return total
+
+
+class SignalPoller:
+    """Polls the agent and the service's /metrics and feeds the guard; start() inside a running loop."""
+
+    def __init__(self, guard: Guard) -> None:
+        self.guard = guard
+        self.s = guard.cfg.signals
+        self._task: asyncio.Task | None = None
+        self._warned: set[str] = set()
+
+    def enabled(self) -> bool:
+        return bool(self.s.agent or self.s.service_metrics)
+
+    def start(self) -> None:
+        if self.enabled() and self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    async def _run(self) -> None:
+        import aiohttp
+
+        timeout = aiohttp.ClientTimeout(total=max(0.2, self.s.interval_s))
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            while True:
+                try:
+                    await self.poll_once(session)
+                except Exception as e:  # noqa: BLE001 - a poll failure must not stop the poller
+                    self._warn("poll", f"gpuscope guard: signal poll failed: {e}")
+                await asyncio.sleep(self.s.interval_s)
+
+    async def poll_once(self, session: Any) -> GpuSignal | None:
+        import aiohttp
+
+        now = self.guard.now()
+        sig: GpuSignal | None = None
+        if self.s.agent:
+            try:
+                async with session.get(self.s.agent.rstrip("/") + "/api/v1/latest") as r:
+                    if r.status == 200:
+                        sig = signal_from_latest(await r.json(content_type=None), self.s.gpu, now)
+                    else:
+                        self._warn("agent", f"gpuscope guard: the agent at {self.s.agent} answered {r.status}")
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+                self._warn("agent", f"gpuscope guard: no GPU signal from {self.s.agent} ({type(e).__name__})")
+            if sig is None:
+                return None  # no GPU reading: let the signal age rather than feed a half reading
+        if self.s.service_metrics:
+            queue = None
+            try:
+                async with session.get(self.s.service_metrics) as r:
+                    if r.status == 200:
+                        queue = queue_from_metrics(await r.text(), self.s.queue_metric)
+            except (aiohttp.ClientError, asyncio.TimeoutError, UnicodeDecodeError) as e:
+                self._warn("service", f"gpuscope guard: no queue depth from {self.s.service_metrics} "
+                                      f"({type(e).__name__})")
+            if sig is None:
+                if queue is None:
+                    return None
+                sig = GpuSignal(now)
+            sig.queue_waiting = queue
+        self.guard.observe_gpu(sig)
+        self._warned.clear()
+        return sig
+
+    def _warn(self, what: str, msg: str) -> None:
+        if what not in self._warned:  # once per outage, not once per poll
+            self._warned.add(what)
+            log.warning(msg)

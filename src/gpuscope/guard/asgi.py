@@ -1,0 +1,161 @@
+"""ASGI middleware (Starlette, FastAPI, vLLM's OpenAI server): the guard in front of an ASGI app.
+
+    from starlette.applications import Starlette
+    from gpuscope.guard import Guard, load_config
+    from gpuscope.guard.asgi import GuardMiddleware
+
+    app = Starlette(routes=...)
+    app.add_middleware(GuardMiddleware, guard=Guard(load_config("guard.yaml")))
+
+Refused requests get 429 (503 when the upstream's circuit is open) with Retry-After and a JSON error.
+`fallback` is an ASGI app that serves requests while the circuit is open; with `breaker.fallback: cached`
+the last good answer for the same method, path and model is replayed; with `model:NAME` the body's model
+field is rewritten. The guard's metrics are served at `metrics_path`. Latency is measured to the last
+body byte, TTFT to the first; an exception in the app releases the slot as a 500 and goes on up.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from ._classify import RequestInfo
+from ._core import Guard
+from ._http import GUARD_HEADER, cache_key, needs_body, parse_json, refusal, rewrite_model
+from ._metrics import CONTENT_TYPE, render
+from ._signals import SignalPoller
+
+__all__ = ["GuardMiddleware"]
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+class GuardMiddleware:
+    def __init__(self, app: ASGIApp, guard: Guard, fallback: ASGIApp | None = None,
+                 metrics_path: str | None = "/guard/metrics") -> None:
+        self.app = app
+        self.guard = guard
+        self.fallback = fallback
+        self.metrics_path = metrics_path
+        self._poller = SignalPoller(guard)
+        self._needs_body = needs_body(guard)
+        self._max_body = guard.cfg.classify.max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        self._poller.start()
+        path = scope.get("path", "/")
+        if path == self.metrics_path:
+            await _answer(send, 200, {"Content-Type": CONTENT_TYPE}, render(self.guard))
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        body: bytes | None = None
+        if self._needs_body and scope.get("method") in ("POST", "PUT", "PATCH"):
+            body, receive = await _buffer(receive, self._max_body)
+        parsed = parse_json(body) if body else None
+        d = await self.guard.acquire_async(RequestInfo(path=path, headers=headers, body=parsed,
+                                                       method=scope.get("method", "GET")))
+        key = cache_key(scope.get("method", "GET"), path, parsed)
+        if not d.admitted:
+            if d.reason == "breaker_open" and self.fallback is not None:
+                await self.fallback(scope, receive, send)
+                return
+            cached = self.guard.cache_get(key) if d.degrade == "cached" else None
+            if cached is not None:
+                await _answer(send, 200, {"Content-Type": cached[1], GUARD_HEADER: "cached"}, cached[0])
+                return
+            status, h, b = refusal(d)
+            await _answer(send, status, h, b)
+            return
+        if d.degrade == "model" and body is not None:
+            body = rewrite_model(body, d.target)
+            receive = _replay(body)
+        t0 = time.monotonic()
+        state: dict[str, Any] = {"status": 500, "ttft": None, "ctype": "", "chunks": [], "size": 0}
+        keep = d.degrade == "" and self.guard.cfg.breaker.fallback == "cached"
+        cache_bytes = self.guard.cfg.breaker.cache_bytes
+
+        async def watched_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                state["status"] = message["status"]
+                for k, v in message.get("headers", []):
+                    if k.lower() == b"content-type":
+                        state["ctype"] = v.decode("latin-1")
+            elif message["type"] == "http.response.body":
+                chunk = message.get("body", b"")
+                if state["ttft"] is None and chunk:
+                    state["ttft"] = time.monotonic() - t0
+                if keep and state["size"] <= cache_bytes:
+                    state["chunks"].append(chunk)
+                    state["size"] += len(chunk)
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched_send)
+        except BaseException:
+            self.guard.release(d, 500, time.monotonic() - t0, ttft_s=state["ttft"])
+            raise
+        self.guard.release(d, state["status"], time.monotonic() - t0, ttft_s=state["ttft"])
+        if keep and state["status"] == 200 and state["size"] <= cache_bytes:
+            self.guard.cache_put(key, b"".join(state["chunks"]), state["ctype"] or "application/json")
+
+
+async def _buffer(receive: Receive, max_bytes: int) -> tuple[bytes | None, Receive]:
+    """Read the request body (up to max_bytes, else give up parsing it) and a receive that replays it."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        msg = await receive()
+        if msg["type"] != "http.request":
+            pending = [msg]
+            break
+        chunks.append(msg.get("body", b""))
+        size += len(chunks[-1])
+        if not msg.get("more_body", False):
+            pending = []
+            break
+        if size > max_bytes:  # too big to estimate: replay what we have and pass the rest through
+            first = b"".join(chunks)
+
+            async def passthrough(first: bytes | None = first) -> Message:
+                nonlocal first_sent
+                if not first_sent:
+                    first_sent = True
+                    return {"type": "http.request", "body": first, "more_body": True}
+                return await receive()
+            first_sent = False
+            return None, passthrough
+    body = b"".join(chunks)
+    replay = _replay(body, pending, receive)
+    return body, replay
+
+
+def _replay(body: bytes, pending: list[Message] | None = None, receive: Receive | None = None) -> Receive:
+    sent = False
+    queue = list(pending or [])
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        if queue:
+            return queue.pop(0)
+        if receive is not None:
+            return await receive()
+        return {"type": "http.disconnect"}
+    return replay
+
+
+async def _answer(send: Send, status: int, headers: dict[str, str], body: bytes) -> None:
+    raw = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+    raw.append((b"content-length", str(len(body)).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body})

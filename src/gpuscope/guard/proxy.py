@@ -1,0 +1,135 @@
+"""`gpuscope guard proxy`: an aiohttp reverse proxy with the guard in front of any HTTP service.
+
+Every request (any method, any path) is decided; admitted ones are forwarded to the upstream with their
+body and headers (hop-by-hop headers dropped) and the answer is streamed back chunk by chunk as it comes,
+so server-sent events reach the client token by token. Latency is measured to the last byte, TTFT to
+the first. An upstream that does not answer within `breaker.timeout_s` gives 504, one that cannot be
+reached 502; both count for the circuit breaker. The guard's metrics are at /guard/metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import aiohttp
+from aiohttp import web
+
+from ._classify import RequestInfo
+from ._core import Guard
+from ._http import GUARD_HEADER, cache_key, needs_body, parse_json, refusal, rewrite_model
+from ._metrics import CONTENT_TYPE, render
+from ._signals import SignalPoller
+
+__all__ = ["make_app"]
+
+log = logging.getLogger("gpuscope.guard")
+
+_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+                  "trailers", "transfer-encoding", "upgrade", "host", "content-length"})
+_MAX_BODY_BYTES = 64 << 20
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": "proxy_error"}}, status=status,
+                             headers={GUARD_HEADER: "proxy_error"})
+
+
+class _Proxy:
+    def __init__(self, guard: Guard, upstream: str) -> None:
+        self.guard = guard
+        self.upstream = upstream.rstrip("/")
+        self.session: aiohttp.ClientSession | None = None
+        self.poller = SignalPoller(guard)
+        self._needs_body = needs_body(guard)
+        self._keep = guard.cfg.breaker.fallback == "cached"
+
+    async def start(self, app: web.Application) -> None:
+        self.session = aiohttp.ClientSession(auto_decompress=False, timeout=aiohttp.ClientTimeout(
+            total=None, sock_connect=10))
+        self.poller.start()
+
+    async def stop(self, app: web.Application) -> None:
+        await self.poller.stop()
+        if self.session is not None:
+            await self.session.close()
+        aclose = getattr(self.guard.buckets, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=render(self.guard), headers={"Content-Type": CONTENT_TYPE})
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        g = self.guard
+        body = await request.read()
+        parsed = parse_json(body) if self._needs_body else None
+        headers = {k.lower(): v for k, v in request.headers.items()}
+        d = await g.acquire_async(RequestInfo(path=request.path, headers=headers, body=parsed, method=request.method))
+        key = cache_key(request.method, request.path, parsed)
+        if not d.admitted:
+            cached = g.cache_get(key) if d.degrade == "cached" else None
+            if cached is not None:
+                return web.Response(body=cached[0], headers={"Content-Type": cached[1], GUARD_HEADER: "cached"})
+            status, h, b = refusal(d)
+            return web.Response(status=status, body=b, headers=h)
+        upstream = d.target.rstrip("/") if d.degrade == "upstream" else self.upstream
+        if d.degrade == "model":
+            body = rewrite_model(body, d.target)
+        fwd = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        assert self.session is not None
+        t0 = time.monotonic()
+        ttft = None
+        resp: web.StreamResponse | None = None
+        status = 502
+        timed_out = False
+        kept: list[bytes] = []
+        size = 0
+        try:
+            async with asyncio.timeout(g.cfg.breaker.timeout_s):
+                async with self.session.request(request.method, upstream + request.path_qs, data=body or None,
+                                                headers=fwd, allow_redirects=False) as r:
+                    status = r.status
+                    resp = web.StreamResponse(status=r.status, reason=r.reason, headers={
+                        k: v for k, v in r.headers.items() if k.lower() not in _HOP})
+                    if r.content_length is not None and "Content-Encoding" not in r.headers:
+                        resp.content_length = r.content_length
+                    await resp.prepare(request)
+                    async for chunk in r.content.iter_any():
+                        if ttft is None:
+                            ttft = time.monotonic() - t0
+                        await resp.write(chunk)
+                        if self._keep and size <= g.cfg.breaker.cache_bytes:
+                            kept.append(chunk)
+                            size += len(chunk)
+                    await resp.write_eof()
+            if self._keep and status == 200 and size <= g.cfg.breaker.cache_bytes and d.degrade == "":
+                g.cache_put(key, b"".join(kept), r.headers.get("Content-Type", "application/json"))
+            return resp
+        except TimeoutError:
+            status, timed_out = 504, True
+            if resp is None:
+                return _error(504, f"The upstream {upstream} did not answer within {g.cfg.breaker.timeout_s:g} s.")
+            return resp
+        except aiohttp.ClientError as e:
+            status = 502
+            if resp is None:
+                return _error(502, f"The upstream {upstream} cannot be reached: {type(e).__name__}.")
+            return resp  # the upstream broke off mid-stream; the client sees a truncated answer
+        except ConnectionResetError:
+            status = 499  # the client went away; not the upstream's fault
+            return resp if resp is not None else _error(499, "The client went away.")
+        finally:
+            g.release(d, status, time.monotonic() - t0, timed_out=timed_out, ttft_s=ttft)
+
+
+def make_app(guard: Guard, upstream: str) -> web.Application:
+    """The proxy as an aiohttp application (serve it with web.run_app or an AppRunner)."""
+    p = _Proxy(guard, upstream)
+    app = web.Application(client_max_size=_MAX_BODY_BYTES)
+    app.router.add_get("/guard/metrics", p.metrics)
+    app.router.add_route("*", "/{tail:.*}", p.handle)
+    app.on_startup.append(p.start)
+    app.on_cleanup.append(p.stop)
+    return app
