@@ -208,3 +208,15 @@ def test_bucket_quantiles_and_empty_buckets():
     b = _bucket(t, v, _edges(0.0, 3.0, 3))
     assert b["p50"] == [2.0, None, 9.0] and b["max"] == [4.0, None, 9.0] and b["p99"] == [4.0, None, 9.0]
     assert b["mean"] == [2.5, None, 9.0] and b["count"] == [4.0, 0.0, 1.0]
+
+
+def test_closed_loop_stages_plot_throughput_against_concurrency():
+    summary, recs, readings = run_data(gpu=False, streaming=False)
+    for k, st in enumerate(summary["stages"]):
+        st["target_rate"], st["concurrency"] = None, 4 * (k + 1)
+    html = render(summary, recs, [])
+    data = json.loads(re.search(r"id='loadtest-data'>(.*?)</script>", html, re.S).group(1).replace("<\\/", "</"))
+    thr = next(p for p in data["plots"] if p["id"] == "throughput")
+    assert thr["xlabel"] == "concurrency" and thr["data"][0] == [4.0, 8.0, 12.0]
+    assert "offered (ideal)" not in thr["series"]  # no offered rate to compare with in a closed loop
+    assert "<td class=num>4 conc.</td>" in html
