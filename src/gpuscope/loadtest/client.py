@@ -1,0 +1,260 @@
+"""A small, fast HTTP/1.1 client: asyncio Protocols, keep-alive pools, llhttp (httptools) response parsing.
+
+Why not aiohttp: its client spends most of a small request in Python-level bookkeeping (a task, a
+response object, header multidicts); a load generator needs one callback per response and a timestamp
+per body chunk. Requests are pre-encoded bytes; a connection carries one request at a time (no
+pipelining, as browsers and inference clients do). Completion is a callback, so no task is created per
+request on a warm connection.
+
+    client = Client("http://127.0.0.1:8000", timeout_s=30.0, t0=time.perf_counter())
+    client.send(record, payload_bytes, on_done=lambda rec: ..., on_chunk=None)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import ssl
+import time
+import urllib.parse
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import httptools
+
+from .records import RequestRecord
+
+perf_counter = time.perf_counter
+
+OnDone = Callable[[RequestRecord], None]
+OnChunk = Callable[[bytes, float], "str | None"]   # returns an error class to abort, else None
+
+
+class UrlError(ValueError):
+    """A URL the client cannot use; the message is one sentence."""
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    scheme: str
+    host: str
+    port: int
+    path: str            # path and query, at least "/"
+    host_header: str
+
+    @classmethod
+    def parse(cls, url: str) -> Target:
+        u = urllib.parse.urlsplit(url)
+        if u.scheme not in ("http", "https") or not u.hostname:
+            raise UrlError(f"'{url}' is not an http:// or https:// URL with a host.")
+        try:
+            port = u.port or (443 if u.scheme == "https" else 80)
+        except ValueError:
+            raise UrlError(f"'{url}' has an invalid port.") from None
+        path = (u.path or "/") + (f"?{u.query}" if u.query else "")
+        default = (u.scheme == "https" and port == 443) or (u.scheme == "http" and port == 80)
+        host = u.hostname if ":" not in u.hostname else f"[{u.hostname}]"
+        return cls(u.scheme, u.hostname, port, path, host if default else f"{host}:{port}")
+
+
+def encode_request(target: Target, method: str, path: str, headers: dict[str, str], body: bytes) -> bytes:
+    """One HTTP/1.1 request as bytes (keep-alive, Content-Length framing)."""
+    lines = [f"{method} {path} HTTP/1.1", f"Host: {target.host_header}"]
+    lower = {k.lower() for k in headers}
+    if "user-agent" not in lower:
+        lines.append("User-Agent: gpuscope-loadtest")
+    if body or method in ("POST", "PUT", "PATCH"):
+        lines.append(f"Content-Length: {len(body)}")
+    lines.extend(f"{k}: {v}" for k, v in headers.items())
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+
+
+class _Conn(asyncio.Protocol):
+    """One keep-alive connection; carries one request at a time."""
+
+    __slots__ = ("client", "transport", "parser", "rec", "on_done", "on_chunk", "deadline", "now", "keep")
+
+    def __init__(self, client: Client) -> None:
+        self.client = client
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.rec: RequestRecord | None = None
+        self.on_done: OnDone | None = None
+        self.on_chunk: OnChunk | None = None
+        self.deadline = 0.0
+        self.now = 0.0
+        self.keep = True
+
+    # asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        rec = self.rec
+        if rec is None:   # bytes nobody asked for: the connection cannot be trusted any more
+            self._close()
+            return
+        now = self.now = perf_counter() - self.client.t0
+        if rec.t_first_byte is None:
+            rec.t_first_byte = now
+        rec.bytes_in += len(data)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as e:
+            self.fail("malformed", f"bad HTTP response: {e}")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.client._forget(self)
+        if self.rec is not None:
+            self.fail("disconnect", "the server closed the connection before the answer was complete")
+
+    # httptools callbacks
+    def on_headers_complete(self) -> None:
+        rec = self.rec
+        if rec is not None:
+            rec.status = self.parser.get_status_code()
+        self.keep = self.parser.should_keep_alive()
+
+    def on_body(self, body: bytes) -> None:
+        if self.on_chunk is not None and self.rec is not None and 200 <= self.rec.status < 300:
+            err = self.on_chunk(body, self.now)
+            if err:
+                self.fail(err, "bad server-sent events or JSON in the response")
+
+    def on_message_complete(self) -> None:
+        rec = self.rec
+        if rec is None:
+            return
+        rec.t_end = self.now
+        s = rec.status
+        if s >= 300 and rec.error is None:
+            rec.error = "http_429" if s == 429 else "http_5xx" if s >= 500 else "http_4xx"
+            rec.error_detail = f"HTTP {s}"
+        self._finish(reuse=self.keep)
+
+    # own
+    def start(self, rec: RequestRecord, payload: bytes, on_done: OnDone, on_chunk: OnChunk | None) -> None:
+        self.rec, self.on_done, self.on_chunk = rec, on_done, on_chunk
+        rec.t_sent = perf_counter() - self.client.t0
+        self.deadline = rec.t_sent + self.client.timeout_s
+        rec.bytes_out = len(payload)
+        self.transport.write(payload)  # type: ignore[union-attr]
+
+    def fail(self, error: str, detail: str) -> None:
+        rec = self.rec
+        if rec is None:
+            return
+        if rec.error is None:
+            rec.error, rec.error_detail = error, detail
+        rec.t_end = None
+        self._finish(reuse=False)
+
+    def _finish(self, reuse: bool) -> None:
+        rec, done = self.rec, self.on_done
+        self.rec = self.on_done = self.on_chunk = None
+        if reuse:
+            self.client._idle.append(self)
+            if self.client._waiting:
+                self.client._drain_waiting()
+        else:
+            self._close()
+        if done is not None and rec is not None:
+            done(rec)
+
+    def _close(self) -> None:
+        self.client._forget(self)
+        if self.transport is not None:
+            self.transport.close()
+
+
+class Client:
+    """A pool of keep-alive connections to one host; `send` never raises (failures land in the record)."""
+
+    def __init__(self, url: str, *, t0: float, timeout_s: float = 30.0, verify_tls: bool = True,
+                 max_connections: int = 0) -> None:
+        self.target = Target.parse(url)
+        self.t0 = t0
+        self.timeout_s = timeout_s
+        self.max_connections = max_connections
+        self._idle: list[_Conn] = []
+        self._all: set[_Conn] = set()
+        self._opening = 0
+        self._waiting: list[tuple[RequestRecord, bytes, OnDone, OnChunk | None]] = []
+        self._ssl: ssl.SSLContext | None = None
+        if self.target.scheme == "https":
+            self._ssl = ssl.create_default_context()
+            if not verify_tls:
+                self._ssl.check_hostname = False
+                self._ssl.verify_mode = ssl.CERT_NONE
+        self._sweeper: asyncio.TimerHandle | None = None
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._all) - len(self._idle) + self._opening
+
+    def send(self, rec: RequestRecord, payload: bytes, on_done: OnDone, on_chunk: OnChunk | None = None) -> None:
+        if self._sweeper is None:
+            self._sweep()
+        if self._idle:
+            self._idle.pop().start(rec, payload, on_done, on_chunk)
+        elif self.max_connections and len(self._all) + self._opening >= self.max_connections:
+            self._waiting.append((rec, payload, on_done, on_chunk))
+        else:
+            self._opening += 1
+            asyncio.get_running_loop().create_task(self._open_and_send(rec, payload, on_done, on_chunk))
+
+    async def _open_and_send(self, rec: RequestRecord, payload: bytes, on_done: OnDone,
+                             on_chunk: OnChunk | None) -> None:
+        loop = asyncio.get_running_loop()
+        t = self.target
+        try:
+            _, conn = await asyncio.wait_for(loop.create_connection(
+                lambda: _Conn(self), t.host, t.port, ssl=self._ssl,
+                server_hostname=t.host if self._ssl else None), self.timeout_s)
+        except Exception as e:  # every failure to connect is the server's side of the story: classify it
+            self._opening -= 1
+            rec.t_sent = perf_counter() - self.t0
+            rec.error, rec.error_detail = classify_connect_error(e)
+            on_done(rec)
+            self._drain_waiting()
+            return
+        self._opening -= 1
+        conn.transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._all.add(conn)
+        conn.start(rec, payload, on_done, on_chunk)
+
+    def _forget(self, conn: _Conn) -> None:
+        self._all.discard(conn)
+        try:
+            self._idle.remove(conn)
+        except ValueError:
+            pass
+        self._drain_waiting()
+
+    def _drain_waiting(self) -> None:
+        while self._waiting and (self._idle or len(self._all) + self._opening < self.max_connections):
+            self.send(*self._waiting.pop(0))
+
+    def _sweep(self) -> None:
+        """Time out requests every 50 ms (one timer for all, rather than one timer per request)."""
+        now = perf_counter() - self.t0
+        for conn in list(self._all):
+            if conn.rec is not None and now > conn.deadline:
+                conn.fail("timeout", f"no complete answer within {self.timeout_s:g} s")
+        self._sweeper = asyncio.get_running_loop().call_later(0.05, self._sweep)
+
+    def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        for conn in list(self._all):
+            conn._close()
+
+
+def classify_connect_error(e: BaseException) -> tuple[str, str]:
+    if isinstance(e, (ssl.SSLError, ssl.CertificateError)):
+        return "tls", f"TLS handshake failed: {getattr(e, 'reason', None) or e}"
+    if isinstance(e, (asyncio.TimeoutError, TimeoutError)):
+        return "timeout", "the connection could not be opened in time"
+    if isinstance(e, OSError):
+        return "connect", f"cannot connect: {e.strerror or e}"
+    return "client", f"{type(e).__name__}: {e}"

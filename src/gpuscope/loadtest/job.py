@@ -1,0 +1,392 @@
+"""From command-line flags to a checked run: the plan, the protocol, the pre-flight request, the outputs.
+
+Every user mistake becomes a `SetupError` with one sentence (the CLI turns it into exit 2). The GPU watch,
+HTML report and capacity search come from sibling modules that are imported only when used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from . import schedule as S
+from .client import Client, Target, UrlError
+from .openai import load_prompts
+from .progress import ProgressLine, print_summary
+from .records import RequestRecord
+from .requests import Protocol, ReplayError, RequestMaker, load_replay
+from .runner import collect_records, default_workers, summarize
+from .runner import execute as execute_plan
+from .templates import Template, TemplateError, load_request_file
+from .worker import WorkerConfig, new_loop
+
+DEFAULT_AGENT = "http://127.0.0.1:9471"
+
+
+class SetupError(ValueError):
+    """A flag, file or URL that stops the run before it starts; one sentence."""
+
+
+@dataclass
+class Spec:
+    cfg: WorkerConfig
+    stage_names: list[str]
+    workers: int
+    protocol: str
+    out_dir: Path
+    arrival: str
+    burstiness: float
+    trial_s: float
+
+
+def parse_slo(text: str | None) -> dict[str, float]:
+    """'ttft=200ms,tpot=50ms,e2e=2s' -> seconds per key."""
+    if not text:
+        return {}
+    out = {}
+    for part in text.split(","):
+        key, sep, value = part.partition("=")
+        key = key.strip().lower()
+        if not sep or key not in ("ttft", "tpot", "e2e"):
+            raise SetupError(f"--slo takes ttft=, tpot= and e2e= limits, e.g. ttft=200ms,e2e=2s; not '{part}'.")
+        out[key] = _duration(value, "--slo")
+    return out
+
+
+def _duration(text: str, flag: str) -> float:
+    try:
+        return S.parse_duration(text)
+    except S.ScheduleError:
+        raise SetupError(f"{flag} '{text}' is not a duration (examples: 30s, 2m, 500ms).") from None
+
+
+def _stages(args: argparse.Namespace) -> tuple[list[S.Stage], bool]:
+    """The stages the flags describe; True when they came from a replay file."""
+    kw = {"arrival": args.arrival, "burstiness": args.burstiness}
+    shapes = [f for f in ("stages", "ramp", "spike", "stage_file", "replay", "concurrency") if getattr(args, f)]
+    if len(shapes) > 1 or (shapes and shapes[0] != "concurrency" and args.rate is not None):
+        names = ", ".join("--" + f.replace("_", "-") for f in shapes + (["rate"] if args.rate is not None else []))
+        raise SetupError(f"Choose one load shape, not {names}.")
+    duration = _duration(args.duration, "--duration") if args.duration else None
+    if args.requests is not None and args.requests < 1:
+        raise SetupError("--requests must be at least 1.")
+    if duration is None and args.requests is None:
+        duration = 30.0
+    try:
+        if args.stage_file:
+            return S.load_stage_file(args.stage_file, default_arrival=args.arrival, burstiness=args.burstiness), False
+        if args.stages:
+            try:
+                values = [float(v) for v in args.stages.split(",") if v.strip()]
+            except ValueError:
+                raise SetupError(f"--stages takes comma-separated numbers, not '{args.stages}'.") from None
+            if not values or min(values) <= 0:
+                raise SetupError("--stages needs numbers above 0.")
+            return S.ladder(values, _duration(args.stage_duration, "--stage-duration"), closed_loop=args.closed_loop,
+                            **kw), False
+        if args.ramp:
+            m = re.fullmatch(r"(linear|exp):([0-9.]+):([0-9.]+)", args.ramp)
+            if not m or duration is None:
+                raise SetupError("--ramp takes linear:FROM:TO or exp:FROM:TO (rates) and needs --duration.")
+            r0, r1 = float(m.group(2)), float(m.group(3))
+            return [S.Stage(duration, rate=r0, ramp_to=r1, ramp=m.group(1), name=f"ramp {r0:g}->{r1:g}/s", **kw)], False
+        if args.spike:
+            parts = args.spike.split(":")
+            if len(parts) != 4 or duration is None:
+                raise SetupError("--spike takes BASE:PEAK:AT:LENGTH (e.g. 20:200:60s:10s) and needs --duration.")
+            try:
+                base, peak = float(parts[0]), float(parts[1])
+            except ValueError:
+                raise SetupError("--spike's BASE and PEAK are rates in requests per second.") from None
+            return S.spike(base, peak, _duration(parts[2], "--spike"), _duration(parts[3], "--spike"), duration, **kw), False
+        if args.concurrency is not None:
+            return [S.Stage(duration, concurrency=args.concurrency, requests=args.requests,
+                            name=f"c={args.concurrency}")], False
+        rate = args.rate if args.rate is not None else 10.0
+        return [S.Stage(duration, rate=rate, requests=args.requests if duration is None else None,
+                        name=f"{rate:g}/s", **kw)], False
+    except S.ScheduleError as e:
+        raise SetupError(str(e)) from None
+
+
+def _protocol(args: argparse.Namespace) -> tuple[Protocol, str]:
+    headers = {}
+    for h in args.header:
+        name, sep, value = h.partition(":")
+        if not sep or not name.strip():
+            raise SetupError(f"-H takes 'Name: value', not '{h}'.")
+        headers[name.strip()] = value.strip()
+    body = args.body or ""
+    if args.body_file:
+        try:
+            body = Path(args.body_file).read_text()
+        except OSError as e:
+            raise SetupError(f"Cannot read --body-file {args.body_file}: {e.strerror or e}.") from None
+    try:
+        Template(body)
+        requests = load_request_file(args.request_file) if args.request_file else None
+    except TemplateError as e:
+        raise SetupError(str(e)) from None
+    if args.openai:
+        if body or requests:
+            raise SetupError("--openai builds its own bodies; leave out --body, --body-file and --request-file.")
+        if args.prompt_tokens < 1 or args.max_tokens < 1:
+            raise SetupError("--prompt-tokens and --max-tokens must be at least 1.")
+        prompts = None
+        if args.prompt_file:
+            try:
+                prompts = load_prompts(args.prompt_file)
+            except (OSError, ValueError) as e:
+                raise SetupError(f"Cannot use --prompt-file: {getattr(e, 'strerror', None) or e}.") from None
+        kind = f"openai-{args.openai}"
+        return Protocol(kind=kind, headers=headers, model=args.model, prompt_tokens=args.prompt_tokens,
+                        max_tokens=args.max_tokens, prompts=prompts), kind
+    method = (args.method or ("POST" if body else "GET")).upper()
+    return Protocol(kind="http", method=method, headers=headers, body=body, requests=requests), "http"
+
+
+def build(args: argparse.Namespace) -> Spec:
+    try:
+        Target.parse(args.url)
+    except UrlError as e:
+        raise SetupError(str(e)) from None
+    proto, protocol = _protocol(args)
+    stages, _ = _stages(args)
+    warmup_s = _duration(args.warmup, "--warmup") if args.warmup else 0.0
+    if args.replay:
+        if warmup_s:
+            raise SetupError("--warmup does not apply to --replay (the capture is sent as it was).")
+        if not args.speed > 0:
+            raise SetupError("--speed must be above 0.")
+        try:
+            times, reqs = load_replay(args.replay, args.speed)
+        except ReplayError as e:
+            raise SetupError(str(e)) from None
+        proto = replace(proto, replay=reqs)
+        end = float(times[-1]) + 1e-3
+        stage = S.Stage(end, rate=len(times) / end, arrival="constant", name=f"replay x{args.speed:g}")
+        plan = S.Plan([stage], [0.0], [end], [times])
+    else:
+        if warmup_s:
+            first = stages[0]
+            stages = [replace(first, duration_s=warmup_s, requests=None, ramp_to=None, name="warmup", warmup=True),
+                      *stages]
+        try:
+            plan = S.plan(stages, seed=args.seed, max_requests=None)
+        except S.ScheduleError as e:
+            raise SetupError(str(e)) from None
+        if args.requests is not None and all(s.open_loop for s in stages):
+            n_warm = 1 if warmup_s else 0
+            plan = _cap_requests(plan, args.requests, n_warm)
+    workers = args.workers if args.workers is not None else default_workers()
+    if workers < 1:
+        raise SetupError("--workers must be at least 1.")
+    limit = args.max_rate_per_worker or (MAX_STREAM if proto.streaming else MAX_HTTP)
+    peak = max((s.peak_rate() for s in plan.stages if s.open_loop), default=0.0)
+    if peak > limit * workers:
+        raise SetupError(f"A rate of {peak:g} req/s is more than {workers} worker(s) can send (about {limit:g} "
+                         f"req/s each); lower the rate or add --workers.")
+    slo = parse_slo(args.slo)
+    if args.find_capacity and not 0 < args.capacity_start < args.capacity_max:
+        raise SetupError("--capacity-start must be above 0 and below --capacity-max.")
+    if args.max_connections < 0:
+        raise SetupError("--max-connections must be 0 (as many as needed) or more.")
+    cfg = WorkerConfig(url=args.url, proto=proto, plan=plan, seed=args.seed,
+                       timeout_s=_duration(args.timeout, "--timeout"), verify_tls=not args.insecure,
+                       max_connections=args.max_connections, metrics_as=args.metrics_as, slo=slo,
+                       late_threshold_s=_duration(args.late_threshold, "--late-threshold"),
+                       n_warmup_stages=1 if warmup_s else 0)
+    if not cfg.timeout_s > 0:
+        raise SetupError("--timeout must be above 0.")
+    out = Path(args.out or f"gpuscope-loadtest-{time.strftime('%Y%m%d-%H%M%S')}")
+    names = [s.name or f"stage {k}" for k, s in enumerate(plan.stages)]
+    return Spec(cfg, names, workers, protocol, out, args.arrival, args.burstiness,
+                _duration(args.stage_duration, "--stage-duration"))
+
+
+MAX_HTTP = 20_000.0
+MAX_STREAM = 1_500.0
+
+
+def _cap_requests(plan: S.Plan, n: int, n_warm: int) -> S.Plan:
+    """Keep the first `n` counted requests (warm-up requests do not count)."""
+    times, ends = list(plan.times), list(plan.ends_s)
+    left = n
+    for k in range(n_warm, len(times)):
+        if left <= 0:
+            return S.Plan(plan.stages[:k], plan.starts_s[:k], ends[:k], times[:k])
+        if len(times[k]) > left:
+            times[k] = times[k][:left]
+            ends[k] = float(times[k][-1]) + 1.0 / float(plan.stages[k].rate or 1.0)
+        left -= len(times[k])
+    return S.Plan(plan.stages, plan.starts_s, ends, times)
+
+
+def preflight(cfg: WorkerConfig) -> RequestRecord:
+    """Send one request before the run; a connection or TLS failure stops the run (one sentence)."""
+    loop = new_loop()
+    try:
+        async def one() -> RequestRecord:
+            client = Client(cfg.url, t0=time.perf_counter(), timeout_s=min(cfg.timeout_s, 15.0),
+                            verify_tls=cfg.verify_tls)
+            maker = RequestMaker(cfg.proto, client.target, cfg.seed, 0)
+            payload, _, _, _ = maker.make(0)
+            rec = RequestRecord(i=0, stage=-1, worker=0, t_intended=0.0, t_sent=0.0)
+            fut = loop.create_future()
+            client.send(rec, payload, lambda r: fut.done() or fut.set_result(r))
+            try:
+                return await fut
+            finally:
+                client.close()
+        return loop.run_until_complete(one())
+    finally:
+        loop.close()
+
+
+def _gpu_watch(args: argparse.Namespace) -> Any:
+    if args.no_gpu:
+        return None
+    try:
+        from .gpu import GpuWatch
+    except ImportError:
+        return None
+    url = args.gpu or os.environ.get("GPUSCOPE_URL") or DEFAULT_AGENT
+    watch = GpuWatch(agent_url=url, token=os.environ.get("GPUSCOPE_TOKEN"), hz=10.0,
+                     clock=(time.time(), time.perf_counter()))
+    watch.start()
+    return watch
+
+
+def _shift(rec: RequestRecord, dt: float) -> None:
+    rec.t_intended += dt
+    rec.t_sent += dt
+    for f in ("t_end", "t_first_byte", "t_first_token"):
+        v = getattr(rec, f)
+        if v is not None:
+            setattr(rec, f, v + dt)
+    if rec.chunk_times:
+        rec.chunk_times = [t + dt for t in rec.chunk_times]
+
+
+def execute(spec: Spec, args: argparse.Namespace) -> int:
+    cfg = spec.cfg
+    pre = preflight(cfg)
+    if pre.error in ("connect", "tls", "timeout", "client"):
+        raise SetupError(f"{args.url} did not answer before the start: {pre.error_detail}.")
+    tty = sys.stderr.isatty()
+    if pre.error is not None:
+        print(f"note: the first request to {args.url} failed ({pre.error_detail}); going on.", file=sys.stderr)
+    try:
+        spec.out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SetupError(f"Cannot create the output directory {spec.out_dir}: {e.strerror or e}.") from None
+    watch = _gpu_watch(args)
+    progress = None if args.quiet else ProgressLine(sys.stderr, tty=tty)
+    cfg = replace(cfg, records_dir=str(spec.out_dir))
+    try:
+        if args.find_capacity:
+            summary, records = _capacity(spec, cfg, args, progress)
+        else:
+            res = execute_plan(cfg, spec.workers, on_progress=progress.update if progress else None)
+            if progress:
+                progress.end()
+            summary = summarize(replace(cfg, workers=spec.workers), res, url=args.url, protocol=spec.protocol,
+                                stage_names=spec.stage_names)
+            records = collect_records(spec.out_dir, spec.workers, load=args.html)
+    except RuntimeError as e:
+        raise SetupError(f"The load test could not run: {e}.") from None
+    readings = watch.stop() if watch is not None else []
+    if watch is not None:
+        dt = watch.clock[1] - summary["clock"]["mono_s"]
+        for r in readings:
+            r.t += dt
+        summary["gpu_source"] = watch.source
+        try:
+            from .gpu import join_stages
+            join_stages(summary, readings)
+        except ImportError:
+            pass
+        if readings:
+            (spec.out_dir / "gpu.jsonl").write_bytes(b"".join(orjson.dumps(_reading(r)) + b"\n" for r in readings))
+    (spec.out_dir / "summary.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
+    if args.html:
+        try:
+            from .report import write_html
+            write_html(str(spec.out_dir / "report.html"), summary, records, readings)
+        except ImportError:
+            pass
+    if args.json:
+        sys.stdout.write(orjson.dumps(summary, option=orjson.OPT_INDENT_2).decode() + "\n")
+    else:
+        print_summary(summary, spec.out_dir, sys.stdout)
+    if not summary["valid"]:
+        print(f"INVALID RUN: {'; '.join(summary['invalid_reasons'])}.", file=sys.stderr)
+    return 0 if summary["valid"] else 1
+
+
+def _reading(r: Any) -> dict:
+    from dataclasses import asdict
+    return {k: v for k, v in asdict(r).items() if v is not None}
+
+
+def _capacity(spec: Spec, cfg: WorkerConfig, args: argparse.Namespace, progress: Any) -> tuple[dict, list]:
+    """Trials of one constant-rate stage each; stages of the summary are the trials, on the first trial's clock."""
+    from .capacity import find_capacity
+
+    trials: list[tuple[float, Any, WorkerConfig, str]] = []
+    records: list[RequestRecord] = []
+    first_mono: list[float] = []
+
+    def measure(rate: float) -> dict:
+        stage = S.Stage(spec.trial_s, rate=rate, arrival=spec.arrival, burstiness=spec.burstiness, name=f"{rate:.4g}/s")
+        plan = S.plan([stage], seed=args.seed)
+        tc = replace(cfg, plan=plan, n_warmup_stages=0, workers=spec.workers)
+        res = execute_plan(tc, spec.workers, on_progress=progress.update if progress else None)
+        if progress:
+            progress.end()
+        if not first_mono:
+            first_mono.append(res.clock["mono_s"])
+        dt = res.clock["mono_s"] - first_mono[0]
+        recs = collect_records(spec.out_dir, spec.workers, load=True)
+        for r in recs:
+            _shift(r, dt)
+            r.stage = len(trials)
+        records.extend(recs)
+        s = summarize(tc, res, url=args.url, protocol=spec.protocol, stage_names=[stage.name])
+        trials.append((dt, res, tc, stage.name))
+        return s["overall"]
+
+    result = find_capacity(measure, cfg.slo or None, start_rate=args.capacity_start, max_rate=args.capacity_max)
+    stages = []
+    valid, reasons = True, []
+    summaries = []
+    for k, (dt, res, tc, name) in enumerate(trials):
+        s = summarize(tc, res, url=args.url, protocol=spec.protocol, stage_names=[name])
+        summaries.append(s)
+        st = s["stages"][0]
+        st.update(index=k, start_s=st["start_s"] + dt, end_s=st["end_s"] + dt)
+        stages.append(st)
+        valid = valid and s["valid"]
+        reasons += [f"trial at {name}: {r}" for r in s["invalid_reasons"]]
+    if not summaries:
+        raise RuntimeError("the capacity search ran no trial")
+    # The overall figures are those of the trial at the capacity found (else the first trial's).
+    at = [s for s in summaries if s["stages"][0]["target_rate"] == result.get("capacity_rps")]
+    summary = dict(summaries[0])
+    summary.update(stages=stages, valid=valid, invalid_reasons=reasons, capacity=result,
+                   duration_s=stages[-1]["end_s"] - stages[0]["start_s"], overall=(at or summaries)[0]["overall"])
+    records.sort(key=lambda r: r.t_intended)
+    with open(spec.out_dir / "records.jsonl", "wb") as f:
+        for n, r in enumerate(records):
+            r.i = n
+            f.write(orjson.dumps(r.to_json()) + b"\n")
+    return summary, records
+

@@ -1,0 +1,134 @@
+"""What each request carries: generic HTTP (templates, request files), OpenAI streaming, or a replayed capture.
+
+A `RequestMaker` is built once per worker from the picklable `Protocol` description and turns a sequence
+number into encoded bytes, a tag and (for streaming) the prompt's size in words.
+
+Replay files (`--replay capture.jsonl`) are JSON lines, one request each, in time order:
+    {"t": 0.125, "method": "POST", "path": "/v1/completions", "headers": {...}, "body": {...} | "text",
+     "prompt_tokens": 512, "output_tokens": 128, "tag": "chat"}
+`t` (seconds since the capture's start) is required. A line with no body but prompt_tokens/output_tokens
+gets a generated OpenAI body of that size when `--openai` is given. A line whose `stream` is true in its
+JSON body is read as server-sent events.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import orjson
+
+from . import openai
+from .client import Target, encode_request
+from .templates import Template
+
+
+class ReplayError(ValueError):
+    pass
+
+
+@dataclass
+class Protocol:
+    kind: str = "http"                 # "http", "openai-completions", "openai-chat"
+    method: str = "GET"
+    headers: dict[str, str] = field(default_factory=dict)
+    body: str = ""                     # a template
+    requests: list[dict] | None = None  # a request file, round-robin
+    replay: list[dict] | None = None   # one entry per scheduled request, in order
+    model: str = "default"
+    prompt_tokens: int = 128
+    max_tokens: int = 128
+    prompts: list[str] | None = None
+
+    @property
+    def streaming(self) -> bool:
+        return self.kind.startswith("openai")
+
+    @property
+    def openai_kind(self) -> str:
+        return self.kind.split("-", 1)[1] if self.streaming else ""
+
+
+class RequestMaker:
+    def __init__(self, proto: Protocol, target: Target, seed: int | None, worker: int) -> None:
+        self.proto = proto
+        self.target = target
+        self.rng = random.Random(None if seed is None else seed * 1000 + worker)
+        self.body = Template(proto.body)
+        self.path = target.path
+        if proto.streaming and self.path in ("", "/"):
+            self.path = openai.default_path(proto.openai_kind)
+        self.headers = dict(proto.headers)
+        if (proto.streaming or proto.body.lstrip().startswith(("{", "["))) and not any(
+                k.lower() == "content-type" for k in self.headers):
+            self.headers["Content-Type"] = "application/json"
+        self.static: bytes | None = None
+        if proto.kind == "http" and not proto.requests and not proto.replay and self.body.static:
+            self.static = encode_request(target, proto.method, self.path, self.headers, proto.body.encode())
+
+    def make(self, seq: int) -> tuple[bytes, str | None, int | None, bool]:
+        """(request bytes, tag, prompt words or None, read the answer as SSE)."""
+        if self.static is not None:
+            return self.static, None, None, False
+        p = self.proto
+        if p.replay is not None:
+            return self._replayed(p.replay[seq % len(p.replay)], seq)
+        if p.requests:
+            r = p.requests[seq % len(p.requests)]
+            body = Template(r["body"]).render(seq, self.rng).encode()
+            headers = {**self.headers, **r["headers"]}
+            return encode_request(self.target, r["method"], r["path"] or self.path, headers, body), r["tag"], None, False
+        if p.streaming:
+            prompt = p.prompts[seq % len(p.prompts)] if p.prompts else openai.prompt_of(p.prompt_tokens, self.rng)
+            body = openai.body(p.openai_kind, p.model, prompt, p.max_tokens)
+            return (encode_request(self.target, "POST", self.path, self.headers, body), None,
+                    len(prompt.split()), True)
+        body = self.body.render(seq, self.rng).encode()
+        return encode_request(self.target, p.method, self.path, self.headers, body), None, None, False
+
+    def _replayed(self, r: dict, seq: int) -> tuple[bytes, str | None, int | None, bool]:
+        p = self.proto
+        body = r.get("body")
+        words = None
+        if body is None and p.streaming:
+            n_in = int(r.get("prompt_tokens") or p.prompt_tokens)
+            raw = openai.body(p.openai_kind, p.model, openai.prompt_of(n_in, self.rng),
+                              int(r.get("output_tokens") or p.max_tokens))
+            words, stream = n_in, True
+        elif isinstance(body, (dict, list)):
+            raw = orjson.dumps(body)
+            stream = isinstance(body, dict) and bool(body.get("stream"))
+        else:
+            raw = str(body or "").encode()
+            stream = False
+        headers = {**self.headers, **(r.get("headers") or {})}
+        method = str(r.get("method") or ("POST" if raw else "GET")).upper()
+        path = r.get("path") or self.path
+        return encode_request(self.target, method, path, headers, raw), r.get("tag"), words, stream
+
+
+def load_replay(path: str | Path, speed: float = 1.0) -> tuple[np.ndarray, list[dict]]:
+    """Send times (seconds from the start, divided by `speed`) and requests of a capture file."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise ReplayError(f"Cannot read the replay file {path}: {e.strerror or e}.") from None
+    times, reqs = [], []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            raise ReplayError(f"Line {n} of the replay file {path} is not valid JSON.") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("t"), (int, float)) or obj["t"] < 0:
+            raise ReplayError(f"Line {n} of the replay file {path} needs \"t\", seconds since the capture's start.")
+        times.append(float(obj["t"]))
+        reqs.append(obj)
+    if not reqs:
+        raise ReplayError(f"The replay file {path} holds no requests.")
+    order = np.argsort(np.asarray(times), kind="stable")
+    t = np.asarray(times)[order]
+    return (t - t[0]) / speed, [reqs[i] for i in order]
