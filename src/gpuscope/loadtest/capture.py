@@ -1,17 +1,374 @@
-"""Placeholder while this command is being built (session 4); replaced by the real module."""
+"""`gpuscope capture`: a local reverse proxy that records a live service's requests for replay.
+
+Every request to `--listen` is forwarded to `--upstream` and its response streamed back byte for byte as
+it arrives (SSE included: nothing is buffered); each request becomes one JSON line in `--out`, in the
+replay format of docs/loadtest-replay.md, which `gpuscope loadtest --replay` reads. Lines are written in
+arrival order (a line waits for the requests before it to finish), so `t` never decreases.
+
+Credentials never reach the file: Authorization, Cookie, API-key and other secret-looking headers are
+forwarded upstream but not recorded. `--anonymise` replaces prompt and message text with filler of the
+same length and word count, keeping the JSON structure, the model, the roles and every number.
+
+    gpuscope capture --upstream http://127.0.0.1:8000 --out capture.jsonl   # then point clients at :8081
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
+import re
+import signal
+import socket
+import sys
+import time
+import urllib.parse
+from typing import IO, Any
 
-HELP = "(being built)"
+import aiohttp
+from aiohttp import web
+
+HELP = "record a live service's requests through a local proxy, for 'gpuscope loadtest --replay'"
+DESCRIPTION = ("A reverse proxy on --listen that forwards every request to --upstream, streams each answer "
+               "back unchanged and writes one JSON line per request to --out (format: docs/loadtest-replay.md). "
+               "Secret headers are never written; --anonymise replaces prompt text with same-length filler.")
+
+# Hop-by-hop headers (RFC 9110 section 7.6.1) belong to one connection, never forwarded or recorded; Host
+# and Content-Length are recomputed by whoever sends the request again.
+_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
+                  "upgrade", "host", "content-length"})
+# A header whose name (split on - and _) has a part like these carries a credential: never written.
+_SECRET_PART = re.compile(r"(?:key|token|secret|password|passwd|cookie|session|credential|signature)s?$|^auth")
+# Request-body keys whose strings are structure, not content: kept by --anonymise.
+_STRUCTURAL_KEYS = frozenset({"model", "role", "type", "object", "tool_choice", "name", "id", "tool_call_id",
+                              "encoding_format", "response_format", "service_tier", "reasoning_effort"})
+_PROMPT_KEYS = ("prompt", "messages", "input")
+_MAX_BODY_COPY_BYTES = 8 << 20  # a non-streamed answer is kept up to this size to read its usage
+
+
+def is_secret_header(name: str) -> bool:
+    """True for Authorization, Cookie, X-Api-Key, Api-Key, X-Auth-Token, Proxy-Authorization and the like."""
+    parts = [p for p in re.split(r"[-_]", name.lower()) if p]
+    return any(_SECRET_PART.search(p) for p in parts) or "apikey" in name.lower().replace("-", "").replace("_", "")
+
+
+def recorded_headers(headers: Any) -> dict[str, str]:
+    """The request headers worth replaying: no hop-by-hop headers, no credentials."""
+    return {k: v for k, v in headers.items() if k.lower() not in _HOP and not is_secret_header(k)}
+
+
+def filler(text: str) -> str:
+    """Same length, same whitespace: every other character becomes 'x' (so word counts, and so roughly
+    token counts, are kept).
+
+    >>> filler("Hi there,  you!")
+    'xx xxxxxx  xxxx'
+    """
+    return "".join(c if c.isspace() else "x" for c in text)
+
+
+def anonymise(value: Any, key: str | None = None) -> Any:
+    """A JSON value with every content string replaced by `filler`; structural strings and numbers kept."""
+    if isinstance(value, str):
+        return value if key in _STRUCTURAL_KEYS else filler(value)
+    if isinstance(value, list):
+        return [anonymise(v, key) for v in value]
+    if isinstance(value, dict):
+        return {k: anonymise(v, k) for k, v in value.items()}
+    return value
+
+
+def _text_chars(value: Any) -> int:
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, list):
+        return sum(_text_chars(v) for v in value)
+    if isinstance(value, dict):  # a chat message or a content part: only its text counts
+        return sum(_text_chars(value[k]) for k in ("content", "text") if k in value)
+    return 0
+
+
+def prompt_chars(body: Any) -> int:
+    """Characters of prompt text: the completions prompt, the chat messages' text, an embeddings input;
+    for any other body its length as text."""
+    if isinstance(body, dict) and any(k in body for k in _PROMPT_KEYS):
+        return sum(_text_chars(body[k]) for k in _PROMPT_KEYS if k in body)
+    return len(body) if isinstance(body, str) else 0
+
+
+class UsageScanner:
+    """Reads completion token counts from a response as it streams by: the last `usage` seen in an SSE
+    `data:` line, or in a whole JSON body."""
+
+    def __init__(self, content_type: str, encoded: bool) -> None:
+        self.sse = content_type.startswith("text/event-stream") and not encoded
+        self.json = "json" in content_type and not encoded
+        self._line = b""
+        self._body = bytearray()
+        self.output_tokens: int | None = None
+
+    def feed(self, chunk: bytes) -> None:
+        if self.sse:
+            lines = (self._line + chunk).split(b"\n")
+            self._line = lines.pop()
+            for line in lines:
+                if line.startswith(b"data:") and b'"usage"' in line:
+                    self._take(line[5:])
+        elif self.json and len(self._body) + len(chunk) <= _MAX_BODY_COPY_BYTES:
+            self._body += chunk
+
+    def close(self) -> None:
+        if self.sse and self._line.startswith(b"data:"):
+            self._take(self._line[5:])
+        elif self.json and self._body:
+            self._take(bytes(self._body))
+
+    def _take(self, data: bytes) -> None:
+        try:
+            usage = json.loads(data).get("usage")
+        except (ValueError, AttributeError):
+            return
+        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+            self.output_tokens = usage["completion_tokens"]
+
+
+class Recorder:
+    """Writes records in arrival order: record i is written once records 0..i-1 are."""
+
+    def __init__(self, out: IO[str], anonymise: bool) -> None:
+        self.out = out
+        self.anonymise = anonymise
+        self.t0: float | None = None
+        self._next_seq = 0
+        self._next_write = 0
+        self._done: dict[int, dict[str, Any]] = {}
+        self.written = 0
+
+    def begin(self) -> tuple[int, float]:
+        now = time.monotonic()
+        if self.t0 is None:
+            self.t0 = now
+        self._next_seq += 1
+        return self._next_seq - 1, now
+
+    def finish(self, seq: int, record: dict[str, Any]) -> None:
+        self._done[seq] = record
+        while self._next_write in self._done:
+            self.out.write(json.dumps(self._done.pop(self._next_write), ensure_ascii=False,
+                                      separators=(",", ":")) + "\n")
+            self._next_write += 1
+            self.written += 1
+        self.out.flush()
+
+    def body_value(self, raw: bytes, content_type: str) -> Any:
+        if not raw:
+            return None
+        text = raw.decode("utf-8", errors="replace")
+        body: Any = text
+        if "json" in content_type or text.lstrip()[:1] in ("{", "["):
+            try:
+                body = json.loads(text)
+            except ValueError:
+                pass
+        return body
+
+    def path(self, path_qs: str) -> str:
+        if not self.anonymise or "?" not in path_qs:
+            return path_qs
+        path, query = path_qs.split("?", 1)
+        pairs = urllib.parse.parse_qsl(query, keep_blank_values=True)
+        return path + "?" + urllib.parse.urlencode([(k, filler(v)) for k, v in pairs])
+
+
+class CaptureProxy:
+    def __init__(self, upstream: str, recorder: Recorder, timeout_s: float = 600.0) -> None:
+        self.upstream = upstream.rstrip("/")
+        self.recorder = recorder
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s, connect=10)
+        self.session: aiohttp.ClientSession | None = None
+        self.errors = 0
+
+    async def start(self) -> None:
+        # auto_decompress=False: the bytes go back exactly as the upstream sent them.
+        self.session = aiohttp.ClientSession(timeout=self.timeout, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar())
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        assert self.session is not None
+        seq, t_start = self.recorder.begin()
+        raw = await request.read()
+        content_type = request.headers.get("Content-Type", "")
+        body = self.recorder.body_value(raw, content_type)
+        record: dict[str, Any] = {
+            "t": round(t_start - (self.recorder.t0 or t_start), 6), "method": request.method,
+            "path": self.recorder.path(request.path_qs), "headers": recorded_headers(request.headers),
+            "body": anonymise(body) if self.recorder.anonymise else body, "prompt_chars": prompt_chars(body),
+            "output_tokens": None, "status": 0, "duration_s": 0.0}
+        forward = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        resp: web.StreamResponse | None = None
+        try:
+            async with self.session.request(request.method, self.upstream + request.path_qs, headers=forward,
+                                            data=raw or None, allow_redirects=False,
+                                            skip_auto_headers=("Accept-Encoding", "User-Agent", "Content-Type")) as up:
+                headers = {k: v for k, v in up.headers.items() if k.lower() not in _HOP or k.lower() == "content-length"}
+                if up.headers.get("Transfer-Encoding", "").lower() == "chunked":
+                    headers.pop("Content-Length", None)
+                resp = web.StreamResponse(status=up.status, reason=up.reason, headers=headers)
+                await resp.prepare(request)
+                scanner = UsageScanner(up.headers.get("Content-Type", ""), "Content-Encoding" in up.headers)
+                record["status"] = up.status
+                async for chunk in up.content.iter_any():  # as it arrives: a token's SSE event is not held back
+                    scanner.feed(chunk)
+                    await resp.write(chunk)
+                scanner.close()
+                record["output_tokens"] = scanner.output_tokens
+                await resp.write_eof()
+                return resp
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            sentence = _upstream_failure(self.upstream, e)
+            record["error"] = sentence
+            if resp is None:  # nothing sent yet: the client gets a 502 that says why
+                record["status"] = 502
+                self.errors += 1
+                print(f"gpuscope capture: {request.method} {request.path}: {sentence}", file=sys.stderr, flush=True)
+                return web.json_response({"error": {"message": sentence, "type": "bad_gateway", "code": 502}},
+                                         status=502)
+            if not isinstance(e, ConnectionResetError) and request.transport is not None:
+                request.transport.close()  # the upstream broke off: the client must not see a clean end
+            return resp  # the client or the upstream went away mid-answer: recorded with what was seen
+        finally:
+            record["duration_s"] = round(time.monotonic() - t_start, 6)
+            self.recorder.finish(seq, record)
+
+
+def _upstream_failure(upstream: str, e: BaseException) -> str:
+    if isinstance(e, asyncio.TimeoutError):
+        return f"The upstream {upstream} did not answer in time."
+    if isinstance(e, aiohttp.ClientConnectorError):
+        why = ("connection refused" if isinstance(e.os_error, ConnectionRefusedError)
+               else str(e.os_error.strerror or e.os_error).rstrip("."))
+        return f"Cannot connect to the upstream {upstream}: {why}."
+    if isinstance(e, (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError)):
+        return f"The upstream {upstream} closed the connection before the answer was complete."
+    if isinstance(e, (ConnectionResetError, aiohttp.ClientConnectionResetError)):
+        return "The client closed the connection before the answer was complete."
+    return f"The upstream {upstream} failed: {e}."
+
+
+def _parse_upstream(text: str) -> str:
+    from ..cli import UsageError
+
+    u = urllib.parse.urlsplit(text)
+    if u.scheme not in ("http", "https") or not u.hostname:
+        raise UsageError(f"--upstream must be an http:// or https:// URL, not {text!r}.")
+    try:
+        u.port  # noqa: B018 - raises on a bad port
+    except ValueError:
+        raise UsageError(f"--upstream {text!r} has a bad port.") from None
+    if u.query or u.fragment:
+        raise UsageError(f"--upstream {text!r} must not carry a query or fragment.")
+    return text.rstrip("/")
+
+
+def _parse_listen(text: str) -> tuple[str, int]:
+    from ..cli import UsageError
+
+    host, sep, port = text.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise UsageError(f"--listen takes HOST:PORT (such as 127.0.0.1:8081), not {text!r}.")
+    return host, int(port)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    pass
+    parser.add_argument("--upstream", required=True, metavar="URL",
+                        help="the service to forward to, such as http://127.0.0.1:8000")
+    parser.add_argument("--listen", default="127.0.0.1:8081", metavar="HOST:PORT",
+                        help="where clients connect (default 127.0.0.1:8081; port 0 picks a free one)")
+    parser.add_argument("--out", default="capture.jsonl", metavar="FILE",
+                        help="the JSON Lines file to write, replaced if it exists (default capture.jsonl)")
+    parser.add_argument("--anonymise", "--anonymize", action="store_true",
+                        help="replace prompt and message text with same-length filler (structure, roles, "
+                             "model and numbers are kept)")
+    parser.add_argument("--count", type=int, default=0, metavar="N",
+                        help="stop after N requests are recorded (default 0: until interrupted)")
+    parser.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
+                        help="longest a forwarded request may take (default 600)")
+
+
+async def _probe(upstream: str) -> str | None:
+    """None when the upstream answers HTTP at all (any status), else one sentence saying why not."""
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
+            async with s.get(upstream + "/", allow_redirects=False):
+                return None
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        return _upstream_failure(upstream, e)
+
+
+async def _serve(args: argparse.Namespace, upstream: str, host: str, port: int, out: IO[str]) -> int:
+    from ..agent.config import is_loopback_host
+    from ..cli import UsageError
+
+    problem = await _probe(upstream)
+    if problem:
+        raise UsageError(problem)
+    recorder = Recorder(out, args.anonymise)
+    proxy = CaptureProxy(upstream, recorder, args.timeout)
+    await proxy.start()
+    app = web.Application(client_max_size=256 << 20)
+    app.router.add_route("*", "/{tail:.*}", proxy.handle)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    try:
+        sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    except OSError as e:
+        await runner.cleanup()
+        await proxy.close()
+        raise UsageError(f"Cannot listen on {host}:{port}: {e.strerror or e}.") from None
+    await web.SockSite(runner, sock).start()
+    bound_port = sock.getsockname()[1]
+    shown = f"[{host}]" if ":" in host else host
+    print(f"listening on http://{shown}:{bound_port}", flush=True)
+    print(f"gpuscope capture: forwarding to {upstream}, recording to {args.out}"
+          + (" (anonymised)" if args.anonymise else "") + "; Ctrl-C stops.", file=sys.stderr, flush=True)
+    if not is_loopback_host(host):
+        print(f"gpuscope capture: warning: listening on {host}, reachable from other machines.", file=sys.stderr)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        while not stop.is_set() and not (args.count and recorder.written >= args.count):
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=0.1)
+            except asyncio.TimeoutError:
+                pass
+    finally:
+        await runner.cleanup()
+        await proxy.close()
+    print(f"gpuscope capture: {recorder.written} requests recorded in {args.out}"
+          + (f", {proxy.errors} could not reach the upstream" if proxy.errors else "") + ".", file=sys.stderr)
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
     from ..cli import UsageError
 
-    raise UsageError("This command is not built yet.")
+    upstream = _parse_upstream(args.upstream)
+    host, port = _parse_listen(args.listen)
+    if args.count < 0:
+        raise UsageError(f"--count must be 0 (no limit) or more, not {args.count}.")
+    if not args.timeout > 0:
+        raise UsageError(f"--timeout must be more than 0 seconds, not {args.timeout:g}.")
+    try:
+        out = open(args.out, "w", encoding="utf-8")  # noqa: SIM115 - closed below, after the server stops
+    except OSError as e:
+        raise UsageError(f"Cannot write {args.out}: {e.strerror or e}.") from None
+    try:
+        return asyncio.run(_serve(args, upstream, host, port, out))
+    finally:
+        out.close()
