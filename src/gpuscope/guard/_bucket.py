@@ -17,6 +17,8 @@ from __future__ import annotations
 
 __all__ = ["Gcra", "LocalBuckets"]
 
+_EPS_S = 1e-9
+
 
 class Gcra:
     """Local GCRA buckets keyed by string; a bucket's parameters are fixed at construction."""
@@ -44,7 +46,7 @@ class Gcra:
         if tat < now:
             tat = now
         over = tat + cost * interval - now - self.tau_s
-        return over if over > 0.0 else 0.0
+        return over if over > _EPS_S else 0.0  # float rounding must not refuse a request that is due
 
     def commit(self, key: str, cost: float, now: float, factor: float = 1.0) -> None:
         tat = self._tat.get(key, now)

@@ -159,7 +159,8 @@ class Guard:
                 return self._shed(d, why, wait)
             loop = asyncio.get_running_loop()
             with self._lock:
-                if self._runnable(d.class_index) and not self._higher_waiting(d.class_index):
+                if self._guaranteed(d.class_index) or (self._runnable(d.class_index)
+                                                       and not self._higher_waiting(d.class_index)):
                     self._admit(d)
                     return d
                 w = self._enqueue(d, loop)
@@ -196,6 +197,9 @@ class Guard:
     def _runnable(self, idx: int) -> bool:
         limit = self._effective_limit()
         return self.inflight_total < limit or self.inflight[idx] < self._shares[idx] * limit
+
+    def _guaranteed(self, idx: int) -> bool:
+        return self.inflight[idx] < self._shares[idx] * self._effective_limit()
 
     def _higher_waiting(self, idx: int) -> bool:
         return self.queued_total > 0 and any(self._queues[i] for i in range(idx + 1))

@@ -22,7 +22,7 @@ means 'admit everything'. `gpu_signal_state()` says which ('fresh', 'stale_hold'
 
 Simple mode (the seed design): a rate factor of 1.0 / 0.7 / 0.4 / 0.0 when GPU saturation (SM activity,
 else NVML utilization) is at or over 0.85 / 0.90 / 0.95 for `consecutive` readings in a row; it goes back
-up after the same number of readings below. With a stale signal it holds, then falls back to Gradient2.
+up one level after that many readings below the level's threshold, and one more level after as many again. With a stale signal it holds, then falls back to Gradient2.
 """
 
 from __future__ import annotations
@@ -128,8 +128,9 @@ class AdaptiveLimit:
             if self._over[i] >= n:
                 level = i
                 break
-        while level >= 0 and self._under[level] >= n:  # step up one level at a time, after n readings below
-            level -= 1
+        if level == self._level and level >= 0 and self._under[level] >= n:
+            level -= 1  # up one level after n readings below it; the next level needs n more
+            self._under = [0] * len(self._steps)
         self._level = level
         self.rate_factor = 1.0 if level < 0 else self._steps[level][1]
 
