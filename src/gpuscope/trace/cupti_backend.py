@@ -153,7 +153,10 @@ class Window:
     def _switch(self, on):
         s, c = self.s, self.s.cupti
         flag = 1 if on else 0
-        if s.with_stack:
+        if s.with_stack and s.api_all:  # every call's stack, so `trace flame` can charge kernels to lines
+            for domain in s.api_cbids:
+                c.enable_domain(flag, s.subscriber, domain)
+        elif s.with_stack:
             for domain, cbids in s.api_cbids.items():
                 for cbid in cbids:
                     c.enable_callback(flag, s.subscriber, domain, cbid)
@@ -339,17 +342,21 @@ def _api_events(records, stacks, us, api_names):
         if not frames:
             continue
         leaf = _callee_at(frames[0][0], frames[0][3])
-        chain = [f"{file}({first}): {func}" for file, first, func, _ in reversed(frames)]
+        # Kineto's frame names carry the function's first line; the calling line is recovered from the
+        # callee's name (trace/stacks.py). "line" keeps the exact one for readers that look.
+        chain = [(f"{file}({first}): {func}", line) for file, first, func, line in reversed(frames)]
         if leaf:
-            chain.append(f"<built-in method {leaf} of object>")
+            chain.append((f"<built-in method {leaf} of object>", None))
         parent = -1
         n = len(chain)
-        for depth, label in enumerate(chain):
+        for depth, (label, line) in enumerate(chain):
             pad_ns = n - depth  # each frame 1 ns outside the next, so they nest by time as Kineto's do
             py_id += 1
+            args = {"Python id": py_id, "Python parent id": parent}
+            if line is not None:
+                args["line"] = line
             events.append({"ph": "X", "cat": "python_function", "name": label, "pid": pid, "tid": tid,
-                           "ts": us(t0 - pad_ns), "dur": us(t1 + pad_ns) - us(t0 - pad_ns),
-                           "args": {"Python id": py_id, "Python parent id": parent}})
+                           "ts": us(t0 - pad_ns), "dur": us(t1 + pad_ns) - us(t0 - pad_ns), "args": args})
             parent = py_id
     return events
 
@@ -403,4 +410,4 @@ def _occupancy(props, grid, block, regs, smem):
     blocks_per_sm = blocks / props["numSms"]
     warps = min(resident_blocks, blocks_per_sm) * warps_per_block
     return {"blocks per SM": round(blocks_per_sm, 2), "warps per SM": round(blocks_per_sm * warps_per_block, 2),
-            "est. achieved occupancy %": int(min(100.0, 100.0 * warps / max_warps)) if max_warps else 0}
+            "est. achieved occupancy %": round(min(100.0, 100.0 * warps / max_warps), 2) if max_warps else 0}

@@ -245,8 +245,11 @@ def add_arguments(p: Any) -> None:
 
     p.add_argument("--out", default="gpuscope-traces", metavar="DIR",
                    help="where each process writes <host>.<pid>[.rank<N>].pt.trace.json.gz (default ./gpuscope-traces)")
-    p.add_argument("--delay", type=interval, default=5.0,
-                   help="warm-up after the process initialises CUDA, before tracing (default 5s)")
+    def delay(text: str) -> float:  # 0 is a delay (trace from the first CUDA context on), not a bad duration
+        return 0.0 if text.strip().rstrip("ms").strip() in ("0", "0.0") else interval(text)
+
+    p.add_argument("--delay", type=delay, default=5.0,
+                   help="warm-up after the process initialises CUDA, before tracing (default 5s; 0: none)")
     p.add_argument("--duration", type=interval, default=10.0, help="how long each window traces (default 10s)")
     p.add_argument("--every", type=interval, default=None,
                    help="trace a --duration window this often (e.g. 5m) instead of once")

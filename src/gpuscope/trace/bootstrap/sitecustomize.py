@@ -210,8 +210,8 @@ class _Tracer:
 
     def _run(self):
         if self.backend == "cupti":
-            while not self.session.cuda_seen.is_set():
-                if self.exiting.wait(0.1):
+            while not self.session.cuda_seen.wait(0.05):  # the window's clock starts at the context
+                if self.exiting.is_set():
                     self.status = dict(self._base_status(), backend="cupti", trigger=self.trigger)
                     self._write_status(status="no_cuda")  # it imported a CUDA library but never created a context
                     return

@@ -1,0 +1,444 @@
+"""`gpuscope trace -- python prog.py` through the CUPTI backend, with a fake `cupti` (cupti-python's module
+names, enum values and record attributes) and a fake `cupy` that drives it as CUDA would: real child
+interpreters, the files they write, and the real loader, rules and flame graph over those files."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from test_trace_run import FAKE_TORCH
+
+from gpuscope.trace import cupti_backend
+from gpuscope.trace.bootstrap import sitecustomize
+from gpuscope.trace.kineto import load
+from gpuscope.trace.model import EventKind
+from gpuscope.trace.rules import findings
+
+# Values as in cupti-python 13.4.0 (cupti/cupti.pyi); records carry the attribute names the real ones have.
+FAKE_CUPTI = textwrap.dedent("""
+    import enum, os, threading, time
+
+    class cuptiError(Exception):
+        def __init__(self, status):
+            super().__init__(f"{Result(status).name} ({status})")
+            self.status = status
+
+    class Result(enum.IntEnum):
+        SUCCESS = 0
+        ERROR_NOT_INITIALIZED = 15
+        ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED = 39
+
+    class ActivityKind(enum.IntEnum):
+        MEMCPY = 1
+        MEMSET = 2
+        KERNEL = 3
+        DRIVER = 4
+        RUNTIME = 5
+        DEVICE = 8
+        CONCURRENT_KERNEL = 10
+        SYNCHRONIZATION = 38
+
+    class CallbackDomain(enum.IntEnum):
+        INVALID = 0
+        DRIVER_API = 1
+        RUNTIME_API = 2
+        RESOURCE = 3
+
+    class ApiCallbackSite(enum.IntEnum):
+        API_ENTER = 0
+        API_EXIT = 1
+
+    class CallbackIdResource(enum.IntEnum):
+        CONTEXT_CREATED = 1
+
+    class ActivityThreadIdType(enum.IntEnum):
+        DEFAULT = 0
+        SYSTEM = 1
+
+    class RuntimeApiTraceCbid(enum.IntEnum):
+        cudaMalloc_v3020 = 20
+        cudaMemcpy_v3020 = 31
+        cudaMemcpyAsync_v3020 = 41
+        cudaStreamSynchronize_v3020 = 131
+        cudaDeviceSynchronize_v3020 = 165
+        cudaLaunchKernel_v7000 = 211
+
+    class DriverApiTraceCbid(enum.IntEnum):
+        cuCtxSynchronize = 17
+        cuMemAlloc_v2 = 243
+        cuMemcpyHtoD_v2 = 276
+        cuMemcpyHtoDAsync_v2 = 277
+        cuLaunchKernel = 307
+
+    class _Record:
+        def __init__(self, **fields):
+            self.__dict__.update(fields)
+
+    OFFSET_NS = 7_000_000_000  # CUPTI's clock need not be the Unix clock; the backend measures the offset
+    _sub = None
+    _callbacks, _kinds, _api_records, _buffer = set(), set(), set(), []
+    _handlers = None
+    _corr = [0]
+    _gpu_free_ns = [0]
+    _lock = threading.Lock()
+    calls = []  # what the backend asked, for the tests
+
+    def get_timestamp():
+        return time.time_ns() + OFFSET_NS
+
+    def subscribe(callback, userdata):
+        global _sub
+        calls.append("subscribe")
+        if os.environ.get("FAKE_CUPTI_HELD") or _sub is not None:
+            raise cuptiError(Result.ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED)
+        _sub = (callback, userdata)
+        return 1
+
+    def unsubscribe(subscriber):
+        global _sub
+        _sub = None
+
+    def enable_callback(enable, subscriber, domain, cbid):
+        (_callbacks.add if enable else _callbacks.discard)((int(domain), int(cbid)))
+
+    def enable_domain(enable, subscriber, domain):
+        enum_ = RuntimeApiTraceCbid if domain == CallbackDomain.RUNTIME_API else DriverApiTraceCbid
+        for m in enum_:
+            enable_callback(enable, subscriber, domain, m)
+
+    def set_thread_id_type(kind):
+        calls.append(f"thread_id_type {int(kind)}")
+
+    def activity_register_callbacks(requested, completed):
+        global _handlers
+        size, records = requested()
+        assert size >= 1 << 20 and records == 0
+        _handlers = (requested, completed)
+
+    def activity_enable(kind):
+        _kinds.add(int(kind))
+        if kind == ActivityKind.DEVICE:
+            _buffer.append(_Record(kind=8, id=0, name="Fake H200", global_memory_size=141 << 30,
+                compute_capability_major=9, compute_capability_minor=0, max_threads_per_block=1024,
+                max_warps_per_multiprocessor=64, num_threads_per_warp=32, max_blocks_per_multiprocessor=32,
+                max_registers_per_block=65536, max_registers_per_multiprocessor=65536,
+                max_shared_memory_per_block=49152, max_shared_memory_per_multiprocessor=233472,
+                num_multiprocessors=132))
+
+    def activity_disable(kind):
+        _kinds.discard(int(kind))
+
+    def activity_enable_runtime_api(cbid, enable):
+        (_api_records.add if enable else _api_records.discard)((2, int(cbid)))
+
+    def activity_enable_driver_api(cbid, enable):
+        (_api_records.add if enable else _api_records.discard)((1, int(cbid)))
+
+    def activity_flush_all(flag):
+        with _lock:
+            done = list(_buffer)
+            _buffer.clear()
+        if _handlers and done:
+            _handlers[1](done)
+
+    # -- what the fake CUDA calls ------------------------------------------------------------------
+    def _callback(domain, cbid, site, corr):
+        if _sub is not None and (int(domain), int(cbid)) in _callbacks:
+            _sub[0](_sub[1], domain, cbid, _Record(callback_site=site, correlation_id=corr))
+
+    def _context_created():
+        if _sub is not None and (3, 1) in _callbacks:
+            _sub[0](_sub[1], CallbackDomain.RESOURCE, CallbackIdResource.CONTEXT_CREATED, _Record())
+
+    def _api(domain, cbid, until_ns=0, spin_ns=3000):
+        _corr[0] += 1
+        corr = _corr[0]
+        _callback(domain, cbid, ApiCallbackSite.API_ENTER, corr)
+        t0 = get_timestamp()
+        while get_timestamp() < max(until_ns, t0 + spin_ns):
+            pass
+        t1 = get_timestamp()
+        kind = ActivityKind.RUNTIME if domain == CallbackDomain.RUNTIME_API else ActivityKind.DRIVER
+        if int(kind) in _kinds or (int(domain), int(cbid)) in _api_records:
+            _buffer.append(_Record(kind=int(kind), cbid=int(cbid), start=t0, end=t1, process_id=os.getpid(),
+                                   thread_id=threading.get_native_id(), correlation_id=corr, return_value=0))
+        _callback(domain, cbid, ApiCallbackSite.API_EXIT, corr)
+        return corr, t0, t1
+
+    def _gpu(kind, corr, dur_ns, **fields):
+        start = max(get_timestamp(), _gpu_free_ns[0])
+        _gpu_free_ns[0] = start + dur_ns
+        if int(kind) in _kinds:
+            _buffer.append(_Record(kind=int(kind), start=start, end=start + dur_ns, device_id=0, context_id=1,
+                                   stream_id=7, correlation_id=corr, **fields))
+
+    def _sync_record(corr, t0, t1):
+        if int(ActivityKind.SYNCHRONIZATION) in _kinds:
+            _buffer.append(_Record(kind=38, type=4, start=t0, end=t1, context_id=1, stream_id=0xFFFFFFFF,
+                                   correlation_id=corr, cuda_event_id=0, cuda_event_sync_id=0, return_value=0))
+""")
+
+# A CuPy stand-in: what each call would make CUDA (and so CUPTI) do.
+FAKE_CUPY = textwrap.dedent("""
+    try:
+        from cupti import cupti as _c
+    except ImportError:
+        _c = None
+    _ready = [False]
+
+    def _init():
+        if not _ready[0]:
+            _ready[0] = True
+            if _c:
+                _c._context_created()
+
+    def launch(name, dur_us=200):
+        _init()
+        if _c:
+            corr, _, _ = _c._api(_c.CallbackDomain.DRIVER_API, 307)
+            _c._gpu(_c.ActivityKind.CONCURRENT_KERNEL, corr, dur_us * 1000, name=name, grid_x=4, grid_y=1,
+                    grid_z=1, block_x=128, block_y=1, block_z=1, registers_per_thread=32,
+                    static_shared_memory=0, dynamic_shared_memory=1024)
+
+    def copy_pageable_async(nbytes, dur_ms):
+        _init()
+        if _c:
+            corr, _, _ = _c._api(_c.CallbackDomain.RUNTIME_API, 41)
+            _c._gpu(_c.ActivityKind.MEMCPY, corr, dur_ms * 1_000_000, copy_kind=1, src_kind=1, dst_kind=3,
+                    bytes=nbytes)
+
+    class _Device:
+        def synchronize(self):
+            _init()
+            if _c:
+                corr, t0, t1 = _c._api(_c.CallbackDomain.RUNTIME_API, 165, until_ns=_c._gpu_free_ns[0])
+                _c._sync_record(corr, t0, t1)
+
+    class cuda:
+        Device = _Device
+""")
+
+PROG = textwrap.dedent("""
+    import os, sys, time
+    mode = sys.argv[1]
+    if mode == "torch-first":
+        import torch
+        torch.cuda.init()
+    if mode == "numba":
+        from numba import cuda
+    else:
+        import cupy
+    if mode == "cupy-then-torch":
+        cupy.launch("warmup")
+        import torch
+
+    def step():
+        cupy.launch("tiny_step_kernel")
+        cupy.cuda.Device().synchronize()
+        time.sleep(0.002)
+
+    if mode not in ("never", "numba"):
+        cupy.launch("warmup")
+        time.sleep(0.3)
+        for _ in range(40):
+            step()
+        for _ in range(3):
+            cupy.copy_pageable_async(64 << 20, dur_ms=5)
+        cupy.cuda.Device().synchronize()
+    print("done", flush=True)
+    sys.exit(int(os.environ.get("PROG_EXIT", "0")))
+""")
+SYNC_LINE = PROG.splitlines().index("    cupy.cuda.Device().synchronize()") + 1
+
+
+@pytest.fixture(scope="module")
+def fake(tmp_path_factory):
+    """Libraries under a site-packages folder (as installed ones are), the program beside it."""
+    root = tmp_path_factory.mktemp("fake")
+    site = root / "site-packages"
+    for pkg, files in (("cupti", {"__init__.py": "from . import cupti\n", "cupti.py": FAKE_CUPTI}),
+                       ("cupy", {"__init__.py": FAKE_CUPY}), ("torch", FAKE_TORCH),
+                       ("numba", {"__init__.py": ""}),
+                       ("numba/cuda", {"__init__.py": "import cupy\ncupy.launch('numba_kernel')\n"})):
+        (site / pkg).mkdir(parents=True)
+        for name, text in files.items():
+            (site / pkg / name).write_text(text)
+    missing = root / "no-cupti" / "cupti"
+    missing.mkdir(parents=True)
+    (missing / "__init__.py").write_text("raise ImportError(\"No module named 'cupti'\")\n")
+    (root / "prog.py").write_text(PROG)
+    return root
+
+
+def trace(fake: Path, out: Path, mode: str, *opts: str, env: dict[str, str] | None = None,
+          missing_cupti: bool = False) -> subprocess.CompletedProcess[str]:
+    e = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "PYTHONPATH")}
+    e["PYTHONPATH"] = os.pathsep.join(([str(fake / "no-cupti")] if missing_cupti else []) + [str(fake / "site-packages")])
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-m", "gpuscope.cli", "trace", "--out", str(out), "--delay", "0",
+                           "--duration", "30", *opts, "--", sys.executable, str(fake / "prog.py"), mode],
+                          capture_output=True, text=True, env=e, timeout=120, cwd=fake)
+
+
+def status_of(out: Path) -> dict:
+    [path] = out.glob("*.gpuscope.json")
+    return json.loads(path.read_text())
+
+
+def test_the_trigger_lists_agree():
+    assert sitecustomize._CUPTI_TRIGGERS == cupti_backend.TRIGGERS
+
+
+def test_base_names_drop_the_version_and_stream_suffixes():
+    assert cupti_backend.base_name("cudaMemcpyAsync_ptsz_v7000") == "cudaMemcpyAsync"
+    assert cupti_backend.base_name("cuMemcpyHtoD_v2_ptds") == "cuMemcpyHtoD"
+    assert cupti_backend.base_name("cuCtxSynchronize") == "cuCtxSynchronize"
+
+
+def test_a_cupy_program_is_traced_through_cupti_and_the_rules_read_it(fake, tmp_path):
+    p = trace(fake, tmp_path, "cupy")
+    assert p.returncode == 0, p.stderr
+    assert "done" in p.stdout
+    [path] = list(tmp_path.glob("*.pt.trace.json.gz"))
+    status = status_of(tmp_path)
+    assert status["backend"] == "cupti" and status["trigger"] == "cupy" and status["status"] == "written"
+    doc = json.loads(gzip.decompress(path.read_bytes()))
+    meta = doc["gpuscope"]
+    assert meta["backend"] == "cupti" and meta["pid"] == status["pid"]
+    cats = {e["cat"] for e in doc["traceEvents"]}
+    assert {"kernel", "gpu_memcpy", "cuda_sync", "cuda_runtime", "python_function"} <= cats
+    # Kernel launches are not recorded by default (their cost); the rules' calls are.
+    assert "cuda_driver" not in cats
+
+    t = load(path)
+    names = [t.name_of(i) for i in range(len(t))]
+    kinds = t.events["kind"]
+    assert sum(1 for i, n in enumerate(names) if n == "tiny_step_kernel" and kinds[i] == EventKind.KERNEL) == 40
+    assert names.count("Memcpy HtoD (Pageable -> Device)") == 3
+    assert names.count("cudaDeviceSynchronize") == 41
+    # CUPTI's clock was 7 s ahead of the Unix clock: the events land inside the window on the Unix clock.
+    lo, hi = meta["profiler_start_unix_ns"], meta["profiler_stop_unix_ns"]
+    assert lo <= int(t.events["ts_ns"].min()) and int((t.events["ts_ns"] + t.events["dur_ns"]).max()) <= hi
+    kernel = next(i for i, n in enumerate(names) if n == "tiny_step_kernel")
+    assert t.args[kernel]["grid"] == [4, 1, 1] and t.args[kernel]["shared memory"] == 1024
+    assert 0 < t.args[kernel]["est. achieved occupancy %"] <= 100
+    assert doc["deviceProperties"][0]["numSms"] == 132
+
+    found = {f.rule: f for f in findings(t, source_roots=[str(fake)])}
+    assert found["pageable_memcpy"].evidence["count"] == 3
+    sync = found["sync_in_loop"]
+    assert sync.evidence["count"] >= 40
+    loc = sync.locations[0][0]
+    # The call's own line: the frame under step() names `synchronize`, which step() calls once.
+    assert (Path(loc.file).name, loc.line, loc.function) == ("prog.py", SYNC_LINE, "step")
+
+    a = subprocess.run([sys.executable, "-m", "gpuscope.cli", "trace", "analyze", "--json", str(path)],
+                       capture_output=True, text=True, cwd=fake, timeout=120)
+    assert a.returncode == 0, a.stderr
+    rules = {f["rule"] for f in json.loads(a.stdout)["traces"][0]["findings"]}
+    assert {"pageable_memcpy", "sync_in_loop"} <= rules
+    svg = tmp_path / "flame.svg"
+    f = subprocess.run([sys.executable, "-m", "gpuscope.cli", "trace", "flame", str(path), "--out", str(svg)],
+                       capture_output=True, text=True, cwd=fake, timeout=120)
+    assert f.returncode == 0, f.stderr
+    assert "<svg" in svg.read_text()[:500] and "Memcpy HtoD (Pageable -&gt; Device)" in svg.read_text()
+
+
+def test_api_all_records_every_call_and_warns(fake, tmp_path):
+    p = trace(fake, tmp_path, "cupy", "--api", "all")
+    assert p.returncode == 0, p.stderr
+    assert "GPUSCOPE_TRACE_API=all records every CUDA runtime and driver call" in p.stderr
+    [path] = list(tmp_path.glob("*.pt.trace.json.gz"))
+    t = load(path)
+    names = [t.name_of(i) for i in range(len(t))]
+    assert names.count("cuLaunchKernel") == 40  # the warm-up's launch made the context, before the window
+    # Each launch now has its stack too: the flame graph charges the kernels to the program's lines.
+    from gpuscope.trace.stacks import Stacks
+
+    stacks = Stacks(t, [str(fake)])
+    kernel = next(i for i, n in enumerate(names) if n == "tiny_step_kernel")
+    loc = stacks.location(stacks.launcher(kernel))
+    assert loc is not None and Path(loc.file).name == "prog.py"
+
+
+def test_a_numba_cuda_import_starts_it(fake, tmp_path):
+    p = trace(fake, tmp_path, "numba")
+    assert p.returncode == 0, p.stderr
+    status = status_of(tmp_path)
+    # numba.cuda's import made the context before it finished importing: the trigger comes after, and the
+    # window can only start then; the status still says which import started CUPTI.
+    assert status["backend"] == "cupti" and status["trigger"] in ("numba.cuda", "cupy")
+
+
+def test_cupti_python_missing_is_one_line_and_a_status(fake, tmp_path):
+    p = trace(fake, tmp_path, "cupy", env={"PROG_EXIT": "3"}, missing_cupti=True)
+    assert p.returncode == 3
+    assert "done" in p.stdout
+    lines = [line for line in p.stderr.splitlines() if "CUPTI tracing could not start" in line]
+    assert len(lines) == 1 and "cupti-python is not installed" in lines[0]
+    assert "Traceback" not in p.stderr
+    status = status_of(tmp_path)
+    assert status["status"] == "cupti_missing" and not list(tmp_path.glob("*.pt.trace.json.gz"))
+    assert "cupti-python is not installed" in p.stderr.splitlines()[-1]
+
+
+def test_cupti_held_by_another_profiler_steps_aside(fake, tmp_path):
+    p = trace(fake, tmp_path, "cupy", env={"FAKE_CUPTI_HELD": "1"})
+    assert p.returncode == 0 and "done" in p.stdout
+    lines = [line for line in p.stderr.splitlines() if "could not start" in line]
+    assert len(lines) == 1 and "another profiler holds CUPTI (Nsight Systems, the PyTorch profiler" in lines[0]
+    assert "Traceback" not in p.stderr
+    assert status_of(tmp_path)["status"] == "cupti_held"
+    assert not list(tmp_path.glob("*.pt.trace.json.gz"))
+
+
+def test_a_program_that_never_uses_cuda_writes_no_trace(fake, tmp_path):
+    p = trace(fake, tmp_path, "never", env={"PROG_EXIT": "4"})
+    assert p.returncode == 4 and "done" in p.stdout
+    assert status_of(tmp_path)["status"] == "no_cuda"
+    assert not list(tmp_path.glob("*.pt.trace.json.gz"))
+    assert "never created a CUDA context" in p.stderr
+
+
+def test_torch_first_keeps_the_pytorch_profiler(fake, tmp_path):
+    p = trace(fake, tmp_path, "torch-first")
+    assert p.returncode == 0, p.stderr
+    status = status_of(tmp_path)
+    assert status["backend"] == "torch"
+    [path] = list(tmp_path.glob("*.pt.trace.json.gz"))
+    names = {e["name"] for e in json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]}
+    assert "aten::mm" in names and "tiny_step_kernel" not in names
+
+
+def test_torch_after_cupti_is_not_fought_but_said(fake, tmp_path):
+    p = trace(fake, tmp_path, "cupy-then-torch")
+    assert p.returncode == 0, p.stderr
+    status = status_of(tmp_path)
+    assert status["backend"] == "cupti" and "torch was imported after CUPTI tracing started" in status["torch_after_cupti"]
+    [path] = list(tmp_path.glob("*.pt.trace.json.gz"))
+    names = {e["name"] for e in json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]}
+    assert "tiny_step_kernel" in names and "aten::mm" not in names
+    assert "torch was imported after CUPTI tracing started" in p.stderr
+
+
+def test_backend_torch_leaves_cupy_programs_alone(fake, tmp_path):
+    p = trace(fake, tmp_path, "cupy", "--backend", "torch")
+    assert p.returncode == 0 and "done" in p.stdout
+    assert not list(tmp_path.glob("*.gpuscope.json"))
+
+
+@pytest.mark.parametrize("opts, message", [
+    (("--backend", "nvtx"), "invalid choice"),
+    (("--backend", "torch", "--api", "all"), "--api all applies to the CUPTI backend"),
+])
+def test_bad_backend_options_are_usage_errors(fake, tmp_path, opts, message):
+    p = trace(fake, tmp_path, "cupy", *opts)
+    assert p.returncode == 2
+    assert message in p.stderr and "Traceback" not in p.stderr
