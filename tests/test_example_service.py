@@ -19,10 +19,12 @@ SERVER = Path(__file__).resolve().parents[1] / "examples" / "inference_service" 
 
 
 class ExampleService:
-    """`python server.py --port 0 ARGS...` on the CPU; `url` is read from its first stdout line."""
+    """`python server.py --port 0 ARGS...` (on the CPU unless ARGS name a --device); `url` is read from its
+    first stdout line."""
 
     def __init__(self, *args: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, str(SERVER), "--port", "0", "--device", "cpu", *args],
+        device = [] if "--device" in args else ["--device", "cpu"]
+        self.proc = subprocess.Popen([sys.executable, str(SERVER), "--port", "0", *device, *args],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline() if self.proc.stdout else ""
         if not line.startswith("listening on http://"):
