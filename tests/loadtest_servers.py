@@ -1,0 +1,205 @@
+"""Real loopback servers for the load tester's tests, each run as a subprocess (its own core and GIL).
+
+`python tests/loadtest_servers.py --port 0 [--seed 1] [--stall-every 5 --stall-s 1] [--tls CERT KEY]`
+prints "ready PORT RAWPORT" and serves until killed:
+- GET|POST /latency: answers after 50 ms ± uniform(5 ms) jitter drawn from a seeded RNG; an answer due
+  inside a stall window (every --stall-every s from the start, --stall-s long) waits for its end. The
+  delay each answer actually had (handler start to answer written) is kept: GET /_applied lists them.
+- POST /v1/completions, /v1/chat/completions: scripted SSE — content chunks at 100, 120, 140, 160, 180 ms
+  after the request, a usage chunk (prompt_tokens 7, completion_tokens 9) at 190 ms, then [DONE]. Each
+  request's server-side chunk offsets go to GET /_sse_applied. ?no_usage=1 leaves usage out.
+- /status/N: answers status N. /sleep?s=X: answers after X s. /malformed_sse: a 200 stream with bad JSON.
+- /fast: answers "ok" at once (for added-latency measurements: the server's own time is near zero).
+The raw port speaks bad HTTP: path /garbage answers bytes that are not HTTP; /disconnect closes mid-body.
+
+    with LoadtestServer() as srv: srv.url("/latency")
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+SSE_CHUNKS_S = (0.100, 0.120, 0.140, 0.160, 0.180)
+SSE_USAGE_S = 0.190
+SSE_TOKENS = {"prompt_tokens": 7, "completion_tokens": 9}
+JITTER_BASE_S, JITTER_S = 0.050, 0.005
+
+
+class LoadtestServer:
+    """Starts this module as a subprocess; `url(path)`, `raw_url(path)`, `applied()`, `sse_applied()`."""
+
+    def __init__(self, *extra: str, tls: tuple[str, str] | None = None) -> None:
+        self.args = [sys.executable, str(Path(__file__)), "--port", "0", *extra]
+        if tls:
+            self.args += ["--tls", *tls]
+        self.scheme = "https" if tls else "http"
+
+    def __enter__(self) -> LoadtestServer:
+        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline().split()  # type: ignore[union-attr]
+        if not line or line[0] != "ready":
+            self.proc.kill()
+            raise RuntimeError("the test server did not start")
+        self.port, self.raw_port = int(line[1]), int(line[2])
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+    def url(self, path: str) -> str:
+        return f"{self.scheme}://127.0.0.1:{self.port}{path}"
+
+    def raw_url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.raw_port}{path}"
+
+    def _get(self, path: str) -> object:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=10) as r:
+            return json.loads(r.read())
+
+    def applied(self) -> list[float]:
+        return self._get("/_applied")  # type: ignore[return-value]
+
+    def sse_applied(self) -> list[list[float]]:
+        return self._get("/_sse_applied")  # type: ignore[return-value]
+
+
+def self_signed(tmp: Path) -> tuple[str, str]:
+    cert, key = tmp / "cert.pem", tmp / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    return str(cert), str(key)
+
+
+def main() -> None:
+    from aiohttp import web
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--stall-every", type=float, default=0.0)
+    ap.add_argument("--stall-s", type=float, default=1.0)
+    ap.add_argument("--tls", nargs=2)
+    a = ap.parse_args()
+    rng = random.Random(a.seed)
+    t_start = time.perf_counter()
+    applied: list[float] = []
+    sse_applied: list[list[float]] = []
+
+    def stall_end(t: float) -> float:
+        """When an answer due at `t` (perf_counter) may go out: after the stall window holding t, if any."""
+        if a.stall_every <= 0:
+            return t
+        rel = t - t_start
+        k = int(rel // a.stall_every)
+        s0 = k * a.stall_every + (a.stall_every - a.stall_s)   # stalls sit at the end of each period
+        return t_start + s0 + a.stall_s if s0 <= rel < s0 + a.stall_s else t
+
+    async def latency(request: web.Request) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        due = stall_end(t0 + JITTER_BASE_S + rng.uniform(-JITTER_S, JITTER_S))
+        await asyncio.sleep(due - time.perf_counter())
+        resp = web.Response(text="ok")
+        await resp.prepare(request)
+        await resp.write_eof()
+        applied.append(time.perf_counter() - t0)
+        return resp
+
+    async def sse(request: web.Request) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        await request.read()
+        chat = "chat" in request.path
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        sent = []
+        for n, at in enumerate(SSE_CHUNKS_S):
+            await asyncio.sleep(t0 + at - time.perf_counter())
+            choice = {"index": 0, "delta": {"content": f"w{n}"}} if chat else {"index": 0, "text": f"w{n}"}
+            await resp.write(b"data: " + json.dumps({"choices": [choice]}).encode() + b"\n\n")
+            sent.append(time.perf_counter() - t0)
+        await asyncio.sleep(t0 + SSE_USAGE_S - time.perf_counter())
+        if not request.query.get("no_usage"):
+            await resp.write(b"data: " + json.dumps({"choices": [], "usage": SSE_TOKENS}).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        sent.append(time.perf_counter() - t0)
+        sse_applied.append(sent)
+        return resp
+
+    async def status(request: web.Request) -> web.Response:
+        return web.Response(status=int(request.match_info["n"]), text="status")
+
+    async def sleep(request: web.Request) -> web.Response:
+        await asyncio.sleep(float(request.query.get("s", "1")))
+        return web.Response(text="slept")
+
+    async def malformed(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices": [{"text": "a"}]}\n\ndata: {not json\n\n')
+        await resp.write_eof()
+        return resp
+
+    async def fast(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_route("*", "/latency", latency)
+    app.router.add_post("/v1/completions", sse)
+    app.router.add_post("/v1/chat/completions", sse)
+    app.router.add_route("*", "/status/{n}", status)
+    app.router.add_route("*", "/sleep", sleep)
+    app.router.add_route("*", "/malformed_sse", malformed)
+    app.router.add_route("*", "/fast", fast)
+    app.router.add_get("/_applied", lambda r: _json(web, applied))
+    app.router.add_get("/_sse_applied", lambda r: _json(web, sse_applied))
+
+    async def raw(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+            writer.close()
+            return
+        if b" /garbage " in head:
+            writer.write(b"this is not HTTP at all\r\n\r\n")
+        else:
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly part")
+        await writer.drain()
+        writer.close()
+
+    async def serve() -> None:
+        import ssl
+
+        ctx = None
+        if a.tls:
+            ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            ctx.load_cert_chain(*a.tls)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", a.port, ssl_context=ctx)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        raw_srv = await asyncio.start_server(raw, "127.0.0.1", 0)
+        print("ready", port, raw_srv.sockets[0].getsockname()[1], flush=True)
+        await asyncio.Event().wait()
+
+    asyncio.run(serve())
+
+
+async def _json(web: object, obj: object) -> object:
+    return web.json_response(obj)  # type: ignore[attr-defined]
+
+
+if __name__ == "__main__":
+    main()
