@@ -27,7 +27,7 @@ import threading
 import time
 
 #: Modules whose import starts CUPTI tracing in --backend auto (torch keeps the PyTorch profiler).
-TRIGGERS = ("cupy", "numba.cuda", "jax", "cuda.bindings", "cuda.cudart", "cuda.core")
+TRIGGERS = ("cupy", "numba.cuda", "numba_cuda", "jax", "cuda.bindings", "cuda.cudart", "cuda.core")
 #: Large buffers: CUPTI hands a buffer back when it is full or flushed; with 32 MiB (about 150 k kernel
 #: records) a window rarely fills one, so the per-record Python work happens after the window.
 BUFFER_BYTES = 32 << 20

@@ -388,7 +388,7 @@ def _load_private(filename, name):
 
 
 # Kept equal to cupti_backend.TRIGGERS (tests check): that module is loaded only when one is imported.
-_CUPTI_TRIGGERS = ("cupy", "numba.cuda", "jax", "cuda.bindings", "cuda.cudart", "cuda.core")
+_CUPTI_TRIGGERS = ("cupy", "numba.cuda", "numba_cuda", "jax", "cuda.bindings", "cuda.cudart", "cuda.core")
 
 
 def _gzip_with_key(src, dst, key, value):
