@@ -1,0 +1,246 @@
+"""The guard in real HTTP servers on loopback: ASGI middleware in a Starlette app served by uvicorn, the
+aiohttp middleware in an aiohttp app, and the proxy in front of a real aiohttp upstream (SSE streamed)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Iterator
+
+import aiohttp
+import pytest
+import uvicorn
+from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from gpuscope.guard import Guard, parse_config
+from gpuscope.guard.aio import attach
+from gpuscope.guard.asgi import GuardMiddleware
+from gpuscope.guard.proxy import make_app
+
+CFG = {"classes": [{"name": "interactive", "share": 0.9}, {"name": "batch", "share": 0.1, "rate": 0.5, "burst": 2}],
+       "classify": {"cost": "request", "routes": {"/v1/embeddings": "batch"}, "default": "interactive"},
+       "breaker": {"min_requests": 3, "failure_rate": 0.5, "open_s": 60, "fallback": "model:small"}}
+
+
+def _samples(text: str, family: str) -> dict:
+    for f in text_string_to_metric_families(text):
+        if f.name == family:
+            return {tuple(sorted(s.labels.items())): s.value for s in f.samples}
+    return {}
+
+
+# ---- Starlette + uvicorn --------------------------------------------------------------------------------
+async def _echo(request: Request) -> JSONResponse:
+    body = await request.body()
+    return JSONResponse({"path": request.url.path, "body": json.loads(body) if body else None})
+
+
+async def _boom(request: Request) -> JSONResponse:
+    return JSONResponse({"error": "upstream broke"}, status_code=500)
+
+
+@pytest.fixture
+def starlette_url() -> Iterator[tuple[str, Guard]]:
+    guard = Guard(parse_config(CFG))
+    app = Starlette(routes=[Route("/v1/chat/completions", _echo, methods=["POST"]),
+                            Route("/v1/embeddings", _echo, methods=["POST"]),
+                            Route("/boom", _boom, methods=["GET", "POST"])])
+    app.add_middleware(GuardMiddleware, guard=guard)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
+    t = threading.Thread(target=server.run, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 20
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    yield f"http://127.0.0.1:{port}", guard
+    server.should_exit = True
+    t.join(10)
+
+
+async def _post(session: aiohttp.ClientSession, url: str, body: dict | None = None,
+                headers: dict | None = None) -> tuple[int, dict, dict]:
+    async with session.post(url, json=body, headers=headers or {}) as r:
+        text = await r.text()
+        try:
+            return r.status, dict(r.headers), json.loads(text) if text else {}
+        except ValueError:
+            return r.status, dict(r.headers), {"text": text}
+
+
+def test_asgi_middleware_in_starlette_under_uvicorn(starlette_url):
+    url, guard = starlette_url
+
+    async def scenario():
+        async with aiohttp.ClientSession() as s:
+            body = {"model": "big", "messages": [{"role": "user", "content": "hello" * 80}], "max_tokens": 10}
+            ok = await _post(s, url + "/v1/chat/completions", body)
+            batch = [await _post(s, url + "/v1/embeddings", {"input": "x"}) for _ in range(3)]
+            boom = [await _post(s, url + "/boom") for _ in range(3)]
+            rerouted = await _post(s, url + "/v1/chat/completions", body)
+            async with s.get(url + "/guard/metrics") as r:
+                metrics = await r.text()
+        return ok, batch, boom, rerouted, metrics
+
+    ok, batch, boom, rerouted, metrics = asyncio.run(scenario())
+    assert ok[0] == 200 and ok[2]["body"]["messages"][0]["content"] == "hello" * 80  # the body reached the app
+    assert [b[0] for b in batch] == [200, 200, 429]  # batch's burst of 2, then its rate
+    status, headers, err = batch[2]
+    assert headers["Retry-After"] == "2" and err["error"]["code"] == "rate" and err["error"]["class"] == "batch"
+    assert [b[0] for b in boom] == [500, 500, 500]
+    assert guard.breaker.state == "open"
+    assert rerouted[0] == 200 and rerouted[2]["body"]["model"] == "small"  # the cheaper model route
+    admitted = _samples(metrics, "gpuscope_guard_admitted")
+    assert admitted[(("class", "batch"),)] == 2
+    assert _samples(metrics, "gpuscope_guard_shed")[(("class", "batch"), ("reason", "rate"))] == 1
+
+
+# ---- aiohttp middleware -----------------------------------------------------------------------------------
+async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+def test_aiohttp_middleware():
+    async def scenario():
+        guard = Guard(parse_config({**CFG, "breaker": {"min_requests": 2, "failure_rate": 0.5, "open_s": 60}}))
+        app = web.Application()
+
+        async def chat(request: web.Request) -> web.Response:
+            d = request["gpuscope_decision"]
+            return web.json_response({"class": d.klass, "body": await request.json()})
+
+        async def fail(request: web.Request) -> web.Response:
+            raise web.HTTPServiceUnavailable()
+
+        app.router.add_post("/v1/chat/completions", chat)
+        app.router.add_post("/v1/embeddings", chat)
+        app.router.add_get("/fail", fail)
+        attach(app, guard)
+        runner, url = await _serve(app)
+        try:
+            async with aiohttp.ClientSession() as s:
+                ok = await _post(s, url + "/v1/chat/completions", {"x": 1}, {"x-priority": "batch"})
+                batch = [await _post(s, url + "/v1/embeddings", {"x": 2}) for _ in range(2)]
+                fails = []
+                for _ in range(3):
+                    async with s.get(url + "/fail") as r:
+                        fails.append((r.status, r.headers.get("x-gpuscope-guard")))
+                async with s.get(url + "/guard/metrics") as r:
+                    metrics = await r.text()
+        finally:
+            await runner.cleanup()
+        return ok, batch, fails, metrics
+
+    ok, batch, fails, metrics = asyncio.run(scenario())
+    assert ok[0] == 200 and ok[2] == {"class": "batch", "body": {"x": 1}}
+    assert [b[0] for b in batch] == [200, 429]  # the header's request spent one of batch's two
+    assert fails == [(503, None), (503, None), (503, "breaker_open")]  # the third never reached the handler
+    assert _samples(metrics, "gpuscope_guard_breaker_state")[(("state", "open"),)] == 1
+
+
+# ---- the proxy in front of a real upstream ------------------------------------------------------------------
+def test_proxy_streams_sse_and_guards_the_upstream():
+    async def scenario():
+        go_on = asyncio.Event()
+
+        async def stream(request: web.Request) -> web.StreamResponse:
+            body = await request.json()
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            await resp.write(f"data: {json.dumps({'model': body.get('model'), 'n': 1})}\n\n".encode())
+            await asyncio.wait_for(go_on.wait(), 10)  # only after the client saw event 1 through the proxy
+            await resp.write(b"data: {\"n\": 2}\n\ndata: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+
+        upstream_app = web.Application()
+        upstream_app.router.add_post("/v1/completions", stream)
+        up_runner, up_url = await _serve(upstream_app)
+        guard = Guard(parse_config(CFG))
+        px_runner, px_url = await _serve(make_app(guard, up_url))
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.post(px_url + "/v1/completions", json={"model": "big", "stream": True}) as r:
+                    status, ctype = r.status, r.headers["Content-Type"]
+                    first = await r.content.readuntil(b"\n\n")
+                    go_on.set()
+                    rest = await r.read()
+                batch = [await _post(s, px_url + "/v1/embeddings", {}) for _ in range(3)]
+                async with s.get(px_url + "/guard/metrics") as r:
+                    metrics = await r.text()
+        finally:
+            await px_runner.cleanup()
+            await up_runner.cleanup()
+        return status, ctype, first, rest, batch, metrics
+
+    status, ctype, first, rest, batch, metrics = asyncio.run(scenario())
+    assert status == 200 and ctype.startswith("text/event-stream")
+    assert json.loads(first[len(b"data: "):]) == {"model": "big", "n": 1}
+    assert rest.endswith(b"data: [DONE]\n\n")
+    assert [b[0] for b in batch] == [404, 404, 429]  # the upstream has no such route; the guard's rate still holds
+    assert batch[2][1]["Retry-After"] == "2"
+    assert _samples(metrics, "gpuscope_guard_admitted")[(("class", "interactive"),)] == 1
+
+
+def test_proxy_upstream_down_gives_502_then_the_breaker_opens_and_cached_answers_serve():
+    async def scenario():
+        async def ok(request: web.Request) -> web.Response:
+            return web.json_response({"answer": 42})
+
+        upstream_app = web.Application()
+        upstream_app.router.add_post("/v1/chat/completions", ok)
+        up_runner, up_url = await _serve(upstream_app)
+        cfg = {**CFG, "breaker": {"min_requests": 2, "failure_rate": 0.5, "open_s": 60, "fallback": "cached"}}
+        guard = Guard(parse_config(cfg))
+        px_runner, px_url = await _serve(make_app(guard, up_url))
+        out = []
+        try:
+            async with aiohttp.ClientSession() as s:
+                out.append(await _post(s, px_url + "/v1/chat/completions", {"model": "m"}))
+                await up_runner.cleanup()  # the upstream goes away
+                out.append(await _post(s, px_url + "/v1/chat/completions", {"model": "m"}))  # 1 of 2 failed: open
+                out.append(await _post(s, px_url + "/v1/chat/completions", {"model": "m"}))  # open: cached
+                out.append(await _post(s, px_url + "/v1/chat/completions", {"model": "other"}))  # open: nothing cached
+        finally:
+            await px_runner.cleanup()
+        return out
+
+    out = asyncio.run(scenario())
+    assert out[0][0] == 200 and out[0][2] == {"answer": 42}
+    assert out[1][0] == 502 and "cannot be reached" in out[1][2]["error"]["message"]
+    assert out[2][0] == 200 and out[2][2] == {"answer": 42} and out[2][1]["x-gpuscope-guard"] == "cached"
+    assert out[3][0] == 503 and out[3][2]["error"]["code"] == "breaker_open"
+
+
+def test_proxy_timeout_gives_504():
+    async def scenario():
+        async def slow(request: web.Request) -> web.Response:
+            await asyncio.sleep(5)
+            return web.json_response({})
+
+        upstream_app = web.Application()
+        upstream_app.router.add_get("/slow", slow)
+        up_runner, up_url = await _serve(upstream_app)
+        guard = Guard(parse_config({**CFG, "breaker": {"timeout_s": 0.05}}))
+        px_runner, px_url = await _serve(make_app(guard, up_url))
+        try:
+            async with aiohttp.ClientSession() as s, s.get(px_url + "/slow") as r:
+                return r.status, await r.json()
+        finally:
+            await px_runner.cleanup()
+            await up_runner.cleanup()
+
+    status, body = asyncio.run(scenario())
+    assert status == 504 and "did not answer within 0.05 s" in body["error"]["message"]
