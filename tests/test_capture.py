@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 from servers import free_port
-from test_example_service import ExampleService, stream
+from test_example_service import ExampleService, _wait_for, metrics, stream
 
 from gpuscope.loadtest.capture import anonymise, filler, is_secret_header, prompt_chars, recorded_headers
 
@@ -178,6 +178,27 @@ def test_replay_lines_from_the_example_service(example, tmp_path):
     text = cap.out.read_text()
     assert "sk-secret" not in text and "sid=abc" not in text and "k123" not in text
     assert lines[1]["headers"]["X-Request-Class"] == "gold"
+
+
+def test_a_client_leaving_through_the_proxy_frees_the_upstream_slot(example, tmp_path):
+    cap = Capture(example.url, tmp_path / "c.jsonl")
+    try:
+        async def go() -> tuple[dict[str, float], dict[str, float]]:
+            before = await metrics(example.url)
+            async with aiohttp.ClientSession() as s:
+                r = await s.post(cap.url + "/v1/completions",
+                                 json={"prompt": "x", "max_tokens": 1000, "ignore_eos": True, "stream": True})
+                assert (await r.content.readline()).startswith(b"data: ")
+                r.close()
+            await _wait_for(example.url, "vllm:num_requests_running", 0)
+            return before, await metrics(example.url)
+
+        before, after = run(go())
+    finally:
+        cap.stop()
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] < 1000
+    [line] = cap.lines()
+    assert line["status"] == 200 and line["error"].startswith("The client closed")
 
 
 def test_anonymise_keeps_structure_lengths_and_numbers(plain, tmp_path):

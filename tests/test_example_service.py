@@ -268,3 +268,18 @@ def test_port_in_use_is_one_sentence(service):
     port = service.url.rsplit(":", 1)[1]
     p = subprocess.run([sys.executable, str(SERVER), "--port", port], capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "cannot listen" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_a_client_leaving_a_whole_answer_frees_its_slot(service):
+    async def go() -> tuple[dict[str, float], dict[str, float]]:
+        before = await metrics(service.url)
+        task = asyncio.ensure_future(post(service.url + "/v1/completions",
+                                          {"prompt": "x", "max_tokens": 1000, "ignore_eos": True}))
+        await _wait_for(service.url, "vllm:num_requests_running", 1)
+        task.cancel()  # closes the connection
+        await _wait_for(service.url, "vllm:num_requests_running", 0)
+        return before, await metrics(service.url)
+
+    before, after = run(go())
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] < 1000
+    assert after["vllm:request_success_total"] == before["vllm:request_success_total"]

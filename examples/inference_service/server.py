@@ -143,6 +143,8 @@ class Service:
                 usage = bool((body.get("stream_options") or {}).get("include_usage"))
                 return await self._stream(request, seq, chat, rid, model, usage)
             return await self._whole(seq, chat, rid, model)
+        except ConnectionResetError:  # the client went away mid-stream; its slot is freed below
+            return web.Response(status=499)
         finally:
             if not seq.finished:
                 self.engine.cancel(seq)
@@ -332,7 +334,8 @@ async def serve(args: argparse.Namespace) -> None:
     service = Service(engine, cfg, args.model_name)
     service.ignore_eos = args.ignore_eos
     engine.start()
-    runner = web.AppRunner(build_app(service), access_log=None, handle_signals=False)
+    # handler_cancellation: a client that goes away cancels its handler, which frees its batch slot.
+    runner = web.AppRunner(build_app(service), access_log=None, handle_signals=False, handler_cancellation=True)
     await runner.setup()
     try:
         sock = socket.create_server((args.host, args.port), family=socket.AF_INET6 if ":" in args.host else socket.AF_INET)

@@ -239,6 +239,9 @@ class CaptureProxy:
             if not isinstance(e, ConnectionResetError) and request.transport is not None:
                 request.transport.close()  # the upstream broke off: the client must not see a clean end
             return resp  # the client or the upstream went away mid-answer: recorded with what was seen
+        except asyncio.CancelledError:
+            record["error"] = "The client closed the connection before the answer was complete."
+            raise
         finally:
             record["duration_s"] = round(time.monotonic() - t_start, 6)
             self.recorder.finish(seq, record)
@@ -321,7 +324,8 @@ async def _serve(args: argparse.Namespace, upstream: str, host: str, port: int, 
     await proxy.start()
     app = web.Application(client_max_size=256 << 20)
     app.router.add_route("*", "/{tail:.*}", proxy.handle)
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    # handler_cancellation: a client that leaves cancels its forwarded request, so the upstream sees it leave too.
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
     await runner.setup()
     try:
         sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
