@@ -75,6 +75,9 @@ def test_service_on_cuda_is_busy_under_16_streams(sampler):
     try:
         status, body, _ = asyncio.run(post(s.url + "/v1/completions", {"prompt": "warm up", "max_tokens": 8}))
         assert status == 200 and body["usage"]["completion_tokens"] == 8
+        t0 = time.monotonic()
+        status, body, _ = asyncio.run(post(s.url + "/v1/completions", {"prompt": "one stream", "max_tokens": 512}))
+        print(f"one stream: {512 / (time.monotonic() - t0):.0f} tokens/s")
         window = Window(sampler)
         with window:
             time.sleep(3)
