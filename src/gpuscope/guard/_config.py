@@ -182,7 +182,7 @@ def parse(data: Any) -> GuardConfig:
             raise GuardConfigError(f"classes[{i}].queue_timeout_s must not be negative.")
     if sum(c.share for c in classes) > 1.0 + 1e-9:
         raise GuardConfigError(f"The class shares add up to {sum(c.share for c in classes):g}; they must not exceed 1.")
-    sections = {k: _build(cls, data.get(k) or {}, k) for k, cls in _SECTIONS.items()}
+    sections = {k: _build(cls, {} if data.get(k) is None else data[k], k) for k, cls in _SECTIONS.items()}
     cfg = GuardConfig(classes=classes, queue_max=_num(data.get("queue_max", 256), "queue_max", int), **sections)
     _check(cfg, names)
     return cfg
