@@ -270,16 +270,17 @@ def test_count_stops_after_n_requests(plain, tmp_path):
     (["--upstream", "ftp://example.com"], "--upstream must be an http:// or https:// URL"),
     (["--upstream", "http://127.0.0.1:1", "--listen", "nonsense"], "--listen takes HOST:PORT"),
     (["--upstream", "http://127.0.0.1:1", "--count", "-1"], "--count must be"),
-    (["--upstream", "http://127.0.0.1:{dead}", "--out", "/nonexistent/dir/c.jsonl"], "Cannot write"),
+    (["--upstream", "{plain}", "--out", "/nonexistent/dir/c.jsonl"], "Cannot write"),
     ([], "--upstream"),
 ])
-def test_bad_input_is_one_sentence_and_exit_2(tmp_path, args, sentence):
-    args = [a.replace("{dead}", str(free_port())) for a in args]
+def test_bad_input_is_one_sentence_and_exit_2(plain, tmp_path, args, sentence):
+    args = [a.replace("{dead}", str(free_port())).replace("{plain}", plain.url) for a in args]
     p = subprocess.run([*GPUSCOPE, "capture", "--listen", "127.0.0.1:0",
                         "--out", str(tmp_path / "c.jsonl"), *args], capture_output=True, text=True, timeout=60,
                        env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert p.returncode == 2, p.stderr
     assert sentence in p.stderr and "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "c.jsonl").exists()  # a capture that never started leaves no empty file
 
 
 def test_helpers():

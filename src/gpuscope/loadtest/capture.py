@@ -312,13 +312,26 @@ async def _probe(upstream: str) -> str | None:
         return _upstream_failure(upstream, e)
 
 
-async def _serve(args: argparse.Namespace, upstream: str, host: str, port: int, out: IO[str]) -> int:
-    from ..agent.config import is_loopback_host
+async def _serve(args: argparse.Namespace, upstream: str, host: str, port: int) -> int:
     from ..cli import UsageError
 
     problem = await _probe(upstream)
     if problem:
         raise UsageError(problem)
+    try:
+        out = open(args.out, "w", encoding="utf-8")  # noqa: SIM115 - closed below, after the server stops
+    except OSError as e:
+        raise UsageError(f"Cannot write {args.out}: {e.strerror or e}.") from None
+    try:
+        return await _proxy(args, upstream, host, port, out)
+    finally:
+        out.close()
+
+
+async def _proxy(args: argparse.Namespace, upstream: str, host: str, port: int, out: IO[str]) -> int:
+    from ..agent.config import is_loopback_host
+    from ..cli import UsageError
+
     recorder = Recorder(out, args.anonymise)
     proxy = CaptureProxy(upstream, recorder, args.timeout)
     await proxy.start()
@@ -368,11 +381,4 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--count must be 0 (no limit) or more, not {args.count}.")
     if not args.timeout > 0:
         raise UsageError(f"--timeout must be more than 0 seconds, not {args.timeout:g}.")
-    try:
-        out = open(args.out, "w", encoding="utf-8")  # noqa: SIM115 - closed below, after the server stops
-    except OSError as e:
-        raise UsageError(f"Cannot write {args.out}: {e.strerror or e}.") from None
-    try:
-        return asyncio.run(_serve(args, upstream, host, port, out))
-    finally:
-        out.close()
+    return asyncio.run(_serve(args, upstream, host, port))
