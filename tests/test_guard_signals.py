@@ -1,0 +1,97 @@
+"""The GPU/service signal poller against a real gpuscope agent (simulated node) and a real /metrics server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+from aiohttp import web
+from test_agent import AgentProc
+
+from gpuscope.guard import GpuSignal, Guard, parse_config
+from gpuscope.guard._signals import SignalPoller, queue_from_metrics, signal_from_latest
+
+VLLM_METRICS = """# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{model_name="a"} 7.0
+vllm:num_requests_waiting{model_name="b"} 5.0
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{model_name="a"} 3.0
+"""
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 50.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_signal_from_a_real_agent_and_queue_depth_from_real_metrics(tmp_path):
+    agent = AgentProc(tmp_path, "--simulate", "healthy", "--gpus", "2")
+    try:
+        agent.wait_ready()
+
+        async def scenario():
+            app = web.Application()
+
+            async def metrics(request: web.Request) -> web.Response:
+                return web.Response(text=VLLM_METRICS)
+
+            app.router.add_get("/metrics", metrics)
+            runner = web.AppRunner(app)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", 0).start()
+            svc = f"http://127.0.0.1:{runner.addresses[0][1]}/metrics"
+            clock = Clock()
+            g = Guard(parse_config({"classes": [{"name": "a"}], "signals": {
+                "agent": f"http://127.0.0.1:{agent.port}", "service_metrics": svc, "queue_high": 10}}), clock=clock)
+            try:
+                async with aiohttp.ClientSession() as s:
+                    sig = None
+                    for _ in range(50):  # the agent's first snapshot may be a moment away
+                        sig = await SignalPoller(g).poll_once(s)
+                        if sig is not None:
+                            break
+                        await asyncio.sleep(0.1)
+            finally:
+                await runner.cleanup()
+            return g, sig, clock
+
+        g, sig, clock = asyncio.run(scenario())
+    finally:
+        agent.stop()
+    assert sig is not None and 0 <= sig.sm_active_ratio <= 1 and 0 < sig.memory_free_ratio < 1
+    assert sig.queue_waiting == 12.0
+    assert g.limiter.gpu_signal_state(clock.t) == "fresh"
+    assert g.limiter.limit == 18.0  # 12 waiting >= queue_high 10: backed off x0.9 from 20
+
+
+def test_unreachable_agent_feeds_nothing_and_the_signal_goes_stale():
+    async def scenario():
+        clock = Clock()
+        g = Guard(parse_config({"classes": [{"name": "a"}], "signals": {"agent": "http://127.0.0.1:9"}}), clock=clock)
+        g.observe_gpu(GpuSignal(clock.t, sm_active_ratio=0.5))
+        async with aiohttp.ClientSession() as s:
+            sig = await SignalPoller(g).poll_once(s)
+        clock.t += 5
+        return sig, g.limiter.gpu_signal_state(clock.t)
+
+    assert asyncio.run(scenario()) == (None, "stale_hold")
+
+
+def test_signal_parsing_edges():
+    snap = {"gpus": [
+        {"identity": {"index": 0, "memory_total_bytes": 100}, "values": {"gpu_utilization_ratio": 0.3,
+                                                                        "gpu_memory_used_bytes": 96},
+         "throttle_reasons": ["gpu_idle"]},
+        {"identity": {"index": 1, "memory_total_bytes": 100}, "values": {"gpu_sm_active_ratio": 0.9},
+         "throttle_reasons": ["sw_thermal"]}]}
+    busiest = signal_from_latest(snap, "", 1.0)
+    assert (busiest.sm_active_ratio, busiest.throttled, busiest.memory_free_ratio) == (0.9, True, None)
+    g0 = signal_from_latest(snap, "0", 1.0)
+    assert (g0.sm_active_ratio, g0.throttled) == (0.3, False) and abs(g0.memory_free_ratio - 0.04) < 1e-9
+    assert signal_from_latest(snap, "7", 1.0) is None
+    assert queue_from_metrics("not { prometheus", "x") is None
+    assert queue_from_metrics(VLLM_METRICS, "vllm:num_requests_running") == 3.0
