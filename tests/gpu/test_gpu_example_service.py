@@ -6,18 +6,14 @@ from __future__ import annotations
 import asyncio
 import json
 import statistics
-import sys
 import threading
 import time
-from pathlib import Path
 
 import aiohttp
 import pytest
+from test_example_service import ExampleService, post  # tests/ is on sys.path (conftest.py's folder)
 
 from gpuscope import Sampler, SamplerConfig
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from test_example_service import ExampleService, post  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
