@@ -115,6 +115,14 @@ def test_the_duty_budget_spaces_windows():
     assert od.Budget(7).max_duty == od.DEFAULT_MAX_DUTY  # a nonsense setting cannot lift the cap
 
 
+def test_the_budget_charges_the_whole_measured_cost_not_the_duration():
+    # A 1 s window whose start, stop and export took 2.5 s in all: the next waits 250 s at 1 %, not 100.
+    b = od.Budget(0.01)
+    b.spend(100.0, 2.5)
+    assert "in 1 s" in b.refuse(1, now=349.0)
+    assert b.refuse(1, now=350.0) == ""
+
+
 def test_the_watcher_costs_one_stat_when_nothing_changed(tmp_path):
     w = od.Watcher(str(tmp_path))
     assert w.changed()

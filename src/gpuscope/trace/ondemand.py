@@ -246,9 +246,16 @@ class Watcher:
 
 
 class Budget:
-    """The hard overhead budget of one process: a window of d seconds may start only d / max_duty
-    seconds after the previous window started (1 %: a 5 s window at most every 500 s), so over any
-    run of windows the profiler is on at most max_duty of the wall time. Monotonic clock."""
+    """The hard overhead budget of one process, for windows on demand and repeated windows alike.
+
+    A window's cost is everything it took, measured: from the profiler's start call through the window,
+    the stop, the export and the compression, all counted as if the program made no progress meanwhile
+    (an upper bound: the program runs on during a window, only slower). After a window that started at
+    `started` and cost `cost_s`, the next may start only at started + cost_s / max_duty, so over any run of
+    windows the tracing costs at most max_duty of the wall time (1 %: a window that cost 2 s at most
+    every 200 s). The cost of the first window is not known before it runs; a request whose duration
+    alone would break the budget of the window before it waits. Monotonic clock.
+    """
 
     def __init__(self, max_duty: float = DEFAULT_MAX_DUTY) -> None:
         self.max_duty = max_duty if 0 < max_duty <= 1 else DEFAULT_MAX_DUTY
@@ -264,8 +271,9 @@ class Budget:
                     f"start in {self.next_allowed - now:.0f} s")
         return ""
 
-    def spend(self, started: float, duration_s: float) -> None:
-        self.next_allowed = started + duration_s / self.max_duty
+    def spend(self, started: float, cost_s: float) -> None:
+        """Charge a window that started at `started` (monotonic s) and cost `cost_s` seconds in all."""
+        self.next_allowed = started + max(0.0, cost_s) / self.max_duty
 
     def next_allowed_unix(self, now: float | None = None) -> float | None:
         if self.next_allowed == float("-inf"):
