@@ -29,10 +29,9 @@ CUPY_PROG = textwrap.dedent("""
     import cupy as cp
 
     add_one = cp.ElementwiseKernel("float32 x", "float32 y", "y = x + 1", "gpuscope_add_one")
-    x = cp.zeros(1024, dtype=cp.float32)
-    y = add_one(x)                    # compiles it and makes the context: before the window
+    x = cp.zeros(1024, dtype=cp.float32)   # makes the context: the window opens (--delay 0)
     cp.cuda.Device().synchronize()
-    time.sleep(1.0)                   # the window opens (--delay 0 after the context)
+    time.sleep(1.0)                   # so that it is open before the first launch counted
     for _ in range(500):
         y = add_one(x)
     host = np.ones(16 << 20, dtype=np.float32)        # 64 MiB of pageable memory
@@ -65,8 +64,7 @@ NUMBA_PROG = textwrap.dedent("""
         if i < a.size:
             a[i] *= 2.0
 
-    a = cuda.to_device(np.ones(1024, dtype=np.float32))
-    gpuscope_scale[4, 256](a)         # compiles it and makes the context: before the window
+    a = cuda.to_device(np.ones(1024, dtype=np.float32))   # makes the context: the window opens
     cuda.synchronize()
     time.sleep(1.0)
     for _ in range(300):
@@ -120,6 +118,11 @@ def test_cupy_program_kernels_pageable_copy_and_sync_in_loop(tmp_path):
 
 def test_numba_program_kernel_count(tmp_path):
     _need("numba.cuda", "cupti")
+    script = tmp_path / "plain.py"
+    script.write_text(NUMBA_PROG)
+    plain = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    if plain.returncode != 0:  # seen: numba-cuda built for an older numpy (np.row_stack)
+        pytest.skip(f"numba-cuda fails here without tracing: {plain.stderr.strip().splitlines()[-1]}")
     p, doc, path = _run(tmp_path, NUMBA_PROG)
     kernels = [e for e in doc["traceEvents"] if e.get("cat") == "kernel"]
     assert sum("gpuscope_scale" in e["name"] for e in kernels) == 300, sorted({e["name"] for e in kernels})

@@ -149,6 +149,7 @@ class Window:
         self.s = session
         self.clock = {}
         self.kinds = []
+        self.skipped = 0  # callback ids CUPTI refused
 
     def _switch(self, on):
         s, c = self.s, self.s.cupti
@@ -159,15 +160,26 @@ class Window:
         elif s.with_stack:
             for domain, cbids in s.api_cbids.items():
                 for cbid in cbids:
-                    c.enable_callback(flag, s.subscriber, domain, cbid)
+                    self._each(c.enable_callback, flag, s.subscriber, domain, cbid)
         if s.per_cbid:
             for domain, cbids in s.api_cbids.items():
                 enable = (c.activity_enable_runtime_api if domain == c.CallbackDomain.RUNTIME_API
                           else c.activity_enable_driver_api)
                 for cbid in cbids:
-                    enable(cbid, flag)
+                    self._each(enable, cbid, flag)
         for kind in self.kinds:
             (c.activity_enable if on else c.activity_disable)(kind)
+
+    def _each(self, call, *args):
+        """One callback id of many: an id this CUDA version does not know is skipped, not fatal; losing
+        the subscriber is (the caller reports it)."""
+        c = self.s.cupti
+        try:
+            call(*args)
+        except c.cuptiError as e:
+            if getattr(e, "status", None) == int(c.Result.ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED):
+                raise
+            self.skipped += 1
 
     def start(self):
         s, c = self.s, self.s.cupti
@@ -207,7 +219,8 @@ class Window:
         doc = to_kineto(records, self.s.stacks, self.clock, self.s.api_names)
         doc["gpuscope_cupti"] = {"api": "all" if self.s.api_all else "rules",
                                  "per_call_api_records": self.s.per_cbid, "records": len(records),
-                                 "stacks": len(self.s.stacks), "dropped_buffers": self.s.dropped_buffers}
+                                 "stacks": len(self.s.stacks), "dropped_buffers": self.s.dropped_buffers,
+                                 "refused_callback_ids": self.skipped}
         with open(path, "w") as f:
             json.dump(doc, f, separators=(",", ":"))
 
