@@ -128,7 +128,7 @@ def test_chromium_renders_every_plot_with_data_and_no_errors(tmp_path, chromium)
     page, stderr = _chromium_dom(chromium, path, tmp_path)
     assert "data-errors" not in page.body, page.body.get("data-errors")
     assert not _console_errors(stderr), _console_errors(stderr)
-    want = {"plot-latency", "plot-percentiles", "plot-throughput", "plot-errors", "plot-ttft", "plot-tpot",
+    want = {"plot-capacity", "plot-latency", "plot-percentiles", "plot-throughput", "plot-errors", "plot-ttft", "plot-tpot",
             "plot-gpu_sm", "plot-gpu_util", "plot-gpu_mem", "plot-gpu_power", "plot-gpu_throttle"}
     assert set(page.plots) == want
     assert int(page.body["data-rendered"]) == len(want)

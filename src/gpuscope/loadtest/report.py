@@ -183,6 +183,19 @@ def _throughput_plot(stages: list[dict[str, Any]]) -> dict[str, Any] | None:
                  xlabel="offered req/s" if open_loop else "concurrency", points=True)
 
 
+def _capacity_plot(cap: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    trials = sorted((t for t in (cap or {}).get("trials") or [] if t.get("rate") is not None), key=lambda t: t["rate"])
+    if not trials:
+        return None
+    x = [float(t["rate"]) for t in trials]
+    series: list[tuple[str, list[Any]]] = [
+        ("achieved req/s (passed)", [t.get("throughput") if t.get("passed") else None for t in trials]),
+        ("achieved req/s (failed)", [None if t.get("passed") else t.get("throughput") for t in trials]),
+        ("offered (ideal)", x)]
+    return _plot("capacity", "Capacity search: achieved against offered rate per trial", "xy", x, series, "req/s",
+                 xlabel="offered req/s", points=True)
+
+
 def _gpu_plots(readings: Sequence[GpuReading], t0: float, t1: float) -> list[dict[str, Any]]:
     by_gpu: dict[str, list[GpuReading]] = {}
     for r in readings:
@@ -385,6 +398,9 @@ def render(summary: Mapping[str, Any], records: Sequence[RequestRecord], reading
     tp = _throughput_plot(stages)
     if tp is not None:
         plots.insert(2 if len(plots) >= 2 else len(plots), tp)
+    cp = _capacity_plot(summary.get("capacity"))
+    if cp is not None:
+        plots.insert(0, cp)
     if readings:
         plots.extend(_gpu_plots(readings, t0, t1))
         gpu_note = ""
