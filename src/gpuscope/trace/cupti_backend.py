@@ -21,6 +21,7 @@ import ast
 import bisect
 import functools
 import json
+import os
 import re
 import sys
 import threading
@@ -81,6 +82,9 @@ class Session:
         self.lock = threading.Lock()
         self.records = []
         self.stacks = {}
+        self.api_calls = []  # the rules' API calls, from the callbacks: (kind, start, end, pid, tid, corr, cbid)
+        self.open_calls = {}  # correlation -> (entered at, stack)
+        self.devices = {}  # device id -> Kineto's deviceProperties entry
         self.dropped_buffers = 0
         self.window_open = False
         try:
@@ -107,8 +111,11 @@ class Session:
         for domain, enum in ((c.CallbackDomain.RUNTIME_API, c.RuntimeApiTraceCbid),
                              (c.CallbackDomain.DRIVER_API, c.DriverApiTraceCbid)):
             self.api_names[int(domain)] = {int(m): base_name(m.name) for m in enum}
-        self.per_cbid = hasattr(c, "activity_enable_runtime_api") and hasattr(c, "activity_enable_driver_api")
         _KIND_NAMES.update(_kind_names(c))
+        try:  # one record per GPU, as the devices come up: kept for every window
+            c.activity_enable(c.ActivityKind.DEVICE)
+        except c.cuptiError:
+            pass
 
     def close(self):
         try:
@@ -119,10 +126,26 @@ class Session:
     # -- CUPTI's callbacks (any thread; never raise into CUDA) ------------------------------------------
     def _on_callback(self, userdata, domain, cbid, cbdata):
         try:
-            if domain == self.cupti.CallbackDomain.RESOURCE:
+            c = self.cupti
+            if domain == c.CallbackDomain.RESOURCE:
                 self.cuda_seen.set()
-            elif self.window_open and cbdata.callback_site == self.cupti.ApiCallbackSite.API_ENTER:
-                self.stacks[cbdata.correlation_id] = _stack(sys._getframe(1))
+            elif not self.window_open:
+                pass
+            elif cbdata.callback_site == c.ApiCallbackSite.API_ENTER:
+                stack = _stack(sys._getframe(1)) if self.with_stack else None
+                self.open_calls[cbdata.correlation_id] = (c.get_timestamp(), stack)  # after the stack: not its cost
+            else:
+                end = c.get_timestamp()
+                corr = cbdata.correlation_id
+                entered = self.open_calls.pop(corr, None)
+                if entered is None:
+                    return
+                if not self.api_all:  # with --api all the activity records have every call
+                    what = "runtime" if domain == c.CallbackDomain.RUNTIME_API else "driver"
+                    self.api_calls.append((what, entered[0], end, os.getpid(), threading.get_native_id(), corr,
+                                           int(cbid)))
+                if entered[1]:
+                    self.stacks[corr] = entered[1]
         except Exception:
             pass
 
@@ -133,7 +156,13 @@ class Session:
         try:
             rows = [_plain(a) for a in activities]
             with self.lock:
-                self.records.extend(r for r in rows if r is not None)
+                for r in rows:
+                    if r is None:
+                        continue
+                    if r[0] == "device":
+                        self.devices[r[1]] = r[2]
+                    else:
+                        self.records.append(r)
         except Exception:
             self.dropped_buffers += 1
 
@@ -154,19 +183,15 @@ class Window:
     def _switch(self, on):
         s, c = self.s, self.s.cupti
         flag = 1 if on else 0
+        # The rules' calls are recorded by a callback on their ids, enter and exit: on an H200 (CUPTI 13.5,
+        # driver 580) cuptiActivityEnableRuntimeApi/DriverApi per id gave no records at all.
         if s.with_stack and s.api_all:  # every call's stack, so `trace flame` can charge kernels to lines
             for domain in s.api_cbids:
                 c.enable_domain(flag, s.subscriber, domain)
-        elif s.with_stack:
+        elif not s.api_all:
             for domain, cbids in s.api_cbids.items():
                 for cbid in cbids:
                     self._each(c.enable_callback, flag, s.subscriber, domain, cbid)
-        if s.per_cbid:
-            for domain, cbids in s.api_cbids.items():
-                enable = (c.activity_enable_runtime_api if domain == c.CallbackDomain.RUNTIME_API
-                          else c.activity_enable_driver_api)
-                for cbid in cbids:
-                    self._each(enable, cbid, flag)
         for kind in self.kinds:
             (c.activity_enable if on else c.activity_disable)(kind)
 
@@ -185,9 +210,9 @@ class Window:
         s, c = self.s, self.s.cupti
         with s.lock:
             s.records = []
-        s.stacks = {}
+        s.stacks, s.api_calls, s.open_calls = {}, [], {}
         k = c.ActivityKind
-        self.kinds = [k.DEVICE, k.CONCURRENT_KERNEL, k.MEMCPY, k.MEMSET, k.SYNCHRONIZATION]
+        self.kinds = [k.CONCURRENT_KERNEL, k.MEMCPY, k.MEMSET, k.SYNCHRONIZATION]
         if s.api_all:
             self.kinds += [k.RUNTIME, k.DRIVER]
         self.clock["start"] = _clock_pair(c)
@@ -215,10 +240,10 @@ class Window:
 
     def export_chrome_trace(self, path):
         with self.s.lock:
-            records, self.s.records = self.s.records, []
-        doc = to_kineto(records, self.s.stacks, self.clock, self.s.api_names)
-        doc["gpuscope_cupti"] = {"api": "all" if self.s.api_all else "rules",
-                                 "per_call_api_records": self.s.per_cbid, "records": len(records),
+            records, self.s.records = self.s.records + self.s.api_calls, []
+            devices = dict(self.s.devices)
+        doc = to_kineto(records, self.s.stacks, self.clock, self.s.api_names, devices)
+        doc["gpuscope_cupti"] = {"api": "all" if self.s.api_all else "rules", "records": len(records),
                                  "stacks": len(self.s.stacks), "dropped_buffers": self.s.dropped_buffers,
                                  "refused_callback_ids": self.skipped}
         with open(path, "w") as f:
@@ -284,7 +309,7 @@ def _kind_names(c):
 # -- to Kineto JSON (after the window) ------------------------------------------------------------------
 
 
-def to_kineto(records, stacks, clock, api_names):
+def to_kineto(records, stacks, clock, api_names, devices):
     """Plain records -> a Kineto-compatible document (times: µs after baseTimeNanoseconds, Unix clock)."""
     start, stop = clock["start"], clock.get("stop", clock["start"])
     # CUPTI's clock is Unix ns on Linux; the offset measured at both ends keeps any other source honest.
@@ -295,7 +320,6 @@ def to_kineto(records, stacks, clock, api_names):
     def us(ns):
         return round((ns + shift) / 1000.0, 3)
 
-    devices = {r[1]: r[2] for r in records if r[0] == "device"}
     context_device = {r[4]: r[3] for r in records if r[0] in ("kernel", "memcpy", "memset")}
     events = []
     for r in records:
