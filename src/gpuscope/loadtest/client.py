@@ -17,6 +17,7 @@ import socket
 import ssl
 import time
 import urllib.parse
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,6 +26,10 @@ import httptools
 from .records import RequestRecord
 
 perf_counter = time.perf_counter
+
+# Connections being opened at once: beyond this, requests wait for the first connection to come free or
+# open, so that a burst cannot turn into thousands of simultaneous handshakes (the lateness is recorded).
+MAX_OPENING = 64
 
 OnDone = Callable[[RequestRecord], None]
 OnChunk = Callable[[bytes, float], "str | None"]   # returns an error class to abort, else None
@@ -179,7 +184,7 @@ class Client:
         self._idle: list[_Conn] = []
         self._all: set[_Conn] = set()
         self._opening = 0
-        self._waiting: list[tuple[RequestRecord, bytes, OnDone, OnChunk | None]] = []
+        self._waiting: deque[tuple[RequestRecord, bytes, OnDone, OnChunk | None]] = deque()
         self._ssl: ssl.SSLContext | None = None
         if self.target.scheme == "https":
             self._ssl = ssl.create_default_context()
@@ -197,7 +202,8 @@ class Client:
             self._sweep()
         if self._idle:
             self._idle.pop().start(rec, payload, on_done, on_chunk)
-        elif self.max_connections and len(self._all) + self._opening >= self.max_connections:
+        elif (self.max_connections and len(self._all) + self._opening >= self.max_connections) \
+                or self._opening >= MAX_OPENING:
             self._waiting.append((rec, payload, on_done, on_chunk))
         else:
             self._opening += 1
@@ -219,9 +225,17 @@ class Client:
             self._drain_waiting()
             return
         self._opening -= 1
-        conn.transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock = conn.transport.get_extra_info("socket") if conn.transport is not None else None
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._all.add(conn)
+        if conn.transport is None or conn.transport.is_closing():
+            conn.rec = rec
+            conn.on_done = on_done
+            conn.fail("disconnect", "the server closed the connection as soon as it was opened")
+            return
         conn.start(rec, payload, on_done, on_chunk)
+        self._drain_waiting()
 
     def _forget(self, conn: _Conn) -> None:
         self._all.discard(conn)
@@ -232,8 +246,9 @@ class Client:
         self._drain_waiting()
 
     def _drain_waiting(self) -> None:
-        while self._waiting and (self._idle or len(self._all) + self._opening < self.max_connections):
-            self.send(*self._waiting.pop(0))
+        while self._waiting and (self._idle or (self._opening < MAX_OPENING and (
+                not self.max_connections or len(self._all) + self._opening < self.max_connections))):
+            self.send(*self._waiting.popleft())
 
     def _sweep(self) -> None:
         """Time out requests every 50 ms (one timer for all, rather than one timer per request)."""
