@@ -45,12 +45,6 @@ chunk = one token (marked tokens_from="estimate" in records.jsonl).
 exit status: 0 run done and valid, 1 run done but invalid (the client was the bottleneck), 2 bad input or
 the URL did not answer before the start."""
 
-# What one worker process can generate, measured with benchmarks/bench_loadtest_rps.py and _sse.py
-# on a loopback server (with headroom): asked for more, the run is refused before it starts.
-MAX_RATE_PER_WORKER_HTTP = 20_000.0
-MAX_RATE_PER_WORKER_STREAMING = 1_500.0
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = EPILOG
