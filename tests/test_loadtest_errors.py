@@ -132,3 +132,30 @@ def test_replay_sends_at_captured_offsets(srv, tmp_path: Path) -> None:
     assert [r["tag"] for r in recs] == ["r0", "r1", "r2", "r3"]
     assert [round(r["t_intended"], 6) for r in recs] == [0.0, 0.2, 0.4, 0.6]
     assert all(r["status"] == 200 for r in recs)
+
+
+def test_find_capacity_html_and_plain_progress(srv, tmp_path: Path) -> None:
+    # /latency answers in 50 ms ± 5 ms whatever the rate, so every trial passes an e2e SLO of 100 ms and the
+    # search stops at its ceiling; the stages of the summary are the trials, laid end to end on one clock.
+    p = _cli(srv.url("/latency"), "--find-capacity", "--slo", "e2e=100ms", "--capacity-start", "5",
+             "--capacity-max", "20", "--stage-duration", "1s", "--workers", "1", "--arrival", "constant",
+             "--no-gpu", "--out", str(tmp_path / "o"), cwd=tmp_path)
+    assert p.returncode in (0, 1), p.stderr
+    summary = json.loads((tmp_path / "o" / "summary.json").read_text())
+    cap = summary["capacity"]
+    assert cap["capacity_rps"] == 20 and all(t["passed"] for t in cap["trials"])
+    rates = [s["target_rate"] for s in summary["stages"]]
+    assert rates == [t["rate"] for t in cap["trials"]] and rates[0] == 5
+    starts = [s["start_s"] for s in summary["stages"]]
+    assert starts == sorted(starts) and summary["stages"][1]["start_s"] >= summary["stages"][0]["end_s"]
+    recs = (tmp_path / "o" / "records.jsonl").read_text().splitlines()
+    assert len(recs) == sum(s["stats"]["requests"] for s in summary["stages"])
+    assert (tmp_path / "o" / "report.html").stat().st_size > 1000
+    assert "capacity: 20 req/s within the SLOs" in p.stdout
+
+
+def test_help_teaches_with_examples(tmp_path: Path) -> None:
+    p = _cli("--help", cwd=tmp_path)
+    assert p.returncode == 0
+    for text in ("examples:", "--stages 10,20,40,80", "--openai chat", "--metrics-as", "--find-capacity", "--replay"):
+        assert text in p.stdout
