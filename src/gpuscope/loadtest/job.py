@@ -314,7 +314,7 @@ def execute(spec: Spec, args: argparse.Namespace) -> int:
         summary["gpu_source"] = watch.source
         try:
             from .gpu import join_stages
-            join_stages(summary, readings)
+            join_stages(summary, readings, watch.source)
         except ImportError:
             pass
         if readings:
