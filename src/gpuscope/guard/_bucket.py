@@ -80,21 +80,35 @@ class LocalBuckets:
                         if c.tenant_rate else None for c in classes]
 
     def take(self, idx: int, tenant: str, cost: float, now: float, factor: float = 1.0) -> tuple[float, str]:
-        """(0.0, '') when both the class and the tenant bucket admit `cost`; else (wait_s, 'rate' | 'tenant_rate')."""
+        """(0.0, '') when both the class and the tenant bucket admit `cost`; else (wait_s, 'rate' | 'tenant_rate').
+        The GCRA of Gcra.peek/commit, inlined for both buckets: this runs once per request."""
         cb = self._class[idx]
         tb = self._tenant[idx]
         if cb is None and tb is None:
-            return 0.0, ""
-        name = self._names[idx]
+            return _ADMIT
         if cb is not None:
-            w = cb.peek(name, cost, now, factor)
-            if w:
-                return w, "rate"
+            ctat = cb._tat.get(self._names[idx], now)
+            if ctat < now:
+                ctat = now
+            cnew = ctat + cost * cb.interval_s / factor
+            over = cnew - now - cb.tau_s
+            if over > _EPS_S:
+                return over, "rate"
         if tb is not None:
-            w = tb.peek(tenant, cost, now, factor)
-            if w:
-                return w, "tenant_rate"
-            tb.commit(tenant, cost, now, factor)
+            tats = tb._tat
+            ttat = tats.get(tenant, now)
+            if ttat < now:
+                ttat = now
+            tnew = ttat + cost * tb.interval_s / factor
+            over = tnew - now - tb.tau_s
+            if over > _EPS_S:
+                return over, "tenant_rate"
+            if len(tats) >= tb._max_keys and tenant not in tats:
+                tb._evict(now)
+            tats[tenant] = tnew
         if cb is not None:
-            cb.commit(name, cost, now, factor)
-        return 0.0, ""
+            cb._tat[self._names[idx]] = cnew
+        return _ADMIT
+
+
+_ADMIT = (0.0, "")

@@ -28,7 +28,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from ._breaker import Breaker
@@ -44,25 +43,38 @@ log = logging.getLogger("gpuscope.guard")
 _REFRESH_S = 0.25  # how often the decision path re-checks the GPU signal's staleness
 
 
-@dataclass(slots=True)
 class Decision:
-    """What the guard decided. Release every admitted decision exactly once (`Guard.release`)."""
+    """What the guard decided. Release every admitted decision exactly once (`Guard.release`).
 
-    admitted: bool
-    klass: str
-    tenant: str
-    cost: float
-    status: int = 200  # the HTTP status to answer with when not admitted (429 or 503)
-    reason: str = "admitted"  # admitted | rate | tenant_rate | concurrency | queue_full | queue_timeout |
-    #                           evicted | gpu_saturated | breaker_open
-    retry_after_s: float = 0.0
-    queued_s: float = 0.0
-    degrade: str = ""  # '' | 'cached' | 'model' | 'upstream': the breaker's fallback in force
-    target: str = ""  # the cheaper model or the other upstream for 'model' / 'upstream'
-    class_index: int = 0
-    start_s: float = 0.0
-    probe: str | None = None  # the breaker's token
-    released: bool = False
+    `status` is the HTTP status to answer with when not admitted (429, or 503 with the circuit open);
+    `reason` is admitted | rate | tenant_rate | concurrency | queue_full | queue_timeout | evicted |
+    gpu_saturated | breaker_open; `degrade` is '' | 'cached' | 'model' | 'upstream' (the breaker's fallback
+    in force) with `target` the cheaper model or the other upstream. A plain slotted class with a
+    positional constructor: it is built once per request on the hot path."""
+
+    __slots__ = ("admitted", "klass", "tenant", "cost", "status", "reason", "retry_after_s", "queued_s", "degrade",
+                 "target", "class_index", "start_s", "probe", "released")
+
+    def __init__(self, admitted: bool, klass: str, tenant: str, cost: float, class_index: int = 0,
+                 start_s: float = 0.0, reason: str = "admitted", released: bool = False) -> None:
+        self.admitted = admitted
+        self.klass = klass
+        self.tenant = tenant
+        self.cost = cost
+        self.class_index = class_index
+        self.start_s = start_s
+        self.reason = reason
+        self.released = released
+        self.status = 200
+        self.retry_after_s = 0.0
+        self.queued_s = 0.0
+        self.degrade = ""
+        self.target = ""
+        self.probe: str | None = None
+
+    def __repr__(self) -> str:
+        return (f"Decision({self.reason}, class={self.klass!r}, tenant={self.tenant!r}, cost={self.cost:g}, "
+                f"status={self.status}, retry_after_s={self.retry_after_s:.3f})")
 
     def retry_after_header(self) -> str:
         """Retry-After in whole seconds (at least 1), as HTTP wants it."""
@@ -95,6 +107,7 @@ class Guard:
         self.breaker = Breaker(cfg.breaker)
         self.buckets = buckets if buckets is not None else LocalBuckets(cfg.classes)
         self._async_buckets = hasattr(self.buckets, "atake")
+        self._local_buckets = isinstance(self.buckets, LocalBuckets)
         self._lock = threading.Lock()
         self.inflight = [0] * n
         self.inflight_total = 0
@@ -129,20 +142,32 @@ class Guard:
             d = self._pre(info)
             if d.reason != "admitted":
                 return d
+            idx = d.class_index
+            if self._local_buckets:  # no I/O: the whole decision under one lock
+                with self._lock:
+                    if not self._runnable(idx):
+                        return self._shed(d, "concurrency", self._concurrency_retry_s())
+                    wait, why = self.buckets.take(idx, d.tenant, d.cost, d.start_s, self.limiter.rate_factor)
+                    if wait:
+                        return self._shed(d, why, wait)
+                    self.inflight[idx] += 1
+                    self.inflight_total += 1
+                    self.admitted_total[idx] += 1
+                return d
             with self._lock:
-                if not self._runnable(d.class_index):
+                if not self._runnable(idx):
                     return self._shed(d, "concurrency", self._concurrency_retry_s())
-            wait, why = self.buckets.take(d.class_index, d.tenant, d.cost, d.start_s, self.limiter.rate_factor)
+            wait, why = self.buckets.take(idx, d.tenant, d.cost, d.start_s, self.limiter.rate_factor)  # Redis: I/O
             if wait:
                 return self._shed(d, why, wait)
             with self._lock:
-                if not self._runnable(d.class_index):  # another thread took the slot meanwhile
+                if not self._runnable(idx):  # another thread took the slot meanwhile
                     return self._shed(d, "concurrency", self._concurrency_retry_s())
                 self._admit(d)
             return d
         except Exception:  # noqa: BLE001 - the guard runs inside the user's service and must not break it
             log.exception("gpuscope guard: decision failed; admitting this request")
-            return Decision(True, "", "", 1.0, reason="admitted", released=True)
+            return Decision(True, "", "", 1.0, released=True)
 
     async def acquire_async(self, info: RequestInfo) -> Decision:
         """Decide, waiting in the priority queue (up to the class's queue_timeout_s) when the limit is full."""
@@ -169,7 +194,7 @@ class Guard:
             return await w.fut
         except Exception:  # noqa: BLE001
             log.exception("gpuscope guard: decision failed; admitting this request")
-            return Decision(True, "", "", 1.0, reason="admitted", released=True)
+            return Decision(True, "", "", 1.0, released=True)
 
     def _pre(self, info: RequestInfo) -> Decision:
         now = self._clock()
@@ -177,7 +202,7 @@ class Guard:
             self._next_refresh = now + _REFRESH_S
             self.limiter.refresh(now)
         idx, tenant, cost = self._classifier.classify(info)
-        d = Decision(True, self._names[idx], tenant, cost, class_index=idx, start_s=now)
+        d = Decision(True, self._names[idx], tenant, cost, idx, now)
         token = self.breaker.allow(now)
         if token is None:
             if self._degrade in ("model", "upstream"):
@@ -195,7 +220,10 @@ class Guard:
         return self.limiter.limit * f if f < 1.0 else self.limiter.limit
 
     def _runnable(self, idx: int) -> bool:
-        limit = self._effective_limit()
+        limit = self.limiter.limit
+        f = self.limiter.rate_factor
+        if f < 1.0:
+            limit *= f
         return self.inflight_total < limit or self.inflight[idx] < self._shares[idx] * limit
 
     def _guaranteed(self, idx: int) -> bool:
