@@ -42,6 +42,11 @@ async def _echo(request: Request) -> JSONResponse:
     return JSONResponse({"path": request.url.path, "body": json.loads(body) if body else None})
 
 
+async def _length(request: Request) -> JSONResponse:
+    body = await request.body()
+    return JSONResponse({"bytes": len(body), "tail": body[-8:].decode()})
+
+
 async def _boom(request: Request) -> JSONResponse:
     return JSONResponse({"error": "upstream broke"}, status_code=500)
 
@@ -51,6 +56,7 @@ def starlette_url() -> Iterator[tuple[str, Guard]]:
     guard = Guard(parse_config(CFG))
     app = Starlette(routes=[Route("/v1/chat/completions", _echo, methods=["POST"]),
                             Route("/v1/embeddings", _echo, methods=["POST"]),
+                            Route("/v1/length", _length, methods=["POST"]),
                             Route("/boom", _boom, methods=["GET", "POST"])])
     app.add_middleware(GuardMiddleware, guard=guard)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
@@ -100,6 +106,17 @@ def test_asgi_middleware_in_starlette_under_uvicorn(starlette_url):
     admitted = _samples(metrics, "gpuscope_guard_admitted")
     assert admitted[(("class", "batch"),)] == 2
     assert _samples(metrics, "gpuscope_guard_shed")[(("class", "batch"), ("reason", "rate"))] == 1
+
+
+def test_asgi_middleware_passes_a_body_larger_than_it_reads(starlette_url):
+    url, _ = starlette_url
+    body = b"x" * (3 << 20) + b"the-end!"  # over classify.max_body_bytes (1 MiB): not parsed, passed on whole
+
+    async def scenario():
+        async with aiohttp.ClientSession() as s, s.post(url + "/v1/length", data=body) as r:
+            return r.status, await r.json()
+
+    assert asyncio.run(scenario()) == (200, {"bytes": len(body), "tail": "the-end!"})
 
 
 # ---- aiohttp middleware -----------------------------------------------------------------------------------

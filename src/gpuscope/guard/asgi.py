@@ -108,36 +108,24 @@ class GuardMiddleware:
 
 
 async def _buffer(receive: Receive, max_bytes: int) -> tuple[bytes | None, Receive]:
-    """Read the request body (up to max_bytes, else give up parsing it) and a receive that replays it."""
+    """Read the request body and return it with a receive that replays it. Past max_bytes the guard gives
+    up on reading it (None: no token estimate) and the app gets what was read, then the rest as it comes."""
     chunks: list[bytes] = []
     size = 0
     while True:
         msg = await receive()
         if msg["type"] != "http.request":
-            pending = [msg]
-            break
+            return b"".join(chunks), _replay(b"".join(chunks), [msg], receive)
         chunks.append(msg.get("body", b""))
         size += len(chunks[-1])
         if not msg.get("more_body", False):
-            pending = []
-            break
-        if size > max_bytes:  # too big to estimate: replay what we have and pass the rest through
-            first = b"".join(chunks)
-
-            async def passthrough(first: bytes | None = first) -> Message:
-                nonlocal first_sent
-                if not first_sent:
-                    first_sent = True
-                    return {"type": "http.request", "body": first, "more_body": True}
-                return await receive()
-            first_sent = False
-            return None, passthrough
-    body = b"".join(chunks)
-    replay = _replay(body, pending, receive)
-    return body, replay
+            return b"".join(chunks), _replay(b"".join(chunks), [], receive)
+        if size > max_bytes:
+            return None, _replay(b"".join(chunks), [], receive, more_body=True)
 
 
-def _replay(body: bytes, pending: list[Message] | None = None, receive: Receive | None = None) -> Receive:
+def _replay(body: bytes, pending: list[Message] | None = None, receive: Receive | None = None,
+            more_body: bool = False) -> Receive:
     sent = False
     queue = list(pending or [])
 
@@ -145,7 +133,7 @@ def _replay(body: bytes, pending: list[Message] | None = None, receive: Receive 
         nonlocal sent
         if not sent:
             sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
+            return {"type": "http.request", "body": body, "more_body": more_body}
         if queue:
             return queue.pop(0)
         if receive is not None:
