@@ -104,8 +104,9 @@ def _latency_plots(recs: list[RequestRecord], t0: float, t1: float, names: Mappi
     x = _centers(edges)
     if done:
         ti = np.fromiter((r.t_intended for r in done), float, len(done))
-        lat = np.fromiter((r.t_end - r.t_intended for r in done), float, len(done)) * 1000  # type: ignore[operator]
-        svc = np.fromiter((r.t_end - r.t_sent for r in done), float, len(done)) * 1000  # type: ignore[operator]
+        ends = np.fromiter((r.t_end or 0.0 for r in done), float, len(done))  # every one has ended
+        lat = (ends - ti) * 1000
+        svc = (ends - np.fromiter((r.t_sent for r in done), float, len(done))) * 1000
         a, b = _bucket(ti, lat, edges), _bucket(ti, svc, edges)
         plots.append(_plot("latency", "Latency over time (by intended send time)", "time", x,
                            [("p50 from intended", a["p50"]), ("p99 from intended", a["p99"]),
@@ -150,7 +151,7 @@ def _latency_plots(recs: list[RequestRecord], t0: float, t1: float, names: Mappi
         ms = [request_metrics(r, metrics_as) for r in streamed]
         ts = np.fromiter((r.t_intended for r in streamed), float, len(streamed))
         for key, label, pid in (("ttft", "TTFT", "ttft"), ("tpot", names.get("tpot_ms", "TPOT"), "tpot")):
-            vals = np.array([np.nan if m[key] is None else m[key] * 1000 for m in ms], float)
+            vals = np.array([np.nan if (v := m[key]) is None else v * 1000 for m in ms], float)
             ok = ~np.isnan(vals)
             if ok.any():
                 bk = _bucket(ts[ok], vals[ok], edges)
