@@ -9,6 +9,7 @@ prints "ready PORT RAWPORT" and serves until killed:
   after the request, a usage chunk (prompt_tokens 7, completion_tokens 9) at 190 ms, then [DONE]. Each
   request's server-side chunk offsets go to GET /_sse_applied. ?no_usage=1 leaves usage out.
 - /status/N: answers status N. /sleep?s=X: answers after X s. /malformed_sse: a 200 stream with bad JSON.
+- /error_sse: a 200 stream whose second event is an error object (code 500), as vLLM sends mid-stream.
 - /fast: answers "ok" at once (for added-latency measurements: the server's own time is near zero).
 The raw port speaks bad HTTP: path /garbage answers bytes that are not HTTP; /disconnect closes mid-body.
 
@@ -151,6 +152,14 @@ def main() -> None:
         await resp.write_eof()
         return resp
 
+    async def error_sse(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices": [{"text": "a"}]}\n\n'
+                         b'data: {"error": {"message": "the model failed", "code": 500}}\n\ndata: [DONE]\n\n')
+        await resp.write_eof()
+        return resp
+
     async def fast(request: web.Request) -> web.Response:
         return web.Response(text="ok")
 
@@ -162,6 +171,7 @@ def main() -> None:
     app.router.add_route("*", "/sleep", sleep)
     app.router.add_route("*", "/malformed_sse", malformed)
     app.router.add_route("*", "/fast", fast)
+    app.router.add_route("*", "/error_sse", error_sse)
     app.router.add_get("/_applied", lambda r: _json(web, applied))
     app.router.add_get("/_sse_applied", lambda r: _json(web, sse_applied))
 

@@ -49,6 +49,7 @@ def test_http_status_classes(srv) -> None:
 def test_timeout_malformed_disconnect_refused(srv) -> None:
     assert _errors(srv.url("/sleep?s=5"), timeout_s=0.3) == {"timeout": 4}
     assert _errors(srv.url("/malformed_sse"), Protocol(kind="openai-completions")) == {"malformed": 4}
+    assert _errors(srv.url("/error_sse"), Protocol(kind="openai-completions")) == {"http_5xx": 4}
     assert _errors(srv.raw_url("/garbage")) == {"malformed": 4}
     assert _errors(srv.raw_url("/disconnect")) == {"disconnect": 4}
     assert _errors(f"http://127.0.0.1:{_closed_port()}/") == {"connect": 4}

@@ -7,6 +7,7 @@ HTML report and capacity search come from sibling modules that are imported only
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import re
 import sys
@@ -243,8 +244,12 @@ def preflight(cfg: WorkerConfig) -> RequestRecord:
             maker = RequestMaker(cfg.proto, client.target, cfg.seed, 0)
             payload, _, _, _ = maker.make(0)
             rec = RequestRecord(i=0, stage=-1, worker=0, t_intended=0.0, t_sent=0.0)
-            fut = loop.create_future()
-            client.send(rec, payload, lambda r: fut.done() or fut.set_result(r))
+            fut: asyncio.Future[RequestRecord] = loop.create_future()
+
+            def done(r: RequestRecord) -> None:
+                if not fut.done():
+                    fut.set_result(r)
+            client.send(rec, payload, done)
             try:
                 return await fut
             finally:

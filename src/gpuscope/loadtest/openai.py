@@ -84,7 +84,8 @@ class SseReader:
         self.buf = b""
         self.done = False
         self.prompt_words = prompt_words
-        rec.chunk_times = self.chunks = []
+        self.chunks: list[float] = []
+        rec.chunk_times = self.chunks
 
     def __call__(self, data: bytes, now: float) -> str | None:
         buf = self.buf + data if self.buf else data
@@ -117,8 +118,18 @@ class SseReader:
                         self.rec.input_tokens = int(usage["prompt_tokens"])
                     self.rec.tokens_from = "usage"
                 if "error" in obj and not obj.get("choices"):
-                    return "malformed"
+                    return self._server_error(obj["error"])
         return None
+
+    def _server_error(self, err: object) -> str:
+        """An error event in a 200 stream (vLLM and others send one when generation fails midway): the
+        server's failure, classed by its code (5xx when it gives none), its message kept."""
+        code = err.get("code") if isinstance(err, dict) else None
+        code = code if isinstance(code, int) else 500
+        cls = "http_429" if code == 429 else "http_4xx" if 400 <= code < 500 else "http_5xx"
+        message = err.get("message") if isinstance(err, dict) else err
+        self.rec.error, self.rec.error_detail = cls, f"error event in the stream: {str(message)[:200]}"
+        return cls
 
     def finish(self) -> str | None:
         """After the response ended: fill estimated counts; an error class if the stream was not sound."""

@@ -155,7 +155,8 @@ def collect_records(out_dir: str | Path, workers: int, records: list[RequestReco
 def summarize(cfg: WorkerConfig, res: RunResult, *, url: str, protocol: str, stage_names: list[str]) -> dict[str, Any]:
     """summary.json: stages (warm-up left out), overall, the client's self-check and the verdict."""
     plan, n_warm = cfg.plan, cfg.n_warmup_stages
-    stages, overall = [], Acc()
+    stages: list[dict[str, Any]] = []
+    overall = Acc()
     for k, acc in enumerate(res.accs):
         if k < n_warm:
             continue

@@ -123,7 +123,7 @@ def validate(stage: Stage) -> Stage:
 
 def load_stage_file(path: str | Path, *, default_arrival: str = "poisson", burstiness: float = 1.0) -> list[Stage]:
     """Read a YAML or JSON list of {duration, rate | concurrency, arrival, ramp_to, ramp, requests, name}."""
-    import yaml
+    import yaml  # type: ignore[import-untyped]
 
     try:
         text = Path(path).read_text()

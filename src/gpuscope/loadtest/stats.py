@@ -20,7 +20,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from hdrh.histogram import HdrHistogram
+from hdrh.histogram import HdrHistogram  # type: ignore[import-untyped]
 
 from .records import RequestRecord
 
@@ -120,8 +120,9 @@ class Acc:
         self.streaming = True
         m = request_metrics(rec, metrics_as)
         for k in ("ttft", "ttst", "tpot", "e2e"):
-            if m[k] is not None:
-                d[k].add(m[k])
+            v = m[k]
+            if v is not None:
+                d[k].add(v)
         chunks = rec.chunk_times
         gaps = d["chunk_gap"]
         for a, b in zip(chunks, chunks[1:], strict=False):

@@ -48,13 +48,6 @@ class WorkerConfig:
     keep_records: bool = False           # return the records (in-process runs and tests)
 
 
-class Progress:
-    """Counters the parent reads for the live line: sent, done, errors (a shared array or a list)."""
-
-    def __init__(self, counts: Any, worker: int) -> None:
-        self.counts, self.base = counts, worker * 3
-
-
 class Worker:
     def __init__(self, cfg: WorkerConfig, index: int, t0: float, counts: Any = None) -> None:
         self.cfg, self.index, self.t0 = cfg, index, t0
