@@ -44,7 +44,7 @@ def test_gcra_never_admits_more_than_rate_times_t_plus_burst(rate, burst, steps)
     for dt, cost in steps:
         now += dt
         if b.take("k", cost, now) == 0.0:
-            admitted.append((now, cost))
+            admitted.append((now, min(cost, burst)))  # a cost over the burst is charged as the burst
     for i in range(len(admitted)):
         total = 0.0
         for j in range(i, len(admitted)):
@@ -417,3 +417,15 @@ def test_release_twice_and_release_of_a_shed_decision_do_nothing():
     g.release(d)
     g.release(g.acquire(RequestInfo()))
     assert g.inflight_total == 0 and not math.isnan(g.limiter.limit)
+
+
+def test_a_cost_over_the_burst_is_charged_as_the_burst():
+    clock = Clock()
+    g = Guard(parse_config({"classes": [{"name": "a", "rate": 2, "burst": 4}], "classify": {"cost": "tokens"}}),
+              clock=clock)
+    big = RequestInfo(body={"prompt": "x" * 400, "max_tokens": 100})  # 200 tokens against a burst of 4
+    assert g.acquire(big).admitted
+    d = g.acquire(big)
+    assert d.reason == "rate" and d.retry_after_s == pytest.approx(2.0)  # until the bucket is full again
+    clock.t += 2.0
+    assert g.acquire(big).admitted

@@ -132,3 +132,12 @@ def test_lua_script_refuses_without_spending(redis_server):  # noqa: F811
     before = r.get("gpuscope:guard:{a}")
     assert not g.acquire(RequestInfo(headers={"x-tenant": "x"})).admitted
     assert r.get("gpuscope:guard:{a}") == before  # a refusal stores nothing
+
+
+def test_a_cost_over_the_burst_is_charged_as_the_burst_in_redis(redis_server):  # noqa: F811
+    cfg = parse_config({"classes": [{"name": "a", "rate": 1, "burst": 2}], "classify": {"cost": "tokens"},
+                        "redis": {"url": redis_server.url}})
+    g = Guard(cfg, buckets=RedisBuckets(cfg))
+    big = RequestInfo(body={"prompt": "x" * 400, "max_tokens": 100})
+    first, second = g.acquire(big), g.acquire(big)
+    assert first.admitted and second.reason == "rate" and 1.9 < second.retry_after_s <= 2.0

@@ -3,7 +3,7 @@
 Emission interval `T = 1/rate`, tolerance `tau = T * burst`. A request of cost c at time `now` gives
 `TAT' = max(TAT, now) + c*T`; it conforms iff `TAT' - now <= tau`, and then TAT' is stored. This is a
 token bucket of capacity `burst` refilled at `rate`: over any interval of length t the admitted cost is
-at most `rate*t + burst`.
+at most `rate*t + burst`. A cost over the burst is charged as the burst (it could never conform otherwise).
 
     >>> b = Gcra(rate=2.0, burst=2.0)
     >>> [b.take("k", 1.0, now=0.0) for _ in range(3)]
@@ -45,7 +45,9 @@ class Gcra:
         tat = self._tat.get(key, now)
         if tat < now:
             tat = now
-        over = tat + cost * interval - now - self.tau_s
+        # A request costing more than the burst could never conform: it costs the whole burst instead, so it
+        # runs once the bucket is full (a long prompt is slow to admit, not refused for ever).
+        over = tat + min(cost, self.tau_s / interval) * interval - now - self.tau_s
         return over if over > _EPS_S else 0.0  # float rounding must not refuse a request that is due
 
     def commit(self, key: str, cost: float, now: float, factor: float = 1.0) -> None:
@@ -54,7 +56,8 @@ class Gcra:
             tat = now
         if len(self._tat) >= self._max_keys and key not in self._tat:
             self._evict(now)
-        self._tat[key] = tat + cost * self.interval_s / factor
+        interval = self.interval_s / factor
+        self._tat[key] = tat + min(cost, self.tau_s / interval) * interval
 
     def _evict(self, now: float) -> None:
         # A key whose TAT is in the past is a full bucket: forgetting it changes no decision.
@@ -90,7 +93,8 @@ class LocalBuckets:
             ctat = cb._tat.get(self._names[idx], now)
             if ctat < now:
                 ctat = now
-            cnew = ctat + cost * cb.interval_s / factor
+            interval = cb.interval_s / factor
+            cnew = ctat + min(cost, cb.tau_s / interval) * interval  # see Gcra.peek: cost is capped at the burst
             over = cnew - now - cb.tau_s
             if over > _EPS_S:
                 return over, "rate"
@@ -99,7 +103,8 @@ class LocalBuckets:
             ttat = tats.get(tenant, now)
             if ttat < now:
                 ttat = now
-            tnew = ttat + cost * tb.interval_s / factor
+            interval = tb.interval_s / factor
+            tnew = ttat + min(cost, tb.tau_s / interval) * interval
             over = tnew - now - tb.tau_s
             if over > _EPS_S:
                 return over, "tenant_rate"

@@ -34,7 +34,7 @@ for i = 1, #KEYS do
   local tau = tonumber(ARGV[2 * i + 1])
   local tat = tonumber(redis.call('GET', KEYS[i]) or '0')
   if tat < now then tat = now end
-  local new = tat + cost * interval
+  local new = tat + math.min(cost, tau / interval) * interval
   local over = new - now - tau
   if over > 0 then return {i, math.floor(over) + 1} end
   tats[i] = new
