@@ -140,7 +140,7 @@ def load(path: str | Path) -> GuardConfig:
         except tomllib.TOMLDecodeError as e:
             raise GuardConfigError(f"{p} is not valid TOML: {e}.") from None
     else:
-        import yaml
+        import yaml  # type: ignore[import-untyped]
 
         try:
             data = yaml.safe_load(text)
@@ -227,9 +227,9 @@ def _check(cfg: GuardConfig, names: list[str]) -> None:
     ctl.steps = steps
     if ctl.consecutive < 1:
         raise GuardConfigError("controller.consecutive must be at least 1.")
-    for f in br.failures:
-        if f not in _FAILURES:
-            raise GuardConfigError(f"breaker.failures has {f!r}; the failure classes are {', '.join(_FAILURES)}.")
+    for name in br.failures:
+        if name not in _FAILURES:
+            raise GuardConfigError(f"breaker.failures has {name!r}; the failure classes are {', '.join(_FAILURES)}.")
     if not 0 < br.failure_rate <= 1:
         raise GuardConfigError("breaker.failure_rate must be in (0, 1].")
     if br.probes < 1 or br.success_threshold < 1 or br.min_requests < 1:

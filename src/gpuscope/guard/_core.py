@@ -105,7 +105,7 @@ class Guard:
         self._classifier = Classifier(cfg)
         self.limiter = AdaptiveLimit(cfg.controller, cfg.signals, now)
         self.breaker = Breaker(cfg.breaker)
-        self.buckets = buckets if buckets is not None else LocalBuckets(cfg.classes)
+        self.buckets: Any = buckets if buckets is not None else LocalBuckets(cfg.classes)
         self._async_buckets = hasattr(self.buckets, "atake")
         self._local_buckets = isinstance(self.buckets, LocalBuckets)
         self._lock = threading.Lock()

@@ -133,6 +133,8 @@ class SignalPoller:
                     return None
                 sig = GpuSignal(now)
             sig.queue_waiting = queue
+        if sig is None:
+            return None
         self.guard.observe_gpu(sig)
         self._warned.clear()
         return sig
