@@ -15,11 +15,12 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from model import KvCache, ModelConfig, TinyDecoder, decode, prefill
+from model import GraphedDecode, KvCache, ModelConfig, TinyDecoder, decode, prefill
 from tokenizer import EOS
 
 log = logging.getLogger("inference_service")
@@ -46,10 +47,12 @@ class Sequence:
 
 class Engine:
     def __init__(self, model: TinyDecoder, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
-                 max_batch: int, max_queue: int, seed: int, loop: asyncio.AbstractEventLoop) -> None:
+                 max_batch: int, max_queue: int, seed: int, loop: asyncio.AbstractEventLoop,
+                 cuda_graphs: bool = False) -> None:
         self.model, self.cfg, self.device = model, cfg, device
         self.max_batch, self.max_queue = max_batch, max_queue
         self.cache = KvCache(cfg, max_batch, device, dtype)
+        self._step: Callable[..., torch.Tensor] = GraphedDecode(model, self.cache, max_batch) if cuda_graphs else decode
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.loop = loop
         self._waiting: deque[Sequence] = deque()
@@ -66,6 +69,7 @@ class Engine:
         self.requests_finished_total = 0
         self.requests_rejected_total = 0
         self.decode_steps_total = 0
+        self.decode_seconds_total = 0.0
         self.prefills_total = 0
         self.model_errors_total = 0
 
@@ -153,9 +157,12 @@ class Engine:
         seqs = list(self._active)
         self.batch_size = len(seqs)
         self.batch_size_peak = max(self.batch_size_peak, self.batch_size)
-        logits = decode(self.model, self.cache, [s.generated[-1] for s in seqs], [s.position for s in seqs])
+        t0 = time.perf_counter()
+        logits = self._step(self.model, self.cache, [s.generated[-1] for s in seqs], [s.position for s in seqs])
+        tokens = self._sample(logits, seqs)  # .tolist() waits for the GPU, so the step's time is all in
+        self.decode_seconds_total += time.perf_counter() - t0
         self.decode_steps_total += 1
-        self._emit(seqs, self._sample(logits, seqs))
+        self._emit(seqs, tokens)
 
     def _emit(self, seqs: list[Sequence], tokens: list[int]) -> None:
         out: list[tuple[Sequence, str, Any]] = []

@@ -124,12 +124,70 @@ def prefill(model: TinyDecoder, cache: KvCache, ids: list[int], slot: int) -> to
 def decode(model: TinyDecoder, cache: KvCache, last_ids: list[int], positions: list[int]) -> torch.Tensor:
     """One decode step for the sequences in slots 0..B-1: token `last_ids[b]` at `positions[b]`; [B, vocab]."""
     device = cache.k.device
-    b = len(last_ids)
-    pos = torch.tensor(positions, device=device)
-    rows = torch.arange(b, device=device)
-    length = max(positions) + 1
+    return decode_tensors(model, cache, torch.tensor(last_ids, device=device), torch.tensor(positions, device=device),
+                          max(positions) + 1)
+
+
+def decode_tensors(model: TinyDecoder, cache: KvCache, tokens: torch.Tensor, pos: torch.Tensor,
+                   length: int) -> torch.Tensor:
+    """`decode` on tensors, attending over the first `length` cache positions (a fixed shape for a CUDA graph)."""
+    device = cache.k.device
+    rows = torch.arange(tokens.shape[0], device=device)
     mask = (torch.arange(length, device=device)[None, :] <= pos[:, None])[:, None, None, :]
-    x = (model.tok(torch.tensor(last_ids, device=device)) + model.pos(pos))[:, None, :]
+    x = (model.tok(tokens) + model.pos(pos))[:, None, :]
     for i, block in enumerate(model.blocks):
         x = block.decode(x, cache.k[i], cache.v[i], rows, pos, mask)
     return model.head(model.ln_f(x[:, 0])).float()
+
+
+def _buckets(start: int, limit: int) -> list[int]:
+    out = [start]
+    while out[-1] < limit:
+        out.append(min(out[-1] * 2, limit))
+    return out
+
+
+class GraphedDecode:
+    """`decode` replayed from CUDA graphs, one per (batch bucket, attention-length bucket).
+
+    An eager decode step launches ~20 kernels per layer, and each launch costs the CPU more than the GPU
+    spends on it at small batches, so without graphs the GPU idles between kernels (what vLLM's CUDA
+    graphs are for). A step is padded up to its bucket: the padding rows use free cache slots (active
+    sequences always hold slots 0..B-1) and their outputs are dropped.
+    """
+
+    def __init__(self, model: TinyDecoder, cache: KvCache, max_batch: int) -> None:
+        self.model, self.cache = model, cache
+        device = cache.k.device
+        self.tokens = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.pos = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.batch_buckets = _buckets(1, max_batch)
+        self.length_buckets = _buckets(min(128, model.cfg.context), model.cfg.context)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        with torch.inference_mode():
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # warm-up runs (cuBLAS handles, autotuning) off the capture
+                for b in self.batch_buckets:
+                    for n in self.length_buckets:
+                        decode_tensors(model, cache, self.tokens[:b], self.pos[:b], n)
+            torch.cuda.current_stream().wait_stream(stream)
+            for b in self.batch_buckets:
+                for n in self.length_buckets:
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        out = decode_tensors(model, cache, self.tokens[:b], self.pos[:b], n)
+                    self.graphs[(b, n)] = (graph, out)
+        torch.cuda.synchronize()
+
+    @torch.inference_mode()
+    def __call__(self, model: TinyDecoder, cache: KvCache, last_ids: list[int], positions: list[int]) -> torch.Tensor:
+        b = len(last_ids)
+        bb = next(x for x in self.batch_buckets if x >= b)
+        n = next(x for x in self.length_buckets if x >= max(positions) + 1)
+        padding = [0] * (bb - b)
+        self.tokens[:bb].copy_(torch.tensor(last_ids + padding), non_blocking=True)
+        self.pos[:bb].copy_(torch.tensor(positions + padding), non_blocking=True)
+        graph, out = self.graphs[(bb, n)]
+        graph.replay()
+        return out[:b]

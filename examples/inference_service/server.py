@@ -242,6 +242,8 @@ class Service:
             ("example_batch_size_peak", "gauge", "Most sequences in one decode step since start.", e.batch_size_peak),
             ("example_num_requests_running_peak", "gauge", "Most running requests since start.", e.running_peak),
             ("example_decode_steps_total", "counter", "Decode steps run.", e.decode_steps_total),
+            ("example_decode_seconds_total", "counter", "Time spent in decode steps, sampling included.",
+             round(e.decode_seconds_total, 6)),
             ("example_prefills_total", "counter", "Prompts prefilled.", e.prefills_total),
             ("example_requests_rejected_total", "counter", "Requests refused with 429 (queue full).",
              e.requests_rejected_total),
@@ -297,6 +299,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ignore-eos", action="store_true",
                    help="every request generates exactly max_tokens (as if each sent ignore_eos: true)")
     p.add_argument("--model-name", default="gpuscope-example", help="the name /v1/models reports")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="on cuda, run decode steps eagerly instead of replaying CUDA graphs (slower: each "
+                        "kernel launch then costs more than the kernel)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--seed", type=int, default=0, help="seeds the weights and the sampling")
     args = p.parse_args(argv)
@@ -330,7 +335,13 @@ async def serve(args: argparse.Namespace) -> None:
     print(f"model: {cfg.layers} layers, width {cfg.width}, {cfg.heads} heads, vocab {cfg.vocab}, context "
           f"{cfg.context}, ~{cfg.params() / 1e6:.0f} M parameters, {dtype} on {device}, KV cache for "
           f"{args.max_batch} sequences (built in {time.monotonic() - t0:.1f} s)", file=sys.stderr, flush=True)
-    engine = Engine(model, cfg, device, dtype, args.max_batch, args.max_queue, args.seed, asyncio.get_running_loop())
+    t0 = time.monotonic()
+    graphs = device.type == "cuda" and not args.no_cuda_graphs
+    engine = Engine(model, cfg, device, dtype, args.max_batch, args.max_queue, args.seed, asyncio.get_running_loop(),
+                    cuda_graphs=graphs)
+    if graphs:
+        print(f"captured {len(engine._step.graphs)} CUDA graphs of the decode step in "  # type: ignore[attr-defined]
+              f"{time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
     service = Service(engine, cfg, args.model_name)
     service.ignore_eos = args.ignore_eos
     engine.start()

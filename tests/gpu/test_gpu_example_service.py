@@ -11,7 +11,7 @@ import time
 
 import aiohttp
 import pytest
-from test_example_service import ExampleService, post  # tests/ is on sys.path (conftest.py's folder)
+from test_example_service import ExampleService, metrics, post  # tests/ is on sys.path (conftest.py's folder)
 
 from gpuscope import Sampler, SamplerConfig
 
@@ -94,12 +94,42 @@ def test_service_on_cuda_is_busy_under_16_streams(sampler):
                 tokens = await asyncio.gather(*[one(session, i) for i in range(16)])
             return sum(tokens), time.monotonic() - t0
 
+        before = asyncio.run(metrics(s.url))
         with window:
             tokens, seconds = asyncio.run(load())
         busy = window.median()
+        after = asyncio.run(metrics(s.url))
+        steps = after["example_decode_steps_total"] - before["example_decode_steps_total"]
+        step_s = (after["example_decode_seconds_total"] - before["example_decode_seconds_total"]) / max(steps, 1)
         print(f"SM activity idle {idle:.3f}, under 16 streams {busy:.3f}; {tokens} tokens in {seconds:.1f} s "
-              f"= {tokens / seconds:.0f} tokens/s")
+              f"= {tokens / seconds:.0f} tokens/s; {steps:.0f} decode steps of {step_s * 1e3:.2f} ms, peak batch "
+              f"{after['example_batch_size_peak']:.0f}")
         assert tokens == 16 * 1500
         assert busy > max(0.2, 3 * idle), (idle, busy)
+    finally:
+        s.stop()
+
+
+def test_graphed_decode_answers_exactly_at_every_batch_size():
+    """The small model on cuda: CUDA graphs padded to batch buckets still give each request its own tokens."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA device")
+    s = ExampleService("--device", "cuda", "--max-batch", "8", "--ignore-eos")
+    try:
+        url = s.url + "/v1/completions"
+
+        async def go() -> tuple[list[int], str, str]:
+            probe = {"prompt": "greedy probe", "max_tokens": 300, "temperature": 0}
+            first = (await post(url, probe))[1]["choices"][0]["text"]
+            results = await asyncio.gather(*[post(url, {"prompt": f"r {i}", "max_tokens": 20 + 37 * i})
+                                             for i in range(7)])
+            again = (await post(url, probe))[1]["choices"][0]["text"]
+            return [r[1]["usage"]["completion_tokens"] for r in results], first, again
+
+        counts, first, again = asyncio.run(go())
+        assert counts == [20 + 37 * i for i in range(7)]
+        assert first == again and len(first.split()) == 300
     finally:
         s.stop()
