@@ -7,12 +7,11 @@ pid/tid conventions of trace/kineto.py), so the loader, the rules and `trace fla
 
 Which records, and why (docs/trace-cupti.md has the figures): cupti-python makes a Python object of
 every record (tens of µs each), so only the GPU's own work is recorded by default (kernels, copies with
-their memory kinds, memsets, CUPTI's synchronization records) plus the runtime/driver API records of
-the few calls the rules read (memcpy, memset, synchronize, malloc/free), through
-cuptiActivityEnableRuntimeApi/DriverApi per callback id; each of those calls also gets its Python stack
-(a callback on those ids only). Kernel launches are not recorded unless `api_all` (the opt-in
+their memory kinds, memsets, CUPTI's synchronization records) plus the few runtime/driver calls the
+rules read (memcpy, memset, synchronize, malloc/free), timed by a callback on those ids only, which
+also takes the call's Python stack. Kernel launches are not recorded unless `api_all` (the opt-in
 GPUSCOPE_TRACE_API=all), which records every runtime and driver call and slows a launch-bound loop many
-times. Records wait in 32 MiB buffers and are flushed when the window ends.
+times. Records wait in 256 MiB buffers and are flushed when the window ends.
 
 Only the standard library and `cupti` are imported: this runs inside the traced program.
 """
@@ -29,9 +28,19 @@ import time
 
 #: Modules whose import starts CUPTI tracing in --backend auto (torch keeps the PyTorch profiler).
 TRIGGERS = ("cupy", "numba.cuda", "numba_cuda", "jax", "cuda.bindings", "cuda.cudart", "cuda.core")
-#: Large buffers: CUPTI hands a buffer back when it is full or flushed; with 32 MiB (about 150 k kernel
-#: records) a window rarely fills one, so the per-record Python work happens after the window.
-BUFFER_BYTES = 32 << 20
+
+def _buffer_bytes():
+    try:
+        return max(1, int(os.environ.get("GPUSCOPE_TRACE_CUPTI_BUFFER_MB", "256"))) << 20
+    except ValueError:
+        return 256 << 20
+
+
+#: Large buffers: CUPTI hands a buffer back when it is full or flushed, and cupti-python then makes an
+#: object of each record on CUPTI's thread, holding the GIL; the fewer buffers fill during a window, the
+#: more of that work waits for its end. GPUSCOPE_TRACE_CUPTI_BUFFER_MB, default 256 (about a million
+#: kernel records): on an H200 a launch-bound CuPy loop ran 42 % slower traced with 32 MiB, 22 % with 256.
+BUFFER_BYTES = _buffer_bytes()
 HELD = ("another profiler holds CUPTI (Nsight Systems, the PyTorch profiler, DCGM profiling ...); "
         "only one CUPTI subscriber can exist per process")
 # The API calls the rules read (sync_memcpy, sync_memset, sync_in_loop, pageable_memcpy's launcher).
