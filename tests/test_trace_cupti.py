@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -244,7 +245,11 @@ PROG = textwrap.dedent("""
         cupy.cuda.Device().synchronize()
         time.sleep(0.002)
 
-    if mode not in ("never", "numba"):
+    if mode == "ondemand":  # launches until the test says stop
+        t0 = time.time()
+        while not os.path.exists(os.environ["STOP_FILE"]) and time.time() - t0 < 60:
+            step()
+    elif mode not in ("never", "numba"):
         cupy.launch("warmup")
         time.sleep(0.3)
         for _ in range(40):
@@ -442,3 +447,37 @@ def test_bad_backend_options_are_usage_errors(fake, tmp_path, opts, message):
     p = trace(fake, tmp_path, "cupy", *opts)
     assert p.returncode == 2
     assert message in p.stderr and "Traceback" not in p.stderr
+
+
+def test_on_demand_requests_are_answered_through_cupti(fake, tmp_path):
+    from gpuscope.trace import ondemand as od
+
+    agent = tmp_path / "agent"
+    stop = tmp_path / "stop"
+    e = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "PYTHONPATH")}
+    e.update(PYTHONPATH=str(fake / "site-packages"), STOP_FILE=str(stop), GPUSCOPE_TRACE_MAX_DUTY="0.5")
+    proc = subprocess.Popen([sys.executable, "-m", "gpuscope.cli", "trace", "--on-demand", "--agent-dir", str(agent),
+                             "--", sys.executable, str(fake / "prog.py"), "ondemand"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e, cwd=fake)
+    try:
+        req_dir = str(agent / "trace-requests")
+        for _ in range(300):
+            if os.path.isdir(req_dir) and od.opted_in(req_dir):
+                break
+            time.sleep(0.05)
+        [me] = od.opted_in(req_dir)
+        req = od.write_request(req_dir, 1.0, [me["pid"]])
+        for _ in range(300):
+            done = [t for t in od.list_traces(req_dir) if t["id"] == req["id"]]
+            if done:
+                break
+            time.sleep(0.05)
+    finally:
+        stop.write_text("")
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    [answer] = done
+    assert answer["status"] == "written", answer
+    t = load(agent / "traces" / answer["file"])
+    names = [t.name_of(i) for i in range(len(t))]
+    assert names.count("tiny_step_kernel") > 0 and "cudaDeviceSynchronize" in names
