@@ -305,7 +305,7 @@ def _plain(a):
     return None
 
 
-_KIND_NAMES = {}
+_KIND_NAMES: dict = {}  # ActivityKind value -> the short name _plain uses; filled by Session
 
 
 def _kind_names(c):
