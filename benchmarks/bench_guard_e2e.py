@@ -136,12 +136,12 @@ def wait_idle(service: str, timeout_s: float = 120.0) -> None:
 def loadtest(url: str, out: Path, load: list[str], args: argparse.Namespace, extra: list[str]) -> subprocess.Popen:
     cmd = [*gpuscope_cmd(), "loadtest", url, "--openai", "completions", "--prompt-tokens", str(args.prompt_tokens),
            "--max-tokens", str(args.max_tokens), "--out", str(out), "--json", "--no-html", "--no-gpu", "--quiet",
-           "--workers", "1", *load, *extra]
+           "--workers", str(args.workers), *load, *extra]
     return subprocess.Popen(cmd, stdout=open(out.with_suffix(".json"), "wb"),  # noqa: SIM115
                             stderr=open(out.with_suffix(".err"), "wb"))  # noqa: SIM115
 
 
-def finish(proc: subprocess.Popen, out: Path, timeout_s: float) -> tuple[int, dict[str, Any]]:
+def finish(proc: subprocess.Popen, out: Path, timeout_s: float) -> tuple[int, dict[str, Any], list[str]]:
     """Wait for a loadtest; its exit status and summary. 0 valid, 1 invalid (client-bound), else failed."""
     try:
         rc = proc.wait(timeout_s)
@@ -152,16 +152,17 @@ def finish(proc: subprocess.Popen, out: Path, timeout_s: float) -> tuple[int, di
         err = out.with_suffix(".err").read_text(errors="replace").strip().splitlines()[-3:]
         raise BenchError(f"gpuscope loadtest ({out.name}) failed with status {rc}: {' | '.join(err)}")
     try:
-        return rc, json.loads(out.with_suffix(".json").read_text())
+        summary = json.loads(out.with_suffix(".json").read_text())
     except (OSError, ValueError) as e:
         raise BenchError(f"gpuscope loadtest ({out.name}) printed no summary: {e}.") from None
+    return rc, summary, list(summary.get("invalid_reasons") or [])
 
 
 def calibrate(service: str, max_batch: int, args: argparse.Namespace, work: Path) -> dict[str, float]:
     out = work / "calibrate"
     p = loadtest(service, out, ["--closed-loop", "--concurrency", str(max_batch),
                                 "--duration", f"{args.calibrate_seconds}s", "--warmup", "3s"], args, [])
-    rc, s = finish(p, out, args.calibrate_seconds + 120)
+    rc, s = finish(p, out, args.calibrate_seconds + 120)[:2]
     o = s["overall"]
     if not o.get("completed") or not o.get("ttft_ms") or not o.get("tpot_ms"):
         raise BenchError(f"Calibration completed no streamed request (errors: {o.get('errors')}).")
@@ -191,7 +192,7 @@ def guard_config(service: str, max_batch: int, slo: dict[str, float], args: argp
         "  signal: ttft",
         f"  initial_limit: {max_batch}",
         "  min_limit: 2",
-        f"  max_limit: {2 * max_batch}",
+        f"  max_limit: {max_batch}",
         "signals:",
         f"  service_metrics: {service}/metrics",
         "  queue_metric: vllm:num_requests_waiting",
@@ -222,6 +223,32 @@ def start_guard(service: str, config: Path, log_path: Path) -> tuple[subprocess.
         tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
         raise BenchError(f"gpuscope guard proxy did not start: {' | '.join(tail)}") from None
     return proc, url
+
+
+class GuardSampler(threading.Thread):
+    """Reads the guard's concurrency limit and queue depth every half second while a run goes on."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url, self.limits, self.queue_depths = url + "/guard/metrics", [], []
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(0.5):
+            try:
+                text = http_get(self.url, 2.0)
+            except (OSError, urllib.error.URLError):
+                continue
+            self.limits += metric_values(text, "gpuscope_guard_concurrency_limit")[:1]
+            self.queue_depths += metric_values(text, "gpuscope_guard_queue_depth")[:1]
+
+    def figures(self) -> dict[str, Any]:
+        self.done.set()
+        self.join(5)
+        lim = sorted(self.limits)
+        return {"limit_min": lim[0] if lim else None, "limit_median": lim[len(lim) // 2] if lim else None,
+                "limit_max": lim[-1] if lim else None,
+                "queue_depth_max": max(self.queue_depths) if self.queue_depths else None}
 
 
 def p99(values: list[float]) -> float | None:
@@ -282,9 +309,9 @@ def run_mode(name: str, url: str, rates: dict[str, float], args: argparse.Namesp
     result: dict[str, Any] = {"classes": {}}
     try:
         for c in CLASSES:
-            rc, _ = finish(procs[c], outs[c], args.seconds + 180)
+            _, _, invalid = finish(procs[c], outs[c], args.seconds + 180)
             fig = class_figures(outs[c] / "records.jsonl", args.seconds, slo)
-            fig["loadtest_valid"] = rc == 0
+            fig["loadtest_invalid_reasons"] = invalid
             result["classes"][c] = fig
     finally:
         for p in procs.values():
@@ -304,7 +331,7 @@ def report(modes: dict[str, dict[str, Any]], slo: dict[str, float]) -> dict[str,
           f"{'p99 E2E ms':>11} {'SLO att.':>9} {'goodput/s':>10}")
     for mode, r in modes.items():
         for c, f in r["classes"].items():
-            warn = "" if f["loadtest_valid"] else "  (loadtest: client-bound, invalid)"
+            warn = f"  (loadtest: {'; '.join(f['loadtest_invalid_reasons'])})" if f["loadtest_invalid_reasons"] else ""
             print(f"{mode:<9} {c:<12} {f['sent']:>6} {f['completed']:>6} {f['shed']:>6} {f['failed']:>5} "
                   f"{fmt(f['p99_ttft_ms']):>12} {fmt(f['p99_e2e_ms']):>11} {f['slo_attainment']:>8.1%} "
                   f"{f['goodput_per_s']:>10.2f}{warn}")
@@ -351,6 +378,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--workers", type=int, default=1, help="client processes per loadtest (default 1)")
     ap.add_argument("--agent", default="", help="a gpuscope agent URL for the guard's GPU signal")
     ap.add_argument("--start-timeout", type=float, default=300.0, help="seconds for the service to start")
     ap.add_argument("--keep", type=Path, help="keep every loadtest output and the guard config in this directory")
@@ -359,7 +387,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     positive = {"--seconds": args.seconds, "--calibrate-seconds": args.calibrate_seconds,
                 "--interactive": args.interactive, "--batch": args.batch, "--spike": args.spike,
                 "--prompt-tokens": args.prompt_tokens, "--max-tokens": args.max_tokens,
-                "--start-timeout": args.start_timeout}
+                "--start-timeout": args.start_timeout, "--workers": args.workers}
     for opt in ("rate", "slo_ttft_ms", "slo_tpot_ms"):
         if getattr(args, opt) is not None:
             positive["--" + opt.replace("_", "-")] = getattr(args, opt)
@@ -408,12 +436,16 @@ def main(argv: list[str] | None = None) -> int:
         config.write_text(guard_config(service, max_batch, slo, args))
         guard_proc, guard = start_guard(service, config, work / "guard.log")
         print(f"run 2: through gpuscope guard proxy at {guard} ...", flush=True)
+        sampler = GuardSampler(guard)
+        sampler.start()
         modes["guard"] = run_mode("guard", guard, rates, args, work, slo)
+        modes["guard"]["guard_samples"] = gs = sampler.figures()
         gm = http_get(guard + "/guard/metrics")
-        modes["guard"]["final_concurrency_limit"] = (metric_values(gm, "gpuscope_guard_concurrency_limit") or [None])[0]
         modes["guard"]["guard_metrics"] = [ln for ln in gm.splitlines() if ln.startswith("gpuscope_guard_shed_total")]
         summary = report(modes, slo)
-        print(f"guard: concurrency limit at the end {fmt(modes['guard']['final_concurrency_limit'], '.1f')}; "
+        print(f"guard: concurrency limit min/median/max {fmt(gs['limit_min'], '.1f')}/"
+              f"{fmt(gs['limit_median'], '.1f')}/{fmt(gs['limit_max'], '.1f')} (max batch {max_batch}), "
+              f"queue depth max {fmt(gs['queue_depth_max'])}; "
               + ", ".join(ln.replace("gpuscope_guard_shed_total", "shed") for ln in modes["guard"]["guard_metrics"]))
         if args.json_out:
             args.json_out.write_text(json.dumps({
