@@ -230,7 +230,9 @@ class GuardSampler(threading.Thread):
 
     def __init__(self, url: str) -> None:
         super().__init__(daemon=True)
-        self.url, self.limits, self.queue_depths = url + "/guard/metrics", [], []
+        self.url = url + "/guard/metrics"
+        self.limits: list[float] = []
+        self.queue_depths: list[float] = []
         self.done = threading.Event()
 
     def run(self) -> None:
