@@ -105,3 +105,14 @@ def test_judge_missing_attainment_and_bad_arguments():
     assert not t["passed"] and t["failed"] == ["slo"] and "no SLO attainment" in t["why"]
     with pytest.raises(ValueError, match="start rate"):
         find_capacity(mm1, None, start_rate=0, max_rate=10)
+
+
+def test_throughput_is_judged_against_what_the_trial_actually_sent():
+    # Poisson chance: 34 requests sent in a 6 s trial at 8/s, every one answered; the server kept up.
+    lucky_low = {"requests": 34, "completed": 34, "errors": {}, "request_throughput": 34 / 6, "duration_s": 6.0,
+                 "slo_attainment": 1.0}
+    assert judge(8, lucky_low, {"e2e": 1.0})["passed"]
+    # Half of what was sent completed within the trial: the server did not keep up.
+    behind = dict(lucky_low, completed=17, request_throughput=17 / 6)
+    t = judge(8, behind, {"e2e": 1.0})
+    assert not t["passed"] and t["failed"] == ["throughput"] and "of the 5.667 sent" in t["why"]
