@@ -205,10 +205,25 @@ def test_exit_before_the_window_is_said(fake, tmp_path):
 
 
 def test_windows_every(fake, tmp_path):
-    p = trace(fake, tmp_path, "plain", opts=("--duration", "0.2", "--every", "0.5"), env={"PROG_SLEEP": "1.6"})
+    p = trace(fake, tmp_path, "plain", opts=("--duration", "0.2", "--every", "0.5", "--budget", "100"),
+              env={"PROG_SLEEP": "1.6"})
     assert p.returncode == 0, p.stderr
     names = [f.name for f in traces(tmp_path)]
     assert len(names) >= 2 and all(".w" in n for n in names)
+
+
+def test_the_budget_spaces_repeated_windows_by_their_measured_cost(fake, tmp_path):
+    # At the default 1 % a window that cost ~0.3 s pushes the next ~30 s away: one window in 1.6 s,
+    # its cost recorded, and the status says why the others did not come.
+    p = trace(fake, tmp_path, "plain", opts=("--duration", "0.2", "--every", "0.5"), env={"PROG_SLEEP": "1.6"})
+    assert p.returncode == 0, p.stderr
+    assert len(traces(tmp_path)) == 1
+    [status] = [json.loads(f.read_text()) for f in tmp_path.glob("*.gpuscope.json")]
+    [entry] = status["traces"]
+    assert entry["cost_s"] >= 0.2 and entry["max_duty"] == 0.01
+    assert "not the 0.5 s asked" in status["budget_note"] and "1 %" in status["budget_note"]
+    p = trace(fake, tmp_path, "plain", opts=("--budget", "0"))
+    assert p.returncode == 2 and "percentage" in p.stderr
 
 
 def test_samples_write_a_perfetto_timeline_with_counters(fake, tmp_path):

@@ -23,6 +23,7 @@ code is CMD's (128 + N when signal N ended it).
 
 from __future__ import annotations
 
+import argparse
 import glob
 import json
 import os
@@ -60,7 +61,7 @@ _WHY = {"exited_before_window": "it exited before its window began (lower --dela
 
 def environment(out_dir: str, delay_s: float, duration_s: float, every_s: float, stack: bool,
                 run_id: str, base: dict[str, str] | None = None, requests_dir: str | None = None,
-                backend: str = "auto", api: str = "rules") -> dict[str, str]:
+                backend: str = "auto", api: str = "rules", max_duty: float | None = None) -> dict[str, str]:
     """CMD's environment: ours plus the bootstrap first on PYTHONPATH and the tracing settings."""
     env = dict(os.environ if base is None else base)
     env["PYTHONPATH"] = os.pathsep.join([BOOTSTRAP_DIR] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
@@ -70,6 +71,8 @@ def environment(out_dir: str, delay_s: float, duration_s: float, every_s: float,
                 "GPUSCOPE_TRACE_BACKEND": backend, "GPUSCOPE_TRACE_API": api})
     if requests_dir:
         env["GPUSCOPE_TRACE_ON_DEMAND"] = os.path.abspath(requests_dir)
+    if max_duty is not None:
+        env["GPUSCOPE_TRACE_MAX_DUTY"] = repr(max_duty)
     return env
 
 
@@ -83,7 +86,7 @@ def check_windows(delay_s: float, duration_s: float, every_s: float) -> None:
 def trace(cmd: list[str], *, out_dir: str = "gpuscope-traces", delay_s: float = 5.0, duration_s: float = 10.0,
         every_s: float = 0.0, stack: bool = True, samples: bool = False, simulate: str | None = None,
         gpus: int | None = None, requests_dir: str | None = None, backend: str = "auto",
-        api: str = "rules") -> tuple[int, dict[str, Any]]:
+        api: str = "rules", max_duty: float | None = None) -> tuple[int, dict[str, Any]]:
     """Run `cmd` traced; return (the exit code to use, what was written: {"processes": [...], "traces": [...]})."""
     _check(cmd)
     check_windows(delay_s, duration_s, every_s)
@@ -110,7 +113,7 @@ def trace(cmd: list[str], *, out_dir: str = "gpuscope-traces", delay_s: float = 
     started = time.time()
     try:
         child = forward.child = _start(cmd, environment(out_dir, delay_s, duration_s, every_s, stack, run_id,
-                                        requests_dir=requests_dir, backend=backend, api=api))
+                                        requests_dir=requests_dir, backend=backend, api=api, max_duty=max_duty))
         if forward.interrupts:
             child.send_signal(signal.SIGINT)
         if sampler is not None:
@@ -230,7 +233,7 @@ def run(args: Any) -> int:
         code, report = trace(cmd, out_dir=out, requests_dir=requests_dir, delay_s=args.delay, duration_s=args.duration,
                            every_s=args.every or 0.0, stack=not args.no_stack, samples=args.samples,
                            simulate=args.simulate, gpus=args.gpus, backend=getattr(args, "backend", "auto"),
-                           api=getattr(args, "api", "rules"))
+                           api=getattr(args, "api", "rules"), max_duty=getattr(args, "budget", 1.0) / 100)
     except RunError as e:
         print(f"gpuscope: {e}", file=sys.stderr)
         return e.code
@@ -253,6 +256,19 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--duration", type=interval, default=10.0, help="how long each window traces (default 10s)")
     p.add_argument("--every", type=interval, default=None,
                    help="trace a --duration window this often (e.g. 5m) instead of once")
+    def percent(text: str) -> float:
+        try:
+            value = float(text.strip().rstrip("%"))
+        except ValueError:
+            value = -1.0
+        if not 0 < value <= 100:
+            raise argparse.ArgumentTypeError(f"'{text}' is not a percentage between 0 and 100")
+        return value
+
+    p.add_argument("--budget", type=percent, default=1.0, metavar="PERCENT",
+                   help="hard overhead budget for --every and --on-demand (default 1): each window is charged its "
+                        "whole measured cost (start, window, stop, export) and the next waits until the cost is "
+                        "at most PERCENT of the wall time since")
     p.add_argument("--on-demand", action="store_true",
                    help="no window of its own: trace when the agent asks (POST /api/v1/trace), at most 1 %% of "
                         "wall time; traces go to the agent's data directory, --out/--delay/--duration/--every do not apply")

@@ -229,13 +229,17 @@ class _Tracer:
         self._write_status(status="on_demand" if self.requests_dir else "waiting")
         if self.requests_dir:
             return self._on_demand()
-        window = 0
+        # Repeated windows keep to the same hard budget as windows on demand: each window is charged its
+        # whole measured cost, and the next starts no sooner than the budget allows, even when --every
+        # asks for more (the status says when it did).
+        budget = _ondemand().Budget(_number("GPUSCOPE_TRACE_MAX_DUTY", _ondemand().DEFAULT_MAX_DUTY))
+        window, start_at = 0, cuda_at + self.delay_s
         while True:
-            start_at = cuda_at + self.delay_s + window * self.every_s
             if self.exiting.wait(max(0.0, start_at - time.monotonic())):
                 if not self.status["traces"]:
                     self._write_status(status="exited_before_window")
                 return
+            began = time.monotonic()
             prof, all_threads, error = self._start()
             if prof is None:
                 what = "CUPTI tracing" if self.backend == "cupti" else "the PyTorch profiler"
@@ -246,10 +250,27 @@ class _Tracer:
                 return
             started = {"unix_ns": time.time_ns(), "monotonic_ns": time.monotonic_ns()}
             self.exiting.wait(self.duration_s)
-            self._stop_and_write(prof, window, started, all_threads)
+            try:
+                self._stop_and_write(prof, window, started, all_threads)
+            finally:
+                cost_s = time.monotonic() - began
+                budget.spend(began, cost_s)
+            self._charge(cost_s, budget)
             if self.every_s <= 0 or self.exiting.is_set():
                 return
             window += 1
+            start_at = max(began + self.every_s, budget.next_allowed)
+            if start_at > began + self.every_s + 0.5:
+                self._write_status(budget_note=(
+                    f"windows are {start_at - began:.0f} s apart, not the {self.every_s:g} s asked: each cost "
+                    f"{cost_s:.1f} s (start, window, stop, export) and the budget is {budget.max_duty * 100:g} % "
+                    f"of wall time (GPUSCOPE_TRACE_MAX_DUTY)"))
+
+    def _charge(self, cost_s, budget):
+        """Note the last window's measured cost in its status entry."""
+        if self.status.get("traces"):
+            self.status["traces"][-1].update(cost_s=round(cost_s, 3), max_duty=budget.max_duty)
+            self._write_status()
 
     def _on_demand(self):
         od = _ondemand()
@@ -282,14 +303,20 @@ class _Tracer:
         if why:
             od.mark_done(self.requests_dir, req["id"], host, self.pid, status="refused", reason=why, **answer)
             return
+        began = time.monotonic()
         prof, all_threads, error = self._start()
         if prof is None:
             od.mark_done(self.requests_dir, req["id"], host, self.pid, status="profiler_failed", reason=error, **answer)
             return
-        budget.spend(time.monotonic(), req["duration_s"])
         started = {"unix_ns": time.time_ns(), "monotonic_ns": time.monotonic_ns()}
         self.exiting.wait(req["duration_s"])
-        meta = self._stop_and_write(prof, 0, started, all_threads, suffix="." + req["id"])
+        try:
+            meta = self._stop_and_write(prof, 0, started, all_threads, suffix="." + req["id"])
+        finally:  # charged its whole measured cost, also when the export failed
+            cost_s = time.monotonic() - began
+            budget.spend(began, cost_s)
+        self._charge(cost_s, budget)
+        answer["cost_s"] = round(cost_s, 3)
         kept = ("file", "profiler_start_unix_ns", "profiler_stop_unix_ns", "cpu_ops_all_threads", "with_stack")
         od.mark_done(self.requests_dir, req["id"], host, self.pid, status="written", reason="",
                      cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
