@@ -237,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     alist.add_argument("--token", default=None, help="bearer token (default $GPUSCOPE_TOKEN or the data dir's token)")
     alist.add_argument("--json", action="store_true", help="print the agent's answer as JSON")
 
-    tr = sub.add_parser("trace", help="analyse PyTorch profiler (Kineto) traces",
+    tr = sub.add_parser("trace", help="trace CUDA programs unchanged (PyTorch, CuPy, Numba, JAX) and analyse the traces",
                         description="Traces of what a program did on the CPU and the GPUs, and why the GPUs waited.")
     trsub = tr.add_subparsers(dest="trace_verb", metavar="ACTION", parser_class=_Parser)
     for action, module in _TRACE_ACTIONS.items():
