@@ -1,4 +1,5 @@
-"""Real servers for integration tests: Prometheus, VictoriaMetrics, Alertmanager and a tiny /metrics HTTP server.
+"""Real servers for integration tests: Prometheus, VictoriaMetrics, Alertmanager and a tiny /metrics HTTP server,
+and the example inference service.
 
 Each runs on a free loopback port with its data in a temporary directory, waits until it is ready,
 and is stopped (terminate, then kill) when its `with` block or fixture ends. A test whose binary is
@@ -27,6 +28,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -39,7 +41,9 @@ from typing import Any
 
 import pytest
 
-__all__ = ["AlertmanagerServer", "MetricsServer", "WebhookReceiver", "PrometheusServer", "VictoriaMetricsServer", "alertmanager",
+EXAMPLE_SERVICE = Path(__file__).resolve().parents[1] / "examples" / "inference_service" / "server.py"
+
+__all__ = ["AlertmanagerServer", "ExampleService", "MetricsServer", "WebhookReceiver", "PrometheusServer", "VictoriaMetricsServer", "alertmanager",
            "free_port", "need_binary", "prometheus_factory", "victoria_metrics"]
 
 _BINARIES = {
@@ -412,6 +416,40 @@ class WebhookReceiver:
         self._loop.close()
 
     def __enter__(self) -> WebhookReceiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class ExampleService:
+    """The example inference service (examples/inference_service/server.py) as a subprocess:
+    `python server.py --port 0 ARGS...`, on the CPU unless ARGS name a --device; `url` is read from its
+    first stdout line. Stopped by `stop()` or at the end of its `with` block.
+
+        with ExampleService("--max-batch", "8", "--seed", "1") as svc:
+            http_get(svc.url + "/health")
+    """
+
+    def __init__(self, *args: str) -> None:
+        device = [] if "--device" in args else ["--device", "cpu"]
+        self.proc = subprocess.Popen([sys.executable, str(EXAMPLE_SERVICE), "--port", "0", *device, *args],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline() if self.proc.stdout else ""
+        if not line.startswith("listening on http://"):
+            self.stop()
+            raise RuntimeError(f"the service did not start: {line!r} {self.proc.stderr.read() if self.proc.stderr else ''}")
+        self.url = line.split()[-1]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> ExampleService:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -18,8 +18,8 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from servers import free_port
-from test_example_service import ExampleService, _wait_for, metrics, stream
+from servers import ExampleService, free_port
+from test_example_service import _wait_for, metrics, stream
 
 from gpuscope.loadtest.capture import anonymise, filler, is_secret_header, prompt_chars, recorded_headers
 

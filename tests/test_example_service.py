@@ -14,31 +14,9 @@ from typing import Any
 
 import aiohttp
 import pytest
+from servers import ExampleService  # tests/ is on sys.path (conftest.py's folder)
 
 SERVER = Path(__file__).resolve().parents[1] / "examples" / "inference_service" / "server.py"
-
-
-class ExampleService:
-    """`python server.py --port 0 ARGS...` (on the CPU unless ARGS name a --device); `url` is read from its
-    first stdout line."""
-
-    def __init__(self, *args: str) -> None:
-        device = [] if "--device" in args else ["--device", "cpu"]
-        self.proc = subprocess.Popen([sys.executable, str(SERVER), "--port", "0", *device, *args],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        line = self.proc.stdout.readline() if self.proc.stdout else ""
-        if not line.startswith("listening on http://"):
-            self.stop()
-            raise RuntimeError(f"the service did not start: {line!r} {self.proc.stderr.read() if self.proc.stderr else ''}")
-        self.url = line.split()[-1]
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from test_example_service import ExampleService  # tests/ is on sys.path (conftest.py's folder)
+from servers import ExampleService  # tests/ is on sys.path (conftest.py's folder)
 
 
 def test_openai_chat_against_the_example_service(tmp_path: Path) -> None:

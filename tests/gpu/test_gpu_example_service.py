@@ -11,7 +11,8 @@ import time
 
 import aiohttp
 import pytest
-from test_example_service import ExampleService, metrics, post  # tests/ is on sys.path (conftest.py's folder)
+from servers import ExampleService  # tests/ is on sys.path (conftest.py's folder)
+from test_example_service import metrics, post
 
 from gpuscope import Sampler, SamplerConfig
 

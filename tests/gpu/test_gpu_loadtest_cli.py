@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_example_service import ExampleService  # tests/ is on sys.path (conftest.py's folder)
+from servers import ExampleService  # tests/ is on sys.path (conftest.py's folder)
 
 pytestmark = pytest.mark.gpu
 
