@@ -739,4 +739,9 @@ _VERBS = {"alerts": _alerts, "doctor": _doctor, "diagnose": _diagnose, "run": _r
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    # Run as `python -m gpuscope.cli`, this file is loaded twice (as __main__ and, through the verbs'
+    # `from ..cli import UsageError`, as gpuscope.cli): call the package's main so that the UsageError
+    # it catches is the one the verbs raise.
+    from gpuscope.cli import main as _package_main
+
+    sys.exit(_package_main())
