@@ -74,6 +74,62 @@ def test_findings_are_json_ready():
     assert all(d["severity"] in ("high", "medium", "low") and d["summary"].endswith(".") for d in out)
 
 
+TWICE = """import cupy
+
+
+def step(x):
+    cupy.cuda.Device().synchronize()
+    y = x.sum()
+    cupy.cuda.Device().synchronize()
+    return y
+
+
+step(cupy.ones(8))
+"""
+
+
+def _cupti_trace(tmp_path: Path, keep_line: bool) -> tuple[Trace, list[int]]:
+    """`step` above as the CUPTI backend writes it (its own to_kineto): three calls, each with its Python
+    stack; without keep_line the frames lose args.line, as the PyTorch profiler's have none. Returns the
+    trace and the rows of the three CUDA calls in order."""
+    from gpuscope.trace.cupti_backend import to_kineto
+
+    src = tmp_path / "twice.py"
+    src.write_text(TWICE)
+    t0 = 1_700_000_000_000_000_000
+    calls = [(5, 1, "cudaDeviceSynchronize"), (6, 2, "cudaLaunchKernel"), (7, 1, "cudaDeviceSynchronize")]
+    records = [("runtime", t0 + i * 10_000, t0 + i * 10_000 + 5_000, 100, 7, i + 1, cbid)
+               for i, (_, cbid, _) in enumerate(calls)]
+    stacks = {i + 1: [(str(src), 4, "step", line), (str(src), 1, "<module>", 11)]
+              for i, (line, _, _) in enumerate(calls)}
+    doc = to_kineto(records, stacks, {"start": {"unix_ns": t0, "cupti_ns": t0}},
+                    {2: {1: "cudaDeviceSynchronize", 2: "cudaLaunchKernel"}}, {})
+    if not keep_line:
+        for e in doc["traceEvents"]:
+            if e.get("cat") == "python_function":
+                e["args"].pop("line", None)
+    path = tmp_path / "twice.json"
+    path.write_text(json.dumps(doc))
+    trace = load(path)
+    api = sorted(np.flatnonzero(trace.events["kind"] == EventKind.RUNTIME).tolist(),
+                 key=lambda r: int(trace.events["ts_ns"][r]))
+    return trace, api
+
+
+def test_cupti_frames_give_the_exact_line_of_an_api_called_twice(tmp_path):
+    from gpuscope.trace.stacks import Stacks
+
+    trace, api = _cupti_trace(tmp_path, keep_line=True)
+    stacks = Stacks(trace, source_roots=[str(tmp_path)])
+    assert [(loc.function, loc.line, loc.def_line) for loc in map(stacks.location, api)] == \
+        [("step", 5, 4), ("step", 6, 4), ("step", 7, 4)]
+    # Without args.line (the PyTorch profiler's frames) the line is recovered from the source only where
+    # the call's name appears once in the function: `sum` yes, the two `synchronize` calls no.
+    trace, api = _cupti_trace(tmp_path, keep_line=False)
+    stacks = Stacks(trace, source_roots=[str(tmp_path)])
+    assert [loc.line for loc in map(stacks.location, api)] == [4, 6, 4]
+
+
 # -- synthetic traces ------------------------------------------------------------------------------
 
 class _Builder:

@@ -182,7 +182,8 @@ def _check(src: str, doc: dict[str, Any]) -> int:
     return base
 
 
-# What Trace.args keeps of a GPU op's args (the rest is in the columns or of no use to an analysis).
+# What Trace.args keeps of a GPU op's args (the rest is in the columns or of no use to an analysis);
+# of a python_function's, only "line" (the calling line, where the writer knew it).
 _KEPT_ARGS = ("grid", "block", "registers per thread", "shared memory", "est. achieved occupancy %",
               "blocks per SM", "warps per SM", "memory bandwidth (GB/s)")
 
@@ -261,6 +262,11 @@ def _build(src: str, chunks: Iterator[list[Any]], base_ns: int) -> Trace:
                     i, p = a.get("Python id"), a.get("Python parent id")
                     py_ids.append(-1 if i is None else i)
                     py_parents.append(-1 if p is None else p)
+                    line = a.get("line")
+                    if type(line) is int and line > 0:
+                        # The CUPTI backend's frames carry the exact calling line (the frame name has only
+                        # the function's first line); the PyTorch profiler's do not.
+                        extras[n] = {"line": line}
                 else:
                     py_ids.append(-1)
                     py_parents.append(-1)

@@ -7,9 +7,11 @@ CUPTI `correlation`. Kernels that a CUDA graph replays carry the correlation of 
 charged to the graph launch's stack — the line that replayed the graph, which is all that is known.
 
 PyTorch names a Python frame `file.py(N): func` where N is the line the function starts on (its code
-object's first line), not the line that made the call. `Stacks.location` recovers the calling line when
-the source is readable: the next frame in (e.g. `<built-in method item of Tensor object>`) names what
-was called, and if exactly one call of that name sits in the function's body, that is the line.
+object's first line), not the line that made the call. A frame written by the CUPTI backend also has the
+exact calling line in `args.line` (kept in `Trace.args`), and `Stacks.location` uses it. Otherwise it
+recovers the calling line when the source is readable: the next frame in (e.g. `<built-in method item
+of Tensor object>`) names what was called, and if exactly one call of that name sits in the function's
+body, that is the line.
 
     >>> stacks = Stacks(trace)                           # doctest: +SKIP
     >>> stacks.location(stacks.launcher(kernel_row))     # doctest: +SKIP
@@ -147,6 +149,9 @@ class Stacks:
             return None
         i = users[-1] if users else anyfile[-1]
         file, def_line, func = parsed[i][1]  # type: ignore[misc]
+        exact = self.trace.args.get(parsed[i][0], {}).get("line")
+        if exact is not None:
+            return Location(file, exact, func, def_line)
         callee = _callee_name(self.trace.name_of(parsed[i + 1][0])) if i + 1 < len(parsed) else None
         line = def_line
         if callee:
