@@ -35,6 +35,10 @@ OnDone = Callable[[RequestRecord], None]
 OnChunk = Callable[[bytes, float], "str | None"]   # returns an error class to abort, else None
 
 
+# Characters kept as they are when a URL's path or query is percent-encoded: RFC 3986 reserved and '%'.
+_URL_SAFE = "/:@!$&'()*+,;=?%[]~"
+
+
 class UrlError(ValueError):
     """A URL the client cannot use; the message is one sentence."""
 
@@ -49,14 +53,23 @@ class Target:
 
     @classmethod
     def parse(cls, url: str) -> Target:
-        u = urllib.parse.urlsplit(url)
+        # Whitespace or control characters would end up in the request line and split or reshape it.
+        if any(c.isspace() or ord(c) < 0x20 or ord(c) == 0x7f for c in url):
+            raise UrlError(f"{url!r} is not a usable URL: it holds a space or a control character.")
+        try:
+            u = urllib.parse.urlsplit(url)
+        except ValueError as e:
+            raise UrlError(f"'{url}' is not a usable URL ({e}).") from None
         if u.scheme not in ("http", "https") or not u.hostname:
             raise UrlError(f"'{url}' is not an http:// or https:// URL with a host.")
         try:
             port = u.port or (443 if u.scheme == "https" else 80)
         except ValueError:
             raise UrlError(f"'{url}' has an invalid port.") from None
-        path = (u.path or "/") + (f"?{u.query}" if u.query else "")
+        # A request line is ASCII: non-ASCII path or query characters are sent percent-encoded (UTF-8),
+        # as browsers and curl do; what is already percent-encoded or reserved is left as it is.
+        path = urllib.parse.quote(u.path or "/", safe=_URL_SAFE) + (
+            f"?{urllib.parse.quote(u.query, safe=_URL_SAFE)}" if u.query else "")
         default = (u.scheme == "https" and port == 443) or (u.scheme == "http" and port == 80)
         host = u.hostname if ":" not in u.hostname else f"[{u.hostname}]"
         return cls(u.scheme, u.hostname, port, path, host if default else f"{host}:{port}")

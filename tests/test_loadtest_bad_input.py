@@ -1,0 +1,88 @@
+"""Input a user can get wrong — URLs, -H, -X, stage files, huge plans — ends in one sentence and exit 2, and
+nothing a user types can change the shape of the HTTP request the load tester writes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from loadtest_servers import LoadtestServer
+
+from gpuscope.loadtest.client import Target, UrlError, encode_request
+from gpuscope.loadtest.openai import SseReader
+from gpuscope.loadtest.records import RequestRecord
+
+
+@pytest.fixture(scope="module")
+def srv():
+    with LoadtestServer() as s:
+        yield s
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", "import sys; from gpuscope.cli import main; sys.exit(main())",
+                           "loadtest", *args], capture_output=True, text=True, cwd=cwd, timeout=60)
+
+
+@pytest.mark.parametrize("url", ["http://[::1", "http://127.0.0.1:8000/a b", "http://127.0.0.1:8000/a\x00b",
+                                 "http://127.0.0.1:8000/\x7f"])
+def test_unusable_urls_are_refused(url: str) -> None:
+    with pytest.raises(UrlError):
+        Target.parse(url)
+
+
+def test_non_ascii_url_path_is_percent_encoded() -> None:
+    t = Target.parse("http://127.0.0.1:8000/caf\u00e9/\u20ac?q=\u00fc&r=a%20b")
+    assert t.path == "/caf%C3%A9/%E2%82%AC?q=%C3%BC&r=a%20b"
+    assert encode_request(t, "GET", t.path, {}, b"").startswith(b"GET /caf%C3%A9/%E2%82%AC?q=%C3%BC&r=a%20b HTTP/1.1\r\n")
+
+
+@pytest.mark.parametrize("args, says", [
+    (["http://[::1"], "is not a usable URL"),
+    (["{base}/a b"], "is not a usable URL"),
+    (["{url}", "-H", "X-A: \u20ac"], "-H"),
+    (["{url}", "-H", "X\u20ac: a"], "-H"),
+    (["{url}", "-H", "X-A: a\r\nEvil: b"], "-H"),
+    (["{url}", "-H", "Bad Name: a"], "-H"),
+    (["{url}", "-X", "GET /etc HTTP/1.1"], "-X"),
+    (["{url}", "-X", "G\u00c9T"], "-X"),
+    (["{url}", "--stage-file", "{binary}"], "is not valid YAML/JSON"),
+    (["{url}", "--stage-file", "{huge_rate}", "--workers", "1"], "more than 1 worker(s) can send"),
+    (["{url}", "--ramp", "linear:1:inf", "--duration", "2s"], "rate above 0"),
+    (["{url}", "--rate", "10000", "--duration", "100000h", "--workers", "1"], "requests"),
+])
+def test_bad_input_is_one_sentence_and_exit_2(srv, tmp_path: Path, args: list[str], says: str) -> None:
+    (tmp_path / "bin.yaml").write_bytes(b"\xff\xfe\x00garbage")
+    (tmp_path / "huge.yaml").write_text("- duration: 1s\n  rate: 1e9\n")
+    subs = {"url": srv.url("/fast"), "base": srv.url("").rstrip("/"), "binary": str(tmp_path / "bin.yaml"),
+            "huge_rate": str(tmp_path / "huge.yaml")}
+    p = _cli(*[a.format(**subs) for a in args], "--no-gpu", "--quiet", "--out", str(tmp_path / "o"), cwd=tmp_path)
+    assert p.returncode == 2, p.stderr
+    assert says in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_sse_event_without_end_is_bounded() -> None:
+    """A stream that never ends an event (no blank line) fails as malformed instead of growing without end."""
+    rec = RequestRecord(i=0, stage=0, worker=0, t_intended=0.0, t_sent=0.0)
+    reader = SseReader(rec)
+    chunk = b"data: " + b"x" * 65536
+    err = None
+    for _ in range(1024):          # 64 MiB offered
+        err = reader(chunk, 0.1)
+        if err:
+            break
+    assert err == "malformed"
+    assert len(reader.buf) <= SseReader.MAX_EVENT_BYTES
+
+
+def test_sse_large_but_bounded_event_is_read() -> None:
+    rec = RequestRecord(i=0, stage=0, worker=0, t_intended=0.0, t_sent=0.0)
+    reader = SseReader(rec)
+    text = "y" * 100_000
+    event = b'data: {"choices":[{"text":"' + text.encode() + b'"}]}\n\n'
+    for k in range(0, len(event), 4096):
+        assert reader(event[k:k + 4096], 0.2) is None
+    assert reader.chunks == [0.2]
