@@ -118,13 +118,24 @@ def _stages(args: argparse.Namespace) -> tuple[list[S.Stage], bool]:
         raise SetupError(str(e)) from None
 
 
+# RFC 9110 token (header names, methods) and field value: visible Latin-1 characters, spaces and tabs.
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_HEADER_VALUE = re.compile(r"[\t\x20-\x7e\x80-\xff]*")
+
+
 def _protocol(args: argparse.Namespace) -> tuple[Protocol, str]:
     headers = {}
     for h in args.header:
         name, sep, value = h.partition(":")
         if not sep or not name.strip():
             raise SetupError(f"-H takes 'Name: value', not '{h}'.")
-        headers[name.strip()] = value.strip()
+        name, value = name.strip(), value.strip()
+        # A header is one line of Latin-1 text: CR/LF would start a header of the user's making, and
+        # characters outside Latin-1 cannot be written at all.
+        if not _TOKEN.fullmatch(name) or not _HEADER_VALUE.fullmatch(value):
+            raise SetupError(f"-H {h!r}: a header name is letters, digits and !#$%&'*+-.^_`|~, and its value "
+                             "one line of Latin-1 text.")
+        headers[name] = value
     body = args.body or ""
     if args.body_file:
         try:
@@ -151,6 +162,8 @@ def _protocol(args: argparse.Namespace) -> tuple[Protocol, str]:
         return Protocol(kind=kind, headers=headers, model=args.model, prompt_tokens=args.prompt_tokens,
                         max_tokens=args.max_tokens, prompts=prompts), kind
     method = (args.method or ("POST" if body else "GET")).upper()
+    if not _TOKEN.fullmatch(method):
+        raise SetupError(f"-X {args.method!r} is not an HTTP method (letters such as GET, POST, PUT).")
     return Protocol(kind="http", method=method, headers=headers, body=body, requests=requests), "http"
 
 
