@@ -23,6 +23,7 @@ import socket
 import sys
 import time
 import urllib.parse
+from collections.abc import Iterator
 from typing import IO, Any
 
 import aiohttp
@@ -78,27 +79,52 @@ def anonymise(value: Any, key: str | None = None) -> Any:
     return value
 
 
-def _text_chars(value: Any) -> int:
+def _texts(value: Any) -> Iterator[str]:
     if isinstance(value, str):
-        return len(value)
+        yield value
+    elif isinstance(value, list):
+        for v in value:
+            yield from _texts(v)
+    elif isinstance(value, dict):  # a chat message or a content part: only its text counts
+        for k in ("content", "text"):
+            if k in value:
+                yield from _texts(value[k])
+
+
+def _prompt_texts(body: Any) -> list[str]:
+    if isinstance(body, dict) and any(k in body for k in _PROMPT_KEYS):
+        return [s for k in _PROMPT_KEYS if k in body for s in _texts(body[k])]
+    return [body] if isinstance(body, str) else []
+
+
+def _token_ids(value: Any) -> int:
+    """How many token ids a prompt given as ids holds ([1, 2] or [[1, 2], [3]]); 0 for text."""
     if isinstance(value, list):
-        return sum(_text_chars(v) for v in value)
-    if isinstance(value, dict):  # a chat message or a content part: only its text counts
-        return sum(_text_chars(value[k]) for k in ("content", "text") if k in value)
+        return sum(_token_ids(v) if isinstance(v, list) else int(isinstance(v, int) and not isinstance(v, bool))
+                   for v in value)
     return 0
 
 
 def prompt_chars(body: Any) -> int:
     """Characters of prompt text: the completions prompt, the chat messages' text, an embeddings input;
     for any other body its length as text."""
-    if isinstance(body, dict) and any(k in body for k in _PROMPT_KEYS):
-        return sum(_text_chars(body[k]) for k in _PROMPT_KEYS if k in body)
-    return len(body) if isinstance(body, str) else 0
+    return sum(len(s) for s in _prompt_texts(body))
+
+
+def prompt_words(body: Any) -> int:
+    """The prompt's size in tokens when the answer does not say: its whitespace-separated words (what the
+    example service's tokenizer counts, and about one token each for English prose), plus any token ids.
+
+    >>> prompt_words({"messages": [{"role": "user", "content": "Hi there,  you!"}]})
+    3
+    """
+    ids = sum(_token_ids(body[k]) for k in _PROMPT_KEYS if k in body) if isinstance(body, dict) else 0
+    return sum(len(s.split()) for s in _prompt_texts(body)) + ids
 
 
 class UsageScanner:
-    """Reads completion token counts from a response as it streams by: the last `usage` seen in an SSE
-    `data:` line, or in a whole JSON body."""
+    """Reads token counts from a response as it streams by: the last `usage` seen in an SSE `data:` line,
+    or in a whole JSON body."""
 
     def __init__(self, content_type: str, encoded: bool) -> None:
         self.sse = content_type.startswith("text/event-stream") and not encoded
@@ -106,6 +132,7 @@ class UsageScanner:
         self._line = b""
         self._body = bytearray()
         self.output_tokens: int | None = None
+        self.prompt_tokens: int | None = None
 
     def feed(self, chunk: bytes) -> None:
         if self.sse:
@@ -130,6 +157,8 @@ class UsageScanner:
             return
         if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
             self.output_tokens = usage["completion_tokens"]
+        if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+            self.prompt_tokens = usage["prompt_tokens"]
 
 
 class Recorder:
@@ -206,7 +235,7 @@ class CaptureProxy:
             "t": round(t_start - (self.recorder.t0 or t_start), 6), "method": request.method,
             "path": self.recorder.path(request.path_qs), "headers": recorded_headers(request.headers),
             "body": anonymise(body) if self.recorder.anonymise else body, "prompt_chars": prompt_chars(body),
-            "output_tokens": None, "status": 0, "duration_s": 0.0}
+            "prompt_tokens": prompt_words(body), "output_tokens": None, "status": 0, "duration_s": 0.0}
         forward = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
         resp: web.StreamResponse | None = None
         try:
@@ -225,6 +254,8 @@ class CaptureProxy:
                     await resp.write(chunk)
                 scanner.close()
                 record["output_tokens"] = scanner.output_tokens
+                if scanner.prompt_tokens is not None:  # the server's own count beats the word estimate
+                    record["prompt_tokens"] = scanner.prompt_tokens
                 await resp.write_eof()
                 return resp
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
