@@ -50,14 +50,15 @@ def test_non_ascii_url_path_is_percent_encoded() -> None:
     (["{url}", "-X", "G\u00c9T"], "-X"),
     (["{url}", "--stage-file", "{binary}"], "is not valid YAML/JSON"),
     (["{url}", "--stage-file", "{huge_rate}", "--workers", "1"], "more than 1 worker(s) can send"),
-    (["{url}", "--ramp", "linear:1:inf", "--duration", "2s"], "rate above 0"),
+    (["{url}", "--stage-file", "{inf_ramp}"], "target rate must be above 0"),
     (["{url}", "--rate", "10000", "--duration", "100000h", "--workers", "1"], "requests"),
 ])
 def test_bad_input_is_one_sentence_and_exit_2(srv, tmp_path: Path, args: list[str], says: str) -> None:
     (tmp_path / "bin.yaml").write_bytes(b"\xff\xfe\x00garbage")
     (tmp_path / "huge.yaml").write_text("- duration: 1s\n  rate: 1e9\n")
+    (tmp_path / "inf.yaml").write_text("- duration: 2s\n  rate: 1\n  ramp_to: .inf\n")
     subs = {"url": srv.url("/fast"), "base": srv.url("").rstrip("/"), "binary": str(tmp_path / "bin.yaml"),
-            "huge_rate": str(tmp_path / "huge.yaml")}
+            "huge_rate": str(tmp_path / "huge.yaml"), "inf_ramp": str(tmp_path / "inf.yaml")}
     p = _cli(*[a.format(**subs) for a in args], "--no-gpu", "--quiet", "--out", str(tmp_path / "o"), cwd=tmp_path)
     assert p.returncode == 2, p.stderr
     assert says in p.stderr and "Traceback" not in p.stderr, p.stderr

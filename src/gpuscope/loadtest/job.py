@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import re
 import sys
@@ -167,6 +168,21 @@ def _protocol(args: argparse.Namespace) -> tuple[Protocol, str]:
     return Protocol(kind="http", method=method, headers=headers, body=body, requests=requests), "http"
 
 
+def _check_rate(stages: list[S.Stage], proto: Protocol, args: argparse.Namespace) -> int:
+    """The number of workers, once sure they can send the stages' peak rate."""
+    workers = args.workers if args.workers is not None else default_workers()
+    if workers < 1:
+        raise SetupError("--workers must be at least 1.")
+    limit = args.max_rate_per_worker or (MAX_STREAM if proto.streaming else MAX_HTTP)
+    if not limit > 0 or not math.isfinite(limit):
+        raise SetupError("--max-rate-per-worker must be a number above 0.")
+    peak = max((s.peak_rate() for s in stages if s.open_loop), default=0.0)
+    if peak > limit * workers:
+        raise SetupError(f"A rate of {peak:g} req/s is more than {workers} worker(s) can send (about {limit:g} "
+                         f"req/s each); lower the rate or add --workers.")
+    return workers
+
+
 def build(args: argparse.Namespace) -> Spec:
     try:
         Target.parse(args.url)
@@ -194,20 +210,28 @@ def build(args: argparse.Namespace) -> Spec:
             stages = [replace(first, duration_s=warmup_s, requests=None, ramp_to=None, name="warmup", warmup=True),
                       *stages]
         try:
+            for st in stages:
+                S.validate(st)
+        except S.ScheduleError as e:
+            raise SetupError(str(e)) from None
+        # Every send time is drawn before the start: a rate or a length past what can be sent is refused
+        # before it is drawn, not after minutes of drawing (or an out-of-memory kill).
+        _check_rate(stages, proto, args)
+        planned = sum(s.peak_rate() * s.duration_s if s.duration_s is not None else (s.requests or 0)
+                      for s in stages if s.open_loop)
+        if args.requests is not None:
+            planned = min(planned, args.requests)
+        if planned > MAX_PLANNED_REQUESTS:
+            raise SetupError(f"The load holds about {planned:.3g} requests, more than one run sends "
+                             f"({MAX_PLANNED_REQUESTS:,}); shorten --duration or lower the rate.")
+        try:
             plan = S.plan(stages, seed=args.seed, max_requests=None)
         except S.ScheduleError as e:
             raise SetupError(str(e)) from None
         if args.requests is not None and all(s.open_loop for s in stages):
             n_warm = 1 if warmup_s else 0
             plan = _cap_requests(plan, args.requests, n_warm)
-    workers = args.workers if args.workers is not None else default_workers()
-    if workers < 1:
-        raise SetupError("--workers must be at least 1.")
-    limit = args.max_rate_per_worker or (MAX_STREAM if proto.streaming else MAX_HTTP)
-    peak = max((s.peak_rate() for s in plan.stages if s.open_loop), default=0.0)
-    if peak > limit * workers:
-        raise SetupError(f"A rate of {peak:g} req/s is more than {workers} worker(s) can send (about {limit:g} "
-                         f"req/s each); lower the rate or add --workers.")
+    workers = _check_rate(plan.stages, proto, args)
     slo = parse_slo(args.slo)
     if args.find_capacity and not 0 < args.capacity_start < args.capacity_max:
         raise SetupError("--capacity-start must be above 0 and below --capacity-max.")
@@ -231,6 +255,8 @@ def build(args: argparse.Namespace) -> Spec:
 # i.e. ~3,500 streams/s of 128 chunks): asked for more, the run is refused before it starts.
 MAX_HTTP = 20_000.0
 MAX_STREAM = 1_500.0
+# Send times are drawn up front (8 bytes each) and every request leaves a record: 50 M is 400 MB of times.
+MAX_PLANNED_REQUESTS = 50_000_000
 
 
 def _cap_requests(plan: S.Plan, n: int, n_warm: int) -> S.Plan:

@@ -107,7 +107,7 @@ def validate(stage: Stage) -> Stage:
     if stage.open_loop:
         if stage.rate is None or not stage.rate > 0 or not math.isfinite(stage.rate):
             raise ScheduleError("An open-loop stage needs a rate above 0 requests per second.")
-        if stage.ramp_to is not None and not stage.ramp_to > 0:
+        if stage.ramp_to is not None and not (stage.ramp_to > 0 and math.isfinite(stage.ramp_to)):
             raise ScheduleError("A ramp's target rate must be above 0 requests per second.")
         if stage.ramp_to is not None and stage.duration_s is None:
             raise ScheduleError("A ramp needs a duration.")
@@ -126,9 +126,13 @@ def load_stage_file(path: str | Path, *, default_arrival: str = "poisson", burst
     import yaml  # type: ignore[import-untyped]
 
     try:
-        text = Path(path).read_text()
+        raw = Path(path).read_bytes()
     except OSError as e:
         raise ScheduleError(f"Cannot read the stage file {path}: {e.strerror or e}.") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ScheduleError(f"The stage file {path} is not valid YAML/JSON (not UTF-8 text).") from None
     try:
         data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
     except (ValueError, yaml.YAMLError) as e:
