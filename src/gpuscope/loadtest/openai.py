@@ -79,6 +79,10 @@ class SseReader:
 
     __slots__ = ("rec", "buf", "done", "prompt_words", "chunks")
 
+    # One event larger than this is a broken or hostile stream: it fails as malformed rather than being
+    # buffered until the request times out (a loopback server can send gigabytes in that time).
+    MAX_EVENT_BYTES = 4 << 20
+
     def __init__(self, rec: RequestRecord, prompt_words: int | None = None) -> None:
         self.rec = rec
         self.buf = b""
@@ -88,11 +92,21 @@ class SseReader:
         rec.chunk_times = self.chunks
 
     def __call__(self, data: bytes, now: float) -> str | None:
+        if self.buf and b"\n" not in data:
+            # No event can end in this read: keep it without re-scanning what is buffered.
+            if len(self.buf) + len(data) > self.MAX_EVENT_BYTES:
+                self.buf = b""
+                return "malformed"
+            self.buf += data
+            return None
         buf = self.buf + data if self.buf else data
         # Events end with a blank line; servers use \n\n (the spec also allows \r\n\r\n).
         if b"\r" in buf:
             buf = buf.replace(b"\r\n", b"\n")
         *events, self.buf = buf.split(b"\n\n")
+        if len(self.buf) > self.MAX_EVENT_BYTES:
+            self.buf = b""
+            return "malformed"
         for event in events:
             for line in event.split(b"\n"):
                 if not line.startswith(b"data:"):
