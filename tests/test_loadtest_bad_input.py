@@ -52,6 +52,7 @@ def test_non_ascii_url_path_is_percent_encoded() -> None:
     (["{url}", "--stage-file", "{huge_rate}", "--workers", "1"], "more than 1 worker(s) can send"),
     (["{url}", "--stage-file", "{inf_ramp}"], "target rate must be above 0"),
     (["{url}", "--rate", "10000", "--duration", "100000h", "--workers", "1"], "requests"),
+    (["{url}", "--openai", "chat", "--prompt-tokens", "100000000", "--requests", "1"], "at most"),
 ])
 def test_bad_input_is_one_sentence_and_exit_2(srv, tmp_path: Path, args: list[str], says: str) -> None:
     (tmp_path / "bin.yaml").write_bytes(b"\xff\xfe\x00garbage")

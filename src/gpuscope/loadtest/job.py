@@ -153,6 +153,9 @@ def _protocol(args: argparse.Namespace) -> tuple[Protocol, str]:
             raise SetupError("--openai builds its own bodies; leave out --body, --body-file and --request-file.")
         if args.prompt_tokens < 1 or args.max_tokens < 1:
             raise SetupError("--prompt-tokens and --max-tokens must be at least 1.")
+        # Each prompt is generated per request: a length no model accepts would only stall the sender.
+        if max(args.prompt_tokens, args.max_tokens) > MAX_TOKENS:
+            raise SetupError(f"--prompt-tokens and --max-tokens must be at most {MAX_TOKENS:,}.")
         prompts = None
         if args.prompt_file:
             try:
@@ -257,6 +260,8 @@ MAX_HTTP = 20_000.0
 MAX_STREAM = 1_500.0
 # Send times are drawn up front (8 bytes each) and every request leaves a record: 50 M is 400 MB of times.
 MAX_PLANNED_REQUESTS = 50_000_000
+# Longer than any served model's context window (the largest are about 1 M tokens).
+MAX_TOKENS = 2_000_000
 
 
 def _cap_requests(plan: S.Plan, n: int, n_warm: int) -> S.Plan:
