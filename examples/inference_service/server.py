@@ -50,7 +50,7 @@ class Service:
     async def _body(self, request: web.Request) -> dict[str, Any]:
         try:
             body = json.loads(await request.read())
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: nesting too deep to parse
             raise BadRequest("The request body is not valid JSON.") from None
         if not isinstance(body, dict):
             raise BadRequest("The request body must be a JSON object.")
@@ -314,6 +314,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.cfg = cfg
     if args.max_batch is None:
         args.max_batch = 64 if args.preset == "h200" else 16
+    if not 0 <= args.port <= 65535:
+        p.error("--port must be between 0 and 65535")
     if args.max_batch < 1 or args.max_queue < 0:
         p.error("--max-batch must be at least 1 and --max-queue at least 0")
     if args.device == "cuda" and not torch.cuda.is_available():
