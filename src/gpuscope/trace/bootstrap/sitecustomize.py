@@ -47,6 +47,7 @@ import importlib.machinery
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -144,7 +145,7 @@ class _Tracer:
 
     def _base_status(self):
         return {"run": os.environ.get("GPUSCOPE_TRACE_RUN"), "host": socket.gethostname(), "pid": self.pid,
-                "rank": self._rank(), "argv": list(sys.argv), "traces": []}
+                "rank": self._rank(), "argv": _redacted(sys.argv), "traces": []}
 
     def _start_cupti(self, trigger):
         self.backend = "cupti"
@@ -395,6 +396,38 @@ class _Tracer:
     def after_fork_in_child(self):
         self.pid = os.getpid()
         self.thread = None  # threads do not survive fork; the child traces only if it imports torch itself
+
+
+# Flags whose value is a secret (--api-key, --hf-token, --password, ...): the status file is readable by
+# whoever reads the trace directory, so a program's credentials must not be copied into it.
+_SECRET_FLAG = re.compile(r"--?([\w-]*[-_])?(api-?key|key|token|secret|password|passwd|pwd|auth|authorization"
+                          r"|credentials?|cookie)$", re.IGNORECASE)
+_SECRET_TEXT = re.compile(r"(?i)\b(bearer|basic|token)\s+\S+|^(authorization|x-api-key|api-key|cookie)\s*:.*")
+_URL_PASSWORD = re.compile(r"(\w[\w+.-]*://[^/\s:@]*:)[^/\s@]+@")
+
+
+def _redacted(argv):
+    """The command line with secret values replaced by ***."""
+    out, hide_next = [], False
+    for arg in argv:
+        arg = str(arg)
+        if hide_next:
+            out.append("***")
+            hide_next = False
+            continue
+        flag, eq, _ = arg.partition("=")
+        if _SECRET_FLAG.fullmatch(flag):
+            if eq:
+                out.append(flag + "=***")
+            else:
+                out.append(arg)
+                hide_next = True
+            continue
+        if _SECRET_TEXT.search(arg):
+            out.append("***")
+            continue
+        out.append(_URL_PASSWORD.sub(r"\1***@", arg))
+    return out
 
 
 def _ondemand():
