@@ -100,6 +100,69 @@ def test_classification_header_route_tenant_and_token_cost():
     assert estimate_tokens({"prompt": "abcd"}) == pytest.approx(1 + 256)  # unbounded completion: the default
 
 
+def test_the_class_cache_is_bounded_and_keyed_by_path_and_header():
+    g = Guard(parse_config(two_classes(classify={"routes": {"/v1/embeddings": "batch"}, "default": "interactive"})))
+    c = g._classifier
+    c._max_cached = 8
+    for i in range(50):  # client-chosen paths: the cache never holds more than its bound
+        assert c.classify(RequestInfo(path=f"/v1/embeddings/{i}"))[0] == 1
+        assert len(c.cache) <= 8
+    # the same path with another header value, and the same header on another path, are other entries
+    assert g.acquire(RequestInfo(path="/v1/chat", headers={"x-priority": "batch"})).klass == "batch"
+    assert g.acquire(RequestInfo(path="/v1/chat")).klass == "interactive"
+    assert g.acquire(RequestInfo(path="/v1/embeddings", headers={"x-priority": " Interactive "})).klass == "interactive"
+    assert g.acquire(RequestInfo(path="/v1/embeddings")).klass == "batch"
+    assert g.acquire(RequestInfo(path="/v1/chat", headers={"x-priority": "vip"})).klass == "interactive"
+    assert c.cache[("/v1/chat", "batch")] == 1 and c.cache[("/v1/chat", None)] == 0
+    # an override is never cached under the request's path and header
+    assert g.acquire(RequestInfo(path="/v1/chat", klass="batch")).klass == "batch"
+    assert g.acquire(RequestInfo(path="/v1/chat")).klass == "interactive"
+    # a new config is a new guard with its own, empty cache: answers follow the new routes
+    g2 = Guard(parse_config(two_classes(classify={"routes": {"/v1/chat": "batch"}, "default": "interactive"})))
+    assert g2._classifier.cache == {} and g2.acquire(RequestInfo(path="/v1/chat")).klass == "batch"
+
+
+request_ops = st.lists(st.tuples(st.sampled_from(["/v1/chat", "/v1/embeddings", "/x"]),
+                                 st.sampled_from([None, "interactive", "batch", "vip", " BATCH"]),
+                                 st.sampled_from(["", "a", "b"]), st.floats(0, 0.5), st.booleans()),
+                       min_size=1, max_size=60)
+
+
+@settings(max_examples=100, deadline=None)
+@given(reqs=request_ops, factor=st.sampled_from([1.0, 0.5]))
+def test_the_inline_decision_path_decides_as_the_general_one(reqs, factor):
+    """acquire()'s inline common path against _acquire (classify(), _pre, LocalBuckets.take): the same
+    decisions, reasons, Retry-After and counters for the same requests at the same times."""
+    def guard(clock: Clock) -> Guard:
+        return Guard(parse_config({
+            "classes": [{"name": "interactive", "share": 0.7, "rate": 8, "burst": 3, "tenant_rate": 4, "tenant_burst": 2},
+                        {"name": "batch", "share": 0.3, "tenant_rate": 2, "tenant_burst": 1}],
+            "classify": {"routes": {"/v1/embeddings": "batch"}},
+            "controller": {"mode": "fixed", "min_limit": 1, "initial_limit": 6, "max_limit": 6}}), clock=clock)
+    ca, cb = Clock(), Clock()
+    fast, general = guard(ca), guard(cb)
+    for g in (fast, general):
+        g.limiter.rate_factor = factor
+    held: list[tuple] = []
+    for path, prio, tenant, dt, finish in reqs:
+        ca.t += dt
+        cb.t = ca.t
+        headers = {"x-tenant": tenant} if prio is None else {"x-tenant": tenant, "x-priority": prio}
+        a = fast.acquire(RequestInfo(path=path, headers=headers))
+        b = general._acquire(RequestInfo(path=path, headers=headers), cb.t)
+        assert (a.admitted, a.reason, a.klass, a.tenant, a.status, a.probe) == \
+            (b.admitted, b.reason, b.klass, b.tenant, b.status, b.probe)
+        assert a.retry_after_s == b.retry_after_s and a.start_s == b.start_s
+        if a.admitted:
+            held.append((a, b))
+        if finish and held:
+            a, b = held.pop(0)
+            fast.release(a, 200, 0.1)
+            general.release(b, 200, 0.1)
+    assert (fast.inflight, fast.admitted_total, fast.shed_total) == \
+        (general.inflight, general.admitted_total, general.shed_total)
+
+
 def test_tenant_bucket_limits_one_tenant_not_the_other():
     g = Guard(parse_config({"classes": [{"name": "a", "tenant_rate": 1, "tenant_burst": 2}]}), clock=Clock())
     hog = [g.acquire(RequestInfo(headers={"x-tenant": "hog"})) for _ in range(5)]

@@ -32,6 +32,9 @@ class Breaker:
     def __init__(self, cfg: BreakerConfig) -> None:
         self.cfg = cfg
         self.state = "closed"
+        # True while allow() would answer 'pass' without looking at the clock (closed, or disabled): the
+        # guard's decision path reads this one attribute instead of calling allow()
+        self.passing = True
         self._outcomes: deque[tuple[float, bool]] = deque()
         self._failures = 0
         self._opened_at = 0.0
@@ -114,3 +117,4 @@ class Breaker:
         if state != self.state:
             log.warning("gpuscope guard: upstream circuit %s -> %s", self.state, state)
             self.state = state
+            self.passing = state == "closed" or not self.cfg.enabled

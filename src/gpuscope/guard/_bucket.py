@@ -23,13 +23,15 @@ _EPS_S = 1e-9
 class Gcra:
     """Local GCRA buckets keyed by string; a bucket's parameters are fixed at construction."""
 
-    __slots__ = ("interval_s", "tau_s", "rate", "burst", "_tat", "_max_keys")
+    __slots__ = ("interval_s", "tau_s", "rate", "burst", "cap", "one_s", "_tat", "_max_keys")
 
     def __init__(self, rate: float, burst: float | None = None, max_keys: int = 100_000) -> None:
         self.rate = float(rate)
         self.burst = float(burst if burst is not None else max(rate, 1.0))
         self.interval_s = 1.0 / self.rate
         self.tau_s = self.interval_s * self.burst
+        self.cap = self.tau_s / self.interval_s  # the most a request is charged at the full rate (the burst)
+        self.one_s = (self.cap if self.cap < 1.0 else 1.0) * self.interval_s  # what cost 1 adds to a TAT then
         self._tat: dict[str, float] = {}
         self._max_keys = max_keys  # tenants are user-chosen strings: bound the memory they can take
 
@@ -82,19 +84,34 @@ class LocalBuckets:
         self._tenant = [Gcra(c.tenant_rate / d, (c.tenant_burst if c.tenant_burst is not None else c.tenant_rate) / d)
                         if c.tenant_rate else None for c in classes]
 
+    def per_class(self) -> list[tuple[Gcra | None, Gcra | None, str]]:
+        """(class bucket, tenant buckets, the class bucket's key) per class, for a caller that inlines take()."""
+        return list(zip(self._class, self._tenant, self._names, strict=True))
+
     def take(self, idx: int, tenant: str, cost: float, now: float, factor: float = 1.0) -> tuple[float, str]:
         """(0.0, '') when both the class and the tenant bucket admit `cost`; else (wait_s, 'rate' | 'tenant_rate').
-        The GCRA of Gcra.peek/commit, inlined for both buckets: this runs once per request."""
+        The GCRA of Gcra.peek/commit, inlined for both buckets (this runs once per request); at the full
+        rate (factor 1) the emission interval and the cost cap are the ones computed at construction, so the
+        arithmetic is the same as Gcra's, operation for operation."""
         cb = self._class[idx]
         tb = self._tenant[idx]
-        if cb is None and tb is None:
-            return _ADMIT
-        if cb is not None:
-            ctat = cb._tat.get(self._names[idx], now)
+        if cb is None:
+            if tb is None:
+                return _ADMIT
+        else:
+            ctats = cb._tat
+            ckey = self._names[idx]
+            ctat = ctats.get(ckey, now)
             if ctat < now:
                 ctat = now
-            interval = cb.interval_s / factor
-            cnew = ctat + min(cost, cb.tau_s / interval) * interval  # see Gcra.peek: cost is capped at the burst
+            if factor == 1.0:
+                interval = cb.interval_s
+                cap = cb.cap
+            else:
+                interval = cb.interval_s / factor
+                cap = cb.tau_s / interval
+            # see Gcra.peek: cost is capped at the burst
+            cnew = ctat + (cap if cap < cost else cost) * interval
             over = cnew - now - cb.tau_s
             if over > _EPS_S:
                 return over, "rate"
@@ -103,8 +120,13 @@ class LocalBuckets:
             ttat = tats.get(tenant, now)
             if ttat < now:
                 ttat = now
-            interval = tb.interval_s / factor
-            tnew = ttat + min(cost, tb.tau_s / interval) * interval
+            if factor == 1.0:
+                interval = tb.interval_s
+                cap = tb.cap
+            else:
+                interval = tb.interval_s / factor
+                cap = tb.tau_s / interval
+            tnew = ttat + (cap if cap < cost else cost) * interval
             over = tnew - now - tb.tau_s
             if over > _EPS_S:
                 return over, "tenant_rate"
@@ -112,7 +134,7 @@ class LocalBuckets:
                 tb._evict(now)
             tats[tenant] = tnew
         if cb is not None:
-            cb._tat[self._names[idx]] = cnew
+            ctats[ckey] = cnew
         return _ADMIT
 
 

@@ -66,9 +66,14 @@ def estimate_tokens(body: Any) -> float:
 
 
 class Classifier:
-    __slots__ = ("_index", "_header", "_tenant_header", "_routes", "_default", "_tokens")
+    """Classes a request by an override, its class header, or its path. The class of each distinct (path,
+    header value) seen is cached: the answer depends only on those two and on the config, which a
+    Classifier never changes (a new config builds a new guard). Both are client-chosen strings, so the cache
+    is bounded at `max_cached` entries; when full it is emptied and refilled by the traffic that follows."""
 
-    def __init__(self, cfg: GuardConfig) -> None:
+    __slots__ = ("_index", "_header", "_tenant_header", "_routes", "_default", "_tokens", "cache", "_max_cached")
+
+    def __init__(self, cfg: GuardConfig, max_cached: int = 4096) -> None:
         self._index = {c.name: i for i, c in enumerate(cfg.classes)}
         cl = cfg.classify
         self._header = cl.header
@@ -77,6 +82,8 @@ class Classifier:
         self._routes = sorted(((p, self._index[c]) for p, c in cl.routes.items()), key=lambda r: -len(r[0]))
         self._default = self._index[cl.default]
         self._tokens = cl.cost == "tokens"
+        self.cache: dict[tuple[str, str | None], int] = {}  # (path, class header value) -> class index
+        self._max_cached = max_cached
 
     def classify(self, info: RequestInfo) -> tuple[int, str, float]:
         """(class index, tenant, cost). An unknown class named in the header falls back to the route/default
@@ -86,17 +93,28 @@ class Classifier:
         if info.klass is not None:
             idx = self._index.get(info.klass, -1)
         if idx < 0:
-            v = h.get(self._header)
-            if v is not None:
-                idx = self._index.get(v.strip().lower(), self._index.get(v.strip(), -1))
+            key = (info.path, h.get(self._header))
+            idx = self.cache.get(key, -1)
+            if idx < 0:
+                idx = self.index_of(*key)
+        tenant = info.tenant if info.tenant is not None else h.get(self._tenant_header, "")
+        cost = estimate_tokens(info.body) if self._tokens else 1.0
+        return idx, tenant, cost
+
+    def index_of(self, path: str, header_value: str | None) -> int:
+        """The class of a request with this path and class header value (None: no header); cached."""
+        idx = -1
+        if header_value is not None:
+            v = header_value.strip()
+            idx = self._index.get(v.lower(), self._index.get(v, -1))
         if idx < 0:
-            path = info.path
             for prefix, i in self._routes:
                 if path.startswith(prefix):
                     idx = i
                     break
             else:
                 idx = self._default
-        tenant = info.tenant if info.tenant is not None else h.get(self._tenant_header, "")
-        cost = estimate_tokens(info.body) if self._tokens else 1.0
-        return idx, tenant, cost
+        if len(self.cache) >= self._max_cached:
+            self.cache.clear()
+        self.cache[(path, header_value)] = idx
+        return idx
