@@ -88,3 +88,20 @@ def test_sse_large_but_bounded_event_is_read() -> None:
     for k in range(0, len(event), 4096):
         assert reader(event[k:k + 4096], 0.2) is None
     assert reader.chunks == [0.2]
+
+
+def test_url_password_is_never_written(srv, tmp_path: Path) -> None:
+    """A password in the URL (user:password@host) reaches neither the output files nor the terminal."""
+    url = srv.url("/fast").replace("://", "://user:S3CRETPW@")
+    out = tmp_path / "o"
+    p = _cli(url, "--requests", "3", "--workers", "1", "--no-gpu", "--json", "--out", str(out), cwd=tmp_path)
+    assert p.returncode in (0, 1), p.stderr
+    assert "S3CRETPW" not in p.stdout + p.stderr
+    written = [f for f in out.iterdir() if f.is_file()]
+    assert any(f.name == "summary.json" for f in written)
+    for f in written:
+        assert b"S3CRETPW" not in f.read_bytes(), f.name
+    assert "user:***@" in (out / "summary.json").read_text()
+    closed = "http://user:S3CRETPW@127.0.0.1:9/"
+    p = _cli(closed, "--requests", "1", "--no-gpu", "--out", str(tmp_path / "o2"), cwd=tmp_path)
+    assert p.returncode == 2 and "S3CRETPW" not in p.stderr, p.stderr

@@ -55,17 +55,17 @@ class Target:
     def parse(cls, url: str) -> Target:
         # Whitespace or control characters would end up in the request line and split or reshape it.
         if any(c.isspace() or ord(c) < 0x20 or ord(c) == 0x7f for c in url):
-            raise UrlError(f"{url!r} is not a usable URL: it holds a space or a control character.")
+            raise UrlError(f"{shown_url(url)!r} is not a usable URL: it holds a space or a control character.")
         try:
             u = urllib.parse.urlsplit(url)
         except ValueError as e:
-            raise UrlError(f"'{url}' is not a usable URL ({e}).") from None
+            raise UrlError(f"'{shown_url(url)}' is not a usable URL ({e}).") from None
         if u.scheme not in ("http", "https") or not u.hostname:
-            raise UrlError(f"'{url}' is not an http:// or https:// URL with a host.")
+            raise UrlError(f"'{shown_url(url)}' is not an http:// or https:// URL with a host.")
         try:
             port = u.port or (443 if u.scheme == "https" else 80)
         except ValueError:
-            raise UrlError(f"'{url}' has an invalid port.") from None
+            raise UrlError(f"'{shown_url(url)}' has an invalid port.") from None
         # A request line is ASCII: non-ASCII path or query characters are sent percent-encoded (UTF-8),
         # as browsers and curl do; what is already percent-encoded or reserved is left as it is.
         path = urllib.parse.quote(u.path or "/", safe=_URL_SAFE) + (
@@ -73,6 +73,18 @@ class Target:
         default = (u.scheme == "https" and port == 443) or (u.scheme == "http" and port == 80)
         host = u.hostname if ":" not in u.hostname else f"[{u.hostname}]"
         return cls(u.scheme, u.hostname, port, path, host if default else f"{host}:{port}")
+
+
+def shown_url(url: str) -> str:
+    """The URL as it may be printed or written to a file: a password in it replaced by ***."""
+    try:
+        u = urllib.parse.urlsplit(url)
+        if u.password is None:
+            return url
+        netloc = f"{u.username or ''}:***@{u.netloc.rpartition('@')[2]}"
+        return urllib.parse.urlunsplit(u._replace(netloc=netloc))
+    except ValueError:
+        return url
 
 
 def encode_request(target: Target, method: str, path: str, headers: dict[str, str], body: bytes) -> bytes:

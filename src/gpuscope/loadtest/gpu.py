@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from .client import shown_url
 from .records import GpuReading
 
 log = logging.getLogger("gpuscope.loadtest.gpu")
@@ -80,6 +81,7 @@ class GpuWatch:
                  simulate: str | None = None, clock: tuple[float, float] | None = None, *,
                  max_ticks: int = MAX_TICKS, nvml: Any = None) -> None:
         self.agent_url = agent_url.rstrip("/") if agent_url else None
+        self.agent_shown = shown_url(self.agent_url) if self.agent_url else ""  # what is written: no password
         self.token = token
         self.hz = hz if hz and hz > 0 else 10.0
         self.simulate = simulate
@@ -124,12 +126,12 @@ class GpuWatch:
                 status = self._get("/api/v1/status", timeout=3.0)
                 interval = float(status.get("sampler", {}).get("interval_s") or 0.1)
             except Exception as e:  # noqa: BLE001 - any failure: say it and fall back
-                why.append(f"the agent at {self.agent_url} did not answer ({_short(e)})")
+                why.append(f"the agent at {self.agent_shown} did not answer ({_short(e)})")
             else:
                 sim = f", simulated scenario {status['simulated']}" if status.get("simulated") else ""
-                self.source = f"agent {self.agent_url} (every {interval * 1000:g} ms{sim})"
+                self.source = f"agent {self.agent_shown} (every {interval * 1000:g} ms{sim})"
                 if interval > 1.0 / self.hz * 1.01:
-                    self.source = (f"agent {self.agent_url} (it samples every {interval * 1000:g} ms, slower than "
+                    self.source = (f"agent {self.agent_shown} (it samples every {interval * 1000:g} ms, slower than "
                                    f"the {self.hz:g} Hz asked; read at its own rate{sim})")
                 poll = max(0.02, min(interval, 1.0 / self.hz) / 2)
                 self._thread = threading.Thread(target=self._poll_agent, args=(poll,), daemon=True,
@@ -197,7 +199,7 @@ class GpuWatch:
         wall0 = self.clock[0]
         last_ns = 0
         failures = 0
-        src = f"agent {self.agent_url}"
+        src = f"agent {self.agent_shown}"
         while not self._stop.wait(poll_s):
             try:
                 snap = self._get("/api/v1/latest", timeout=2.0)
@@ -205,7 +207,7 @@ class GpuWatch:
             except Exception as e:  # noqa: BLE001 - a busy agent: try again next poll
                 failures += 1
                 if failures == 1:
-                    log.warning("reading the agent at %s failed: %s", self.agent_url, _short(e))
+                    log.warning("reading the agent at %s failed: %s", self.agent_shown, _short(e))
                 continue
             try:
                 ns = int(snap.get("time_ns", 0))
@@ -214,7 +216,7 @@ class GpuWatch:
                 last_ns = ns
                 t = ns / 1e9 - wall0
                 if snap.get("simulated"):
-                    src = f"agent {self.agent_url} (simulated)"
+                    src = f"agent {self.agent_shown} (simulated)"
                 tick = []
                 for g in snap.get("gpus", []):
                     if not g.get("healthy", True):

@@ -20,7 +20,7 @@ from typing import Any
 import orjson
 
 from . import schedule as S
-from .client import Client, Target, UrlError
+from .client import Client, Target, UrlError, shown_url
 from .openai import load_prompts
 from .progress import ProgressLine, print_summary
 from .records import RequestRecord
@@ -332,10 +332,10 @@ def execute(spec: Spec, args: argparse.Namespace) -> int:
     cfg = spec.cfg
     pre = preflight(cfg)
     if pre.error in ("connect", "tls", "timeout", "client"):
-        raise SetupError(f"{args.url} did not answer before the start: {pre.error_detail}.")
+        raise SetupError(f"{shown_url(args.url)} did not answer before the start: {pre.error_detail}.")
     tty = sys.stderr.isatty()
     if pre.error is not None:
-        print(f"note: the first request to {args.url} failed ({pre.error_detail}); going on.", file=sys.stderr)
+        print(f"note: the first request to {shown_url(args.url)} failed ({pre.error_detail}); going on.", file=sys.stderr)
     try:
         spec.out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -350,7 +350,7 @@ def execute(spec: Spec, args: argparse.Namespace) -> int:
             res = execute_plan(cfg, spec.workers, on_progress=progress.update if progress else None)
             if progress:
                 progress.end()
-            summary = summarize(replace(cfg, workers=spec.workers), res, url=args.url, protocol=spec.protocol,
+            summary = summarize(replace(cfg, workers=spec.workers), res, url=shown_url(args.url), protocol=spec.protocol,
                                 stage_names=spec.stage_names)
             records = collect_records(spec.out_dir, spec.workers, load=args.html)
     except RuntimeError as e:
@@ -412,7 +412,7 @@ def _capacity(spec: Spec, cfg: WorkerConfig, args: argparse.Namespace, progress:
             _shift(r, dt)
             r.stage = len(trials)
         records.extend(recs)
-        s = summarize(tc, res, url=args.url, protocol=spec.protocol, stage_names=[stage.name])
+        s = summarize(tc, res, url=shown_url(args.url), protocol=spec.protocol, stage_names=[stage.name])
         trials.append((dt, res, tc, stage.name))
         return s["overall"]
 
@@ -421,7 +421,7 @@ def _capacity(spec: Spec, cfg: WorkerConfig, args: argparse.Namespace, progress:
     valid, reasons = True, []
     summaries = []
     for k, (dt, res, tc, name) in enumerate(trials):
-        s = summarize(tc, res, url=args.url, protocol=spec.protocol, stage_names=[name])
+        s = summarize(tc, res, url=shown_url(args.url), protocol=spec.protocol, stage_names=[name])
         summaries.append(s)
         st = s["stages"][0]
         st.update(index=k, start_s=st["start_s"] + dt, end_s=st["end_s"] + dt)
