@@ -141,3 +141,45 @@ def test_a_cost_over_the_burst_is_charged_as_the_burst_in_redis(redis_server):  
     big = RequestInfo(body={"prompt": "x" * 400, "max_tokens": 100})
     first, second = g.acquire(big), g.acquire(big)
     assert first.admitted and second.reason == "rate" and 1.9 < second.retry_after_s <= 2.0
+
+
+def test_packed_command_is_what_redis_py_would_send(redis_server):  # noqa: F811
+    cfg = parse_config({"classes": [{"name": "both", "rate": 3, "burst": 7, "tenant_rate": 11},
+                                    {"name": "classonly", "rate": 5},
+                                    {"name": "tenantonly", "tenant_rate": 2, "tenant_burst": 9}],
+                        "redis": {"url": redis_server.url}})
+    b = RedisBuckets(cfg)
+    conn = redis.Redis.from_url(redis_server.url).connection_pool.make_connection()
+    for idx in range(3):
+        for tenant, cost, factor in (("acme", 1.0, 1.0), ("", 37.5, 0.4), ("tënant ✓", 2.0, 1.0)):
+            args, _ = b._call(idx, tenant, cost, factor)
+            assert b.pack(idx, tenant, cost, factor) == b"".join(conn.pack_command(*args))
+
+
+def test_one_guard_many_threads_and_a_flushed_script(redis_server):  # noqa: F811
+    """Threads share one guard: one uses the held connection, the others the pool, none falls back; after
+    SCRIPT FLUSH the script is loaded again and the shared bucket still counts every admission."""
+    g = _guard(redis_server.url)
+    r = redis.Redis.from_url(redis_server.url)
+    r.script_flush()
+    counts = [0] * 4
+    odd: list = []
+
+    def hammer(i: int) -> None:
+        for _ in range(150):
+            d = g.acquire(RequestInfo(headers={"x-tenant": f"t{i}"}))
+            if d.admitted:
+                counts[i] += 1
+                g.release(d)
+            elif d.reason != "rate":
+                odd.append(d)
+
+    t0 = _redis_time_s(r)
+    threads = [threading.Thread(target=hammer, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    elapsed = _redis_time_s(r) - t0
+    assert odd == [] and not g.buckets.fallback_active
+    assert BURST <= sum(counts) <= BURST + RATE * elapsed + 1  # no admission outside the shared bucket

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
+import threading
 from typing import Any
 
 from ._bucket import LocalBuckets
@@ -24,6 +26,8 @@ __all__ = ["RedisBuckets"]
 
 log = logging.getLogger("gpuscope.guard")
 
+# The reply is one integer, parsed as cheaply as INCR's: 0 admitted, else (microseconds to wait) * 4 + the
+# index of the refusing key (1 class, 2 tenant; 1 when the tenant bucket is the only one).
 GCRA_LUA = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -36,16 +40,57 @@ for i = 1, #KEYS do
   if tat < now then tat = now end
   local new = tat + math.min(cost, tau / interval) * interval
   local over = new - now - tau
-  if over > 0 then return {i, math.floor(over) + 1} end
+  if over > 0 then return (math.floor(over) + 1) * 4 + i end
   tats[i] = new
 end
 for i = 1, #KEYS do
   redis.call('SET', KEYS[i], string.format('%.0f', tats[i]), 'PX', math.floor((tats[i] - now) / 1000) + 1)
 end
-return {0, 0}
+return 0
 """
 
 _US = 1e6
+_COST_1 = b"$3\r\n1.0\r\n"  # repr(1.0), the usual cost, encoded once
+
+
+def resp_bulk(arg: bytes) -> bytes:
+    """One argument as a RESP bulk string."""
+    return b"$%d\r\n%s\r\n" % (len(arg), arg)
+
+
+def resp_command(*parts: bytes) -> bytes:
+    """A command from parts that are already RESP bulk strings (resp_bulk): what redis-py's packer sends,
+    without its per-argument type checks and encoding."""
+    return b"*%d\r\n%s" % (len(parts), b"".join(parts))
+
+
+class RawConnection:
+    """One redis-py connection taken from a client's pool and used directly: a packed command out, one reply
+    back, without the client's per-command work (pool get/release, packing, hooks). Only one thread uses it
+    at a time (`lock`, taken without waiting; a caller that cannot take it goes through the client). A
+    forked child takes a connection of its own: the parent's socket must not be shared."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self.lock = threading.Lock()
+        self._conn: Any = None
+        self._pid = 0
+
+    def call(self, packed: bytes) -> Any:
+        """Send one packed command and return its reply, or raise redis-py's error. redis-py closes the
+        connection itself on a failed send or read (the next call reconnects); an error reply leaves it in step."""
+        conn = self._conn
+        if conn is None or self._pid != os.getpid():
+            conn = self._conn = self._client.connection_pool.get_connection()
+            self._pid = os.getpid()
+        conn.send_packed_command((packed,), check_health=False)
+        return conn.read_response()
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.disconnect()
+            self._client.connection_pool.release(self._conn)
+            self._conn = None
 
 
 class RedisBuckets:
@@ -78,6 +123,23 @@ class RedisBuckets:
                   _US / c.tenant_rate * (c.tenant_burst if c.tenant_burst is not None else c.tenant_rate)) \
                 if c.tenant_rate else None
             self._spec.append((ck, tk))
+        # The sync path sends pre-encoded bytes on one connection it holds: per class, the command up to the
+        # tenant key, the tenant key's prefix, and the interval/tau arguments at the full rate (factor 1);
+        # per call only the tenant key and the cost are encoded. The bytes are those redis-py would send.
+        self._raw = RawConnection(self._sync)
+        self._packed: list[tuple[bytes, bytes | None, bytes, list[str]] | None] = []
+        for ck, tk in self._spec:
+            if ck is None and tk is None:
+                self._packed.append(None)
+                continue
+            keys = [resp_bulk(ck[0].encode())] if ck is not None else []
+            tail = [resp_bulk(repr(b[i]).encode()) for b in (ck, tk) if b is not None for i in (1, 2)]
+            nkeys = (ck is not None) + (tk is not None)
+            # EVALSHA, the SHA, numkeys, the keys, the cost, an interval and a tau per key
+            head = b"*%d\r\n" % (4 + 3 * nkeys) + b"".join(
+                [resp_bulk(b"EVALSHA"), resp_bulk(self._sha.encode()), resp_bulk(b"%d" % nkeys), *keys])
+            why = (["rate"] if ck is not None else []) + (["tenant_rate"] if tk is not None else [])
+            self._packed.append((head, tk[0].encode() if tk is not None else None, b"".join(tail), why))
 
     def _call(self, idx: int, tenant: str, cost: float, factor: float) -> tuple[list[Any], list[str]] | None:
         """The EVALSHA arguments (numkeys, keys, args) and the refusal reason of each key; None: no bucket."""
@@ -98,23 +160,52 @@ class RedisBuckets:
         return ["EVALSHA", self._sha, len(keys), *keys, *args], why
 
     def take(self, idx: int, tenant: str, cost: float, now: float, factor: float = 1.0) -> tuple[float, str]:
-        call = self._call(idx, tenant, cost, factor)
-        if call is None:
+        spec = self._packed[idx]
+        if spec is None:
             return 0.0, ""
         if self.fallback_active and now < self._retry_at:
             return self._local.take(idx, tenant, cost, now, factor)
+        packed = self.pack(idx, tenant, cost, factor)
+        why = spec[3]
         try:
-            # execute_command with the SHA, not redis-py's Script object: that wrapper costs about a fifth of a
-            # loopback round trip; a Redis that lost its scripts (restart, SCRIPT FLUSH) gets it loaded again
+            # one EVALSHA, sent as bytes on a held connection: redis-py's execute_command costs about as much
+            # client CPU again as the round trip's own system calls. A Redis that lost its scripts (restart,
+            # SCRIPT FLUSH) gets it loaded again.
             try:
-                which, over_us = self._sync.execute_command(*call[0])
+                reply = self._send(packed)
             except self._noscript:
                 self._sync.script_load(GCRA_LUA)
-                which, over_us = self._sync.execute_command(*call[0])
+                reply = self._send(packed)
         except self._errors as e:
             self._failed(e, now)
             return self._local.take(idx, tenant, cost, now, factor)
-        return self._answer(call[1], which, over_us)
+        return self._answer(why, reply)
+
+    def pack(self, idx: int, tenant: str, cost: float, factor: float) -> bytes:
+        """The EVALSHA of one decision as RESP bytes: the same bytes redis-py packs from `_call`'s arguments."""
+        spec = self._packed[idx]
+        assert spec is not None
+        head, tenant_prefix, tail, _ = spec
+        if factor != 1.0:  # the rates scaled (simple mode): the intervals change, so encode them for this call
+            tail = b"".join(resp_bulk(repr(b[1] / factor).encode()) + resp_bulk(repr(b[2]).encode())
+                            for b in self._spec[idx] if b is not None)
+        return b"".join((head, resp_bulk(tenant_prefix + tenant.encode()) if tenant_prefix is not None else b"",
+                         _COST_1 if cost == 1.0 else resp_bulk(repr(float(cost)).encode()), tail))
+
+    def _send(self, packed: bytes) -> Any:
+        raw = self._raw
+        if raw.lock.acquire(False):
+            try:
+                return raw.call(packed)
+            finally:
+                raw.lock.release()
+        pool = self._sync.connection_pool  # another thread holds the connection: take one from the pool
+        conn = pool.get_connection()
+        try:
+            conn.send_packed_command((packed,), check_health=False)
+            return conn.read_response()
+        finally:
+            pool.release(conn)
 
     async def atake(self, idx: int, tenant: str, cost: float, now: float, factor: float = 1.0) -> tuple[float, str]:
         call = self._call(idx, tenant, cost, factor)
@@ -124,22 +215,22 @@ class RedisBuckets:
             return self._local.take(idx, tenant, cost, now, factor)
         try:
             try:
-                which, over_us = await self._async.execute_command(*call[0])
+                reply = await self._async.execute_command(*call[0])
             except self._noscript:
                 await self._async.script_load(GCRA_LUA)
-                which, over_us = await self._async.execute_command(*call[0])
+                reply = await self._async.execute_command(*call[0])
         except self._errors as e:
             self._failed(e, now)
             return self._local.take(idx, tenant, cost, now, factor)
-        return self._answer(call[1], which, over_us)
+        return self._answer(call[1], reply)
 
-    def _answer(self, why: list[str], which: int, over_us: int) -> tuple[float, str]:
+    def _answer(self, why: list[str], reply: int) -> tuple[float, str]:
         if self.fallback_active:
             self.fallback_active = False
             log.warning("gpuscope guard: Redis at %s answers again; shared buckets are back", self.url)
-        if which == 0:
+        if reply == 0:
             return 0.0, ""
-        return over_us / _US, why[int(which) - 1]
+        return (reply >> 2) / _US, why[(reply & 3) - 1]
 
     def _failed(self, e: BaseException, now: float) -> None:
         self._retry_at = now + self._retry_s
@@ -150,6 +241,8 @@ class RedisBuckets:
 
     def close(self) -> None:
         try:
+            with self._raw.lock:
+                self._raw.close()
             self._sync.close()
         except self._errors:
             pass
