@@ -53,13 +53,25 @@ def test_non_ascii_url_path_is_percent_encoded() -> None:
     (["{url}", "--stage-file", "{inf_ramp}"], "target rate must be above 0"),
     (["{url}", "--rate", "10000", "--duration", "100000h", "--workers", "1"], "requests"),
     (["{url}", "--openai", "chat", "--prompt-tokens", "100000000", "--requests", "1"], "at most"),
+    (["{url}", "--request-file", "{binary}"], "is not UTF-8 text"),
+    (["{url}", "--body-file", "{binary}"], "is not UTF-8 text"),
+    (["{url}", "--request-file", "{rf_path}"], "\"path\" must start with /"),
+    (["{url}", "--request-file", "{rf_method}"], "\"method\" must be an HTTP method"),
+    (["{url}", "--request-file", "{rf_headers}"], "\"headers\" must map"),
+    (["{url}", "--request-file", "{rf_header_crlf}"], "\"headers\" must map"),
 ])
 def test_bad_input_is_one_sentence_and_exit_2(srv, tmp_path: Path, args: list[str], says: str) -> None:
     (tmp_path / "bin.yaml").write_bytes(b"\xff\xfe\x00garbage")
     (tmp_path / "huge.yaml").write_text("- duration: 1s\n  rate: 1e9\n")
     (tmp_path / "inf.yaml").write_text("- duration: 2s\n  rate: 1\n  ramp_to: .inf\n")
+    rf = {"rf_path": '{"path": "/ x HTTP/1.1\\r\\nEvil: y"}', "rf_method": '{"path": "/", "method": "GET / HTTP/1.1"}',
+          "rf_headers": '{"path": "/", "headers": ["X: y"]}',
+          "rf_header_crlf": '{"path": "/", "headers": {"X": "a\\r\\nEvil: y"}}'}
+    for name, line in rf.items():
+        (tmp_path / f"{name}.jsonl").write_text(line + "\n")
     subs = {"url": srv.url("/fast"), "base": srv.url("").rstrip("/"), "binary": str(tmp_path / "bin.yaml"),
-            "huge_rate": str(tmp_path / "huge.yaml"), "inf_ramp": str(tmp_path / "inf.yaml")}
+            "huge_rate": str(tmp_path / "huge.yaml"), "inf_ramp": str(tmp_path / "inf.yaml"),
+            **{name: str(tmp_path / f"{name}.jsonl") for name in rf}}
     p = _cli(*[a.format(**subs) for a in args], "--no-gpu", "--quiet", "--out", str(tmp_path / "o"), cwd=tmp_path)
     assert p.returncode == 2, p.stderr
     assert says in p.stderr and "Traceback" not in p.stderr, p.stderr

@@ -27,7 +27,7 @@ from .records import RequestRecord
 from .requests import Protocol, ReplayError, RequestMaker, load_replay
 from .runner import collect_records, default_workers, summarize
 from .runner import execute as execute_plan
-from .templates import Template, TemplateError, load_request_file
+from .templates import HEADER_VALUE, TOKEN, Template, TemplateError, load_request_file
 from .worker import WorkerConfig, new_loop
 
 DEFAULT_AGENT = "http://127.0.0.1:9471"
@@ -119,11 +119,6 @@ def _stages(args: argparse.Namespace) -> tuple[list[S.Stage], bool]:
         raise SetupError(str(e)) from None
 
 
-# RFC 9110 token (header names, methods) and field value: visible Latin-1 characters, spaces and tabs.
-_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-_HEADER_VALUE = re.compile(r"[\t\x20-\x7e\x80-\xff]*")
-
-
 def _protocol(args: argparse.Namespace) -> tuple[Protocol, str]:
     headers = {}
     for h in args.header:
@@ -133,7 +128,7 @@ def _protocol(args: argparse.Namespace) -> tuple[Protocol, str]:
         name, value = name.strip(), value.strip()
         # A header is one line of Latin-1 text: CR/LF would start a header of the user's making, and
         # characters outside Latin-1 cannot be written at all.
-        if not _TOKEN.fullmatch(name) or not _HEADER_VALUE.fullmatch(value):
+        if not TOKEN.fullmatch(name) or not HEADER_VALUE.fullmatch(value):
             raise SetupError(f"-H {h!r}: a header name is letters, digits and !#$%&'*+-.^_`|~, and its value "
                              "one line of Latin-1 text.")
         headers[name] = value
@@ -143,6 +138,8 @@ def _protocol(args: argparse.Namespace) -> tuple[Protocol, str]:
             body = Path(args.body_file).read_text()
         except OSError as e:
             raise SetupError(f"Cannot read --body-file {args.body_file}: {e.strerror or e}.") from None
+        except UnicodeDecodeError:
+            raise SetupError(f"--body-file {args.body_file} is not UTF-8 text.") from None
     try:
         Template(body)
         requests = load_request_file(args.request_file) if args.request_file else None
@@ -166,7 +163,7 @@ def _protocol(args: argparse.Namespace) -> tuple[Protocol, str]:
         return Protocol(kind=kind, headers=headers, model=args.model, prompt_tokens=args.prompt_tokens,
                         max_tokens=args.max_tokens, prompts=prompts), kind
     method = (args.method or ("POST" if body else "GET")).upper()
-    if not _TOKEN.fullmatch(method):
+    if not TOKEN.fullmatch(method):
         raise SetupError(f"-X {args.method!r} is not an HTTP method (letters such as GET, POST, PUT).")
     return Protocol(kind="http", method=method, headers=headers, body=body, requests=requests), "http"
 

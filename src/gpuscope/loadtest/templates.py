@@ -65,12 +65,21 @@ def _var(spec: str) -> Callable[[int, random.Random], str]:
     return lambda seq, rng: rng.choice(options)
 
 
+# RFC 9110 token (header names, methods), field value (visible Latin-1, spaces, tabs) and an origin-form
+# request target (visible ASCII from a leading /).
+TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+HEADER_VALUE = re.compile(r"[\t\x20-\x7e\x80-\xff]*")
+REQUEST_PATH = re.compile(r"/[\x21-\x7e]*")
+
+
 def load_request_file(path: str | Path) -> list[dict]:
     """Requests from a JSON-lines file; raises TemplateError with one sentence for a bad file."""
     try:
         lines = Path(path).read_text().splitlines()
     except OSError as e:
         raise TemplateError(f"Cannot read the request file {path}: {e.strerror or e}.") from None
+    except UnicodeDecodeError:
+        raise TemplateError(f"The request file {path} is not UTF-8 text.") from None
     out = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -82,8 +91,22 @@ def load_request_file(path: str | Path) -> list[dict]:
         if not isinstance(obj, dict) or not ({"path", "body"} & set(obj)):
             raise TemplateError(f"Line {n} of the request file {path} needs a \"path\" or a \"body\".")
         body = obj.get("body", "")
-        out.append({"method": str(obj.get("method", "POST" if body else "GET")).upper(),
-                    "path": str(obj.get("path", "")), "headers": dict(obj.get("headers") or {}),
+        method = str(obj.get("method", "POST" if body else "GET")).upper()
+        path_ = str(obj.get("path", ""))
+        headers = obj.get("headers") or {}
+        # What goes into the request line and headers must not be able to end them early (CR/LF, spaces).
+        if not TOKEN.fullmatch(method):
+            raise TemplateError(f"Line {n} of the request file {path}: \"method\" must be an HTTP method "
+                                f"such as POST, not {method!r}.")
+        if path_ and not REQUEST_PATH.fullmatch(path_):
+            raise TemplateError(f"Line {n} of the request file {path}: \"path\" must start with / and hold no "
+                                "spaces, control or non-ASCII characters (percent-encode them).")
+        if not isinstance(headers, dict) or not all(
+                isinstance(v, str) and TOKEN.fullmatch(str(k)) and HEADER_VALUE.fullmatch(v)
+                for k, v in headers.items()):
+            raise TemplateError(f"Line {n} of the request file {path}: \"headers\" must map header names to "
+                                "values of one line of Latin-1 text.")
+        out.append({"method": method, "path": path_, "headers": dict(headers),
                     "body": body if isinstance(body, str) else orjson.dumps(body).decode(),
                     "tag": obj.get("tag")})
     if not out:
