@@ -24,8 +24,9 @@ def test_percentiles_match_the_delays_the_server_applied() -> None:
         applied_ms = np.asarray(srv.applied()) * 1e3
     o = summary["overall"]
     assert o["errors"] == {} and o["completed"] == len(applied_ms) == len(records) > 300
-    # the server drew 50 ms ± 5 ms: the injected distribution is what it applied
-    assert 44.9 < applied_ms.min() and applied_ms.max() < 57
+    # the server drew 50 ms ± 5 ms and applied it (a sleep is never shorter; on a loaded machine a few
+    # overshoot, which is why the comparison below is against what it applied, not what it drew)
+    assert 44.9 < applied_ms.min() and 47 < np.median(applied_ms) < 53
     for key, q in (("p50", 50), ("p90", 90), ("p99", 99)):
         assert abs(o["service_latency_ms"][key] - np.percentile(applied_ms, q)) < 1.0, key
         # from the intended time: the same plus the send lag (event-loop timers tick in whole ms)
