@@ -20,7 +20,7 @@ from typing import Any
 import orjson
 
 from . import schedule as S
-from .client import Client, Target, UrlError, shown_url
+from .client import Client, Target, UrlError, classify_connect_error, shown_url
 from .openai import load_prompts
 from .progress import ProgressLine, print_summary
 from .records import RequestRecord
@@ -275,16 +275,36 @@ def _cap_requests(plan: S.Plan, n: int, n_warm: int) -> S.Plan:
     return S.Plan(plan.stages, plan.starts_s, ends, times)
 
 
+def _safe_to_send_twice(proto: Any) -> bool:
+    """Whether the run's first request may also be sent once before the run: not a replayed capture (the
+    server would get one request more than captured), not a request file or a method that may change
+    state (POST, PUT, ...). An OpenAI request is sent first as vLLM's benchmark does: one generation."""
+    if proto.replay is not None or proto.requests:
+        return False
+    return proto.kind != "http" or proto.method in ("GET", "HEAD", "OPTIONS")
+
+
 def preflight(cfg: WorkerConfig) -> RequestRecord:
-    """Send one request before the run; a connection or TLS failure stops the run (one sentence)."""
+    """Before the run, send its first request (or, where sending it twice would change what the server gets,
+    only open a connection, TLS included); a connection or TLS failure stops the run (one sentence)."""
     loop = new_loop()
     try:
         async def one() -> RequestRecord:
             client = Client(cfg.url, t0=time.perf_counter(), timeout_s=min(cfg.timeout_s, 15.0),
                             verify_tls=cfg.verify_tls)
+            rec = RequestRecord(i=0, stage=-1, worker=0, t_intended=0.0, t_sent=0.0)
+            if not _safe_to_send_twice(cfg.proto):
+                t = client.target
+                try:
+                    transport, _ = await asyncio.wait_for(loop.create_connection(
+                        asyncio.Protocol, t.host, t.port, ssl=client._ssl,
+                        server_hostname=t.host if client._ssl else None), client.timeout_s)
+                    transport.close()
+                except Exception as e:
+                    rec.error, rec.error_detail = classify_connect_error(e)
+                return rec
             maker = RequestMaker(cfg.proto, client.target, cfg.seed, 0)
             payload, _, _, _ = maker.make(0)
-            rec = RequestRecord(i=0, stage=-1, worker=0, t_intended=0.0, t_sent=0.0)
             fut: asyncio.Future[RequestRecord] = loop.create_future()
 
             def done(r: RequestRecord) -> None:
