@@ -116,8 +116,8 @@ class Guard:
         self._async_buckets = hasattr(self.buckets, "atake")
         self._local_buckets = isinstance(self.buckets, LocalBuckets)
         self._take = self.buckets.take
-        # acquire()'s inline path covers local buckets with cost 1 (token cost needs the body parsed)
-        self._fast = self._local_buckets and cfg.classify.cost != "tokens"
+        # acquire()'s inline path covers cost 1 (a token cost needs the body parsed)
+        self._fast = cfg.classify.cost != "tokens"
         self._gcra = self.buckets.per_class() if self._local_buckets else []
         self._lock = threading.Lock()
         self.inflight = [0] * n
@@ -153,8 +153,8 @@ class Guard:
             now = self._clock()
             if not self._fast or now >= self._next_refresh or info.klass is not None or not self.breaker.passing:
                 return self._acquire(info, now)
-            # The common case, inline (this runs once per request; each call and lookup saved counts): local
-            # buckets, cost 1, the breaker passing, no refresh due. It is _pre + _acquire's local path exactly.
+            # The common case, inline (this runs once per request; each call and lookup saved counts): cost 1,
+            # the breaker passing, no refresh due. It is _pre + _acquire's local path exactly.
             h = info.headers
             path = info.path
             hv = h.get(self._class_header)
@@ -183,6 +183,8 @@ class Guard:
             f = limiter.rate_factor
             if f <= 0.0:
                 return self._shed(d, "gpu_saturated", self.cfg.signals.interval_s * self.cfg.controller.consecutive)
+            if not self._local_buckets:
+                return self._acquire_shared(d, now)
             lock = self._lock
             lock.acquire()  # acquire/release rather than `with`: half the cost of the with-statement on 3.11
             try:
@@ -246,16 +248,28 @@ class Guard:
                     return self._shed(d, why, wait)
                 self._admit(d)
             return d
-        with self._lock:
+        return self._acquire_shared(d, now)
+
+    def _acquire_shared(self, d: Decision, now: float) -> Decision:
+        """The rest of a decision with shared (Redis) buckets: their I/O outside the lock."""
+        idx = d.class_index
+        lock = self._lock
+        lock.acquire()
+        try:
             if not self._runnable(idx):
                 return self._shed(d, "concurrency", self._concurrency_retry_s())
+        finally:
+            lock.release()
         wait, why = self.buckets.take(idx, d.tenant, d.cost, now, self.limiter.rate_factor)  # Redis: I/O
         if wait:
             return self._shed(d, why, wait)
-        with self._lock:
+        lock.acquire()
+        try:
             if not self._runnable(idx):  # another thread took the slot meanwhile
                 return self._shed(d, "concurrency", self._concurrency_retry_s())
             self._admit(d)
+        finally:
+            lock.release()
         return d
 
     async def acquire_async(self, info: RequestInfo) -> Decision:
@@ -466,13 +480,18 @@ class Guard:
                 latency_s = now - d.start_s - d.queued_s
             sample = ttft_s if ttft_s is not None and self.cfg.controller.signal == "ttft" else latency_s
             dropped = timed_out or status in (429, 503)
-            with self._lock:
+            lock = self._lock
+            lock.acquire()  # not `with`: see acquire()
+            try:
                 inflight = self.inflight_total
                 self.inflight[d.class_index] -= 1
                 self.inflight_total -= 1
                 self.breaker.record(d.probe, status, latency_s, timed_out, now)
                 self.limiter.observe(sample, inflight, dropped, now)
-                self._dispatch()
+                if self.queued_total > 0:
+                    self._dispatch()
+            finally:
+                lock.release()
         except Exception:  # noqa: BLE001
             log.exception("gpuscope guard: release failed")
 

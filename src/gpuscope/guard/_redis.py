@@ -26,31 +26,33 @@ __all__ = ["RedisBuckets"]
 
 log = logging.getLogger("gpuscope.guard")
 
-# The reply is one integer, parsed as cheaply as INCR's: 0 admitted, else (microseconds to wait) * 4 + the
-# index of the refusing key (1 class, 2 tenant; 1 when the tenant bucket is the only one).
+# ARGV per key: the TAT increment of this request (cost, capped at the burst, times the emission interval, both
+# in microseconds; the client computes it with the same arithmetic) and tau. The new TAT goes to SET as a Lua
+# number (Redis writes it with %.17g). The reply is one integer, parsed as cheaply as INCR's: 0 admitted, else
+# (microseconds to wait) * 4 + the index of the refusing key (1 class, 2 tenant; 1 when the tenant bucket is
+# the only one). Each redis.call costs Redis about 2-3 µs, so the script makes only the ones it must: TIME,
+# then a GET and a SET per key.
 GCRA_LUA = """
 local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local cost = tonumber(ARGV[1])
+local now = t[1] * 1000000 + t[2]
+local n = #KEYS
 local tats = {}
-for i = 1, #KEYS do
-  local interval = tonumber(ARGV[2 * i])
-  local tau = tonumber(ARGV[2 * i + 1])
-  local tat = tonumber(redis.call('GET', KEYS[i]) or '0')
+for i = 1, n do
+  local tat = tonumber(redis.call('GET', KEYS[i])) or now
   if tat < now then tat = now end
-  local new = tat + math.min(cost, tau / interval) * interval
-  local over = new - now - tau
+  local new = tat + ARGV[2 * i - 1]
+  local over = new - now - ARGV[2 * i]
   if over > 0 then return (math.floor(over) + 1) * 4 + i end
   tats[i] = new
 end
-for i = 1, #KEYS do
-  redis.call('SET', KEYS[i], string.format('%.0f', tats[i]), 'PX', math.floor((tats[i] - now) / 1000) + 1)
+for i = 1, n do
+  local new = tats[i]
+  redis.call('SET', KEYS[i], new, 'PX', math.floor((new - now) / 1000) + 1)
 end
 return 0
 """
 
 _US = 1e6
-_COST_1 = b"$3\r\n1.0\r\n"  # repr(1.0), the usual cost, encoded once
 
 
 def resp_bulk(arg: bytes) -> bytes:
@@ -124,40 +126,41 @@ class RedisBuckets:
                 if c.tenant_rate else None
             self._spec.append((ck, tk))
         # The sync path sends pre-encoded bytes on one connection it holds: per class, the command up to the
-        # tenant key, the tenant key's prefix, and the interval/tau arguments at the full rate (factor 1);
-        # per call only the tenant key and the cost are encoded. The bytes are those redis-py would send.
+        # tenant key, the tenant key's prefix, and the arguments of a cost-1 request at the full rate; per call
+        # only the tenant key (and other arguments, for another cost or rate) are encoded. The bytes are those
+        # redis-py would send for `_call`'s arguments.
         self._raw = RawConnection(self._sync)
         self._packed: list[tuple[bytes, bytes | None, bytes, list[str]] | None] = []
-        for ck, tk in self._spec:
+        for idx, (ck, tk) in enumerate(self._spec):
             if ck is None and tk is None:
                 self._packed.append(None)
                 continue
-            keys = [resp_bulk(ck[0].encode())] if ck is not None else []
-            tail = [resp_bulk(repr(b[i]).encode()) for b in (ck, tk) if b is not None for i in (1, 2)]
             nkeys = (ck is not None) + (tk is not None)
-            # EVALSHA, the SHA, numkeys, the keys, the cost, an interval and a tau per key
-            head = b"*%d\r\n" % (4 + 3 * nkeys) + b"".join(
-                [resp_bulk(b"EVALSHA"), resp_bulk(self._sha.encode()), resp_bulk(b"%d" % nkeys), *keys])
+            # EVALSHA, the SHA, numkeys, the keys, an increment and a tau per key
+            head = b"*%d\r\n" % (3 + 3 * nkeys) + b"".join(
+                [resp_bulk(b"EVALSHA"), resp_bulk(self._sha.encode()), resp_bulk(b"%d" % nkeys)]
+                + ([resp_bulk(ck[0].encode())] if ck is not None else []))
+            args1 = b"".join(resp_bulk(a.encode()) for a in self._args(idx, 1.0, 1.0))
             why = (["rate"] if ck is not None else []) + (["tenant_rate"] if tk is not None else [])
-            self._packed.append((head, tk[0].encode() if tk is not None else None, b"".join(tail), why))
+            self._packed.append((head, tk[0].encode() if tk is not None else None, args1, why))
+
+    def _args(self, idx: int, cost: float, factor: float) -> list[str]:
+        """ARGV: per key, the TAT increment (cost capped at the burst, times the interval) and tau, in µs."""
+        out: list[str] = []
+        for b in self._spec[idx]:
+            if b is not None:
+                interval = b[1] / factor
+                out += (repr(min(cost, b[2] / interval) * interval), repr(b[2]))
+        return out
 
     def _call(self, idx: int, tenant: str, cost: float, factor: float) -> tuple[list[Any], list[str]] | None:
         """The EVALSHA arguments (numkeys, keys, args) and the refusal reason of each key; None: no bucket."""
         ck, tk = self._spec[idx]
         if ck is None and tk is None:
             return None
-        keys: list[Any] = []
-        args: list[Any] = [repr(float(cost))]
-        why: list[str] = []
-        if ck is not None:
-            keys.append(ck[0])
-            args += (repr(ck[1] / factor), repr(ck[2]))
-            why.append("rate")
-        if tk is not None:
-            keys.append(tk[0] + tenant)
-            args += (repr(tk[1] / factor), repr(tk[2]))
-            why.append("tenant_rate")
-        return ["EVALSHA", self._sha, len(keys), *keys, *args], why
+        keys = ([ck[0]] if ck is not None else []) + ([tk[0] + tenant] if tk is not None else [])
+        why = (["rate"] if ck is not None else []) + (["tenant_rate"] if tk is not None else [])
+        return ["EVALSHA", self._sha, len(keys), *keys, *self._args(idx, cost, factor)], why
 
     def take(self, idx: int, tenant: str, cost: float, now: float, factor: float = 1.0) -> tuple[float, str]:
         spec = self._packed[idx]
@@ -185,12 +188,13 @@ class RedisBuckets:
         """The EVALSHA of one decision as RESP bytes: the same bytes redis-py packs from `_call`'s arguments."""
         spec = self._packed[idx]
         assert spec is not None
-        head, tenant_prefix, tail, _ = spec
-        if factor != 1.0:  # the rates scaled (simple mode): the intervals change, so encode them for this call
-            tail = b"".join(resp_bulk(repr(b[1] / factor).encode()) + resp_bulk(repr(b[2]).encode())
-                            for b in self._spec[idx] if b is not None)
-        return b"".join((head, resp_bulk(tenant_prefix + tenant.encode()) if tenant_prefix is not None else b"",
-                         _COST_1 if cost == 1.0 else resp_bulk(repr(float(cost)).encode()), tail))
+        head, tenant_prefix, args, _ = spec
+        if cost != 1.0 or factor != 1.0:
+            args = b"".join(resp_bulk(a.encode()) for a in self._args(idx, cost, factor))
+        if tenant_prefix is None:
+            return head + args
+        key = tenant_prefix + tenant.encode()
+        return b"%s$%d\r\n%s\r\n%s" % (head, len(key), key, args)  # one formatting: the tenant key's bulk string
 
     def _send(self, packed: bytes) -> Any:
         raw = self._raw
