@@ -8,11 +8,16 @@ limiter at 1000 cost units per second per key with a burst of 1000:
   - limits 5.x MemoryStorage + MovingWindowRateLimiter.hit and SlidingWindowCounterRateLimiter.hit
     (limits has no token bucket).
 p50 is the median over blocks of 1000 calls (per-call time, timer overhead amortized); decisions/s per
-core is calls / CPU time of the thread.
+core is calls / CPU time of the thread. Decisions in the `acquire` case are not released (the in-flight
+count stays far under the limit of 1e9, so each takes the same checks as a real admission).
 
-Redis path: guard decisions with Redis-shared buckets (one EVALSHA of the GCRA script per decision,
-sync redis-py) against bare redis-py INCR round trips to the same Redis: decisions/s per core and the
-ratio. A redis-server is started on a free loopback port (`--redis-url` uses an existing one).
+Redis path: guard decisions with Redis-shared buckets (acquire + release; one EVALSHA of the GCRA script per
+decision, sync) against INCR of a per-tenant key sent through the guard's own transport (a held redis-py
+connection built with the same options, the command packed per call by the same functions, the reply read by
+redis-py's parser): decisions/s on one connection and per client core, and the ratio. For scale, the same
+transport with an empty script and with an arithmetic-only script that costs Redis about what the guard's
+does, redis-py's r.incr(), and Redis's own time per command (INFO commandstats). A redis-server is started
+on a free loopback port (`--redis-url` uses an existing one).
 
     python benchmarks/bench_guard.py [--seconds 2] [--redis-url redis://127.0.0.1:6379/0]
 """

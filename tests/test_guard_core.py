@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpuscope.guard import GpuSignal, Guard, RequestInfo, estimate_tokens, parse_config
+from gpuscope.guard import Decision, GpuSignal, Guard, RequestInfo, estimate_tokens, parse_config
 from gpuscope.guard._breaker import Breaker
 from gpuscope.guard._bucket import Gcra
 from gpuscope.guard._config import BreakerConfig
@@ -153,6 +153,7 @@ def test_the_inline_decision_path_decides_as_the_general_one(reqs, factor):
         assert (a.admitted, a.reason, a.klass, a.tenant, a.status, a.probe) == \
             (b.admitted, b.reason, b.klass, b.tenant, b.status, b.probe)
         assert a.retry_after_s == b.retry_after_s and a.start_s == b.start_s
+        assert all(hasattr(a, name) for name in Decision.__slots__)  # the inline path sets every field
         if a.admitted:
             held.append((a, b))
         if finish and held:
