@@ -31,14 +31,14 @@ log = logging.getLogger("gpuscope.guard")
 # number (Redis writes it with %.17g). The reply is one integer, parsed as cheaply as INCR's: 0 admitted, else
 # (microseconds to wait) * 4 + the index of the refusing key (1 class, 2 tenant; 1 when the tenant bucket is
 # the only one). Each redis.call costs Redis about 2-3 µs, so the script makes only the ones it must: TIME,
-# then a GET and a SET per key.
+# one MGET of both keys (one hash tag: one slot), a SET per key.
 GCRA_LUA = """
 local t = redis.call('TIME')
 local now = t[1] * 1000000 + t[2]
 local n = #KEYS
-local tats = {}
+local tats = redis.call('MGET', unpack(KEYS))
 for i = 1, n do
-  local tat = tonumber(redis.call('GET', KEYS[i])) or now
+  local tat = tonumber(tats[i]) or now
   if tat < now then tat = now end
   local new = tat + ARGV[2 * i - 1]
   local over = new - now - ARGV[2 * i]
