@@ -183,3 +183,30 @@ def test_one_guard_many_threads_and_a_flushed_script(redis_server):  # noqa: F81
     elapsed = _redis_time_s(r) - t0
     assert odd == [] and not g.buckets.fallback_active
     assert BURST <= sum(counts) <= BURST + RATE * elapsed + 1  # no admission outside the shared bucket
+
+
+def _decide_in_child(g: Guard, out) -> None:
+    ds = [g.acquire(RequestInfo(headers={"x-tenant": "child"})) for _ in range(3)]
+    out.put((all(d.admitted for d in ds), g.buckets.fallback_active, _held_socket(g)))
+
+
+def _held_socket(g: Guard) -> tuple:
+    return g.buckets._raw._conn._sock.getsockname()
+
+
+def test_a_forked_worker_takes_its_own_connection(redis_server):  # noqa: F811
+    """A guard built before a fork (a pre-loading server): parent and child must not share the held socket."""
+    import multiprocessing
+
+    g = _guard(redis_server.url)
+    assert g.acquire(RequestInfo(headers={"x-tenant": "parent"})).admitted  # the parent's connection is open
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    child = ctx.Process(target=_decide_in_child, args=(g, out))
+    child.start()
+    admitted, fell_back, child_socket = out.get(timeout=30)
+    child.join(30)
+    assert admitted and not fell_back
+    assert child_socket != _held_socket(g)  # the child connected on its own
+    assert [g.acquire(RequestInfo(headers={"x-tenant": "parent"})).admitted for _ in range(3)] == [True] * 3
+    assert not g.buckets.fallback_active
