@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from gpuscope.guard import Guard, parse_config
-from gpuscope.guard.aio import attach
+from gpuscope.guard.aio import DECISION_KEY, attach
 from gpuscope.guard.asgi import GuardMiddleware
 from gpuscope.guard.proxy import make_app
 
@@ -129,13 +129,14 @@ async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
     return runner, f"http://127.0.0.1:{port}"
 
 
+@pytest.mark.filterwarnings("error::aiohttp.web_exceptions.NotAppKeyWarning")
 def test_aiohttp_middleware():
     async def scenario():
         guard = Guard(parse_config({**CFG, "breaker": {"min_requests": 2, "failure_rate": 0.5, "open_s": 60}}))
         app = web.Application()
 
         async def chat(request: web.Request) -> web.Response:
-            d = request["gpuscope_decision"]
+            d = request[DECISION_KEY]  # typed: no NotAppKeyWarning
             return web.json_response({"class": d.klass, "body": await request.json()})
 
         async def fail(request: web.Request) -> web.Response:

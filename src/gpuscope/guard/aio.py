@@ -7,7 +7,8 @@
     app = web.Application()
     attach(app, Guard(load_config("guard.yaml")))   # middleware, /guard/metrics, the signal poller
 
-The decision is in `request["gpuscope_decision"]`; with `breaker.fallback: model:NAME` a handler reads the
+The decision is in `request[DECISION_KEY]` (aiohttp's typed request key, so aiohttp raises no
+NotAppKeyWarning and a type checker knows it is a Decision); with `breaker.fallback: model:NAME` a handler reads the
 cheaper model from `decision.target` when `decision.degrade == "model"`. `fallback` is a handler that
 serves requests while the upstream's circuit is open. Latency is measured to the handler's return (for a
 StreamResponse, that is after its last write); a handler exception releases the slot as a 500.
@@ -22,12 +23,14 @@ from typing import Any
 from aiohttp import web
 
 from ._classify import RequestInfo
-from ._core import Guard
+from ._core import Decision, Guard
 from ._http import GUARD_HEADER, cache_key, needs_body, parse_json, refusal
 from ._metrics import CONTENT_TYPE, render
 from ._signals import SignalPoller
 
-__all__ = ["attach", "guard_middleware"]
+__all__ = ["DECISION_KEY", "attach", "guard_middleware"]
+
+DECISION_KEY = web.RequestKey("gpuscope_decision", Decision)  # request[DECISION_KEY]: the admitted Decision
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -56,7 +59,7 @@ def guard_middleware(guard: Guard, fallback: Handler | None = None, exempt: tupl
                 return web.Response(body=cached[0], headers={"Content-Type": cached[1], GUARD_HEADER: "cached"})
             status, h, b = refusal(d)
             return web.Response(status=status, body=b, headers=h)
-        request["gpuscope_decision"] = d
+        request[DECISION_KEY] = d
         t0 = time.monotonic()
         try:
             resp = await handler(request)
