@@ -17,6 +17,7 @@ from aiohttp import web
 
 from gpuscope.cli import main
 from gpuscope.guard import GuardConfigError, load_config, parse_config
+from gpuscope.guard._config import redact_url
 
 GOOD_YAML = """
 classes:
@@ -178,3 +179,26 @@ def test_proxy_command_forwards_to_a_real_upstream(tmp_path):
     assert first[0] == 200 and json.loads(first[1])["path"] == "/v1/models"
     assert second[0] == 429 and json.loads(second[1])["error"]["code"] == "rate"
     assert 'gpuscope_guard_admitted_total{class="all"} 1' in metrics[1]
+
+
+@pytest.mark.parametrize("url, shown", [
+    ("redis://:s3cret@10.0.0.5:6379/0", "redis://:***@10.0.0.5:6379/0"),
+    ("rediss://app:s3cret@cache:6380", "rediss://app:***@cache:6380"),
+    ("redis://cache:6379/0?password=s3cret&db=2", "redis://cache:6379/0?password=***&db=2"),
+    ("unix://:s3cret@/run/redis.sock?db=0", "unix://:***@/run/redis.sock?db=0"),
+    ("redis://cache:6379/0", "redis://cache:6379/0"),
+])
+def test_redact_url_hides_the_password(url, shown):
+    assert redact_url(url) == shown
+
+
+def test_a_redis_password_is_never_shown(tmp_path, capsys):
+    p = tmp_path / "g.yaml"
+    p.write_text(GOOD_YAML.replace("redis://127.0.0.1", "redis://:s3cret@127.0.0.1"))
+    assert main(["guard", "check", str(p)]) == 0
+    out = capsys.readouterr().out
+    assert "Redis redis://:***@127.0.0.1:6379/0" in out and "s3cret" not in out
+    for bad in ("http://:s3cret@cache:6379", "redis://:s3cret@cache:port/0"):
+        with pytest.raises(GuardConfigError) as e:
+            parse_config({"classes": [{"name": "a"}], "redis": {"url": bad}})
+        assert "s3cret" not in str(e.value) and ":***@cache" in str(e.value)

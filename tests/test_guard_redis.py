@@ -210,3 +210,10 @@ def test_a_forked_worker_takes_its_own_connection(redis_server):  # noqa: F811
     assert child_socket != _held_socket(g)  # the child connected on its own
     assert [g.acquire(RequestInfo(headers={"x-tenant": "parent"})).admitted for _ in range(3)] == [True] * 3
     assert not g.buckets.fallback_active
+
+
+def test_the_redis_password_stays_out_of_the_fallback_log(caplog):
+    g = _guard(f"redis://:s3cret@127.0.0.1:{_free_port()}/0", clock=Clock())
+    with caplog.at_level("WARNING", logger="gpuscope.guard"):
+        assert g.acquire(RequestInfo()).admitted  # local fallback
+    assert "failed" in caplog.text and ":***@127.0.0.1" in caplog.text and "s3cret" not in caplog.text

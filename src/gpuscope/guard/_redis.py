@@ -20,7 +20,7 @@ import threading
 from typing import Any
 
 from ._bucket import LocalBuckets
-from ._config import GuardConfig
+from ._config import GuardConfig, redact_url
 
 __all__ = ["RedisBuckets"]
 
@@ -114,7 +114,7 @@ class RedisBuckets:
         self._retry_s = r.retry_s
         self._retry_at = 0.0
         self.fallback_active = False
-        self.url = r.url
+        self.url = redact_url(r.url)  # shown in logs: never the password
         p = r.prefix
         # per class: (class key or None, its interval_us, tau_us), (tenant key prefix or None, interval_us, tau_us)
         self._spec: list[tuple[Any, Any]] = []
