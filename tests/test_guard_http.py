@@ -262,3 +262,52 @@ def test_proxy_timeout_gives_504():
 
     status, body = asyncio.run(scenario())
     assert status == 504 and "did not answer within 0.05 s" in body["error"]["message"]
+
+
+def test_proxy_times_the_first_byte_and_the_gaps_not_the_whole_stream():
+    async def scenario():
+        async def tokens(request: web.Request) -> web.StreamResponse:
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for i in range(15):  # 1.5 s in all: longer than timeout_s, each gap far under idle_timeout_s
+                await resp.write(f"data: {i}\n\n".encode())
+                await asyncio.sleep(0.1)
+            await resp.write_eof()
+            return resp
+
+        async def stall(request: web.Request) -> web.StreamResponse:
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            await resp.write(b"data: 0\n\n")
+            await asyncio.sleep(3)  # cut off by the proxy long before this
+            return resp
+
+        upstream_app = web.Application()
+        upstream_app.router.add_post("/v1/completions", tokens)
+        upstream_app.router.add_post("/stall", stall)
+        up_runner, up_url = await _serve(upstream_app)
+        breaker = {"timeout_s": 1.0, "idle_timeout_s": 1.0, "min_requests": 1, "failure_rate": 0.5}
+        guard = Guard(parse_config({**CFG, "breaker": breaker}))
+        px_runner, px_url = await _serve(make_app(guard, up_url))
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.post(px_url + "/v1/completions", json={}) as r:
+                    long = r.status, await r.read()
+                async with s.get(px_url + "/guard/metrics") as r:
+                    after_long = await r.text()
+                async with s.post(px_url + "/stall", json={}) as r:
+                    first = await r.content.readuntil(b"\n\n")
+                    with pytest.raises(aiohttp.ClientPayloadError):  # cut off, not left hanging
+                        await r.read()
+                async with s.get(px_url + "/guard/metrics") as r:
+                    after_stall = await r.text()
+        finally:
+            await px_runner.cleanup()
+            await up_runner.cleanup()
+        return long, after_long, first, after_stall
+
+    long, after_long, first, after_stall = asyncio.run(scenario())
+    assert long[0] == 200 and long[1].count(b"data: ") == 15 and long[1].endswith(b"data: 14\n\n")
+    assert _samples(after_long, "gpuscope_guard_breaker_state")[(("state", "closed"),)] == 1  # not a failure
+    assert first == b"data: 0\n\n"
+    assert _samples(after_stall, "gpuscope_guard_breaker_state")[(("state", "open"),)] == 1  # the stall was one

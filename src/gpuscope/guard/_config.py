@@ -116,7 +116,10 @@ class BreakerConfig:
     success_threshold: int = 2  # probe successes that close the breaker
     failures: list[str] = field(default_factory=lambda: ["5xx", "timeout"])  # of 5xx, 429, 503, timeout, slo
     slo_s: float = 0.0  # a success slower than this is an 'slo' failure (0: none)
-    timeout_s: float = 60.0  # the proxy's upstream timeout
+    # the proxy's upstream timeouts: connection + response headers, then the longest gap between two body
+    # chunks; never the whole answer, which for a long generation may rightly stream for minutes
+    timeout_s: float = 60.0
+    idle_timeout_s: float = 60.0
     fallback: str = "reject"  # reject | cached | model:NAME | upstream:URL
     cache_bytes: int = 65536  # largest response body kept for the 'cached' fallback
 
@@ -258,6 +261,8 @@ def _check(cfg: GuardConfig, names: list[str]) -> None:
         raise GuardConfigError("breaker.failure_rate must be in (0, 1].")
     if br.probes < 1 or br.success_threshold < 1 or br.min_requests < 1:
         raise GuardConfigError("breaker.probes, success_threshold and min_requests must be at least 1.")
+    if not (br.timeout_s > 0 and br.idle_timeout_s > 0):
+        raise GuardConfigError("breaker.timeout_s and breaker.idle_timeout_s must be positive.")
     fb = br.fallback
     if not (fb in ("reject", "cached") or fb.startswith("model:") and len(fb) > 6
             or fb.startswith(("upstream:http://", "upstream:https://"))):

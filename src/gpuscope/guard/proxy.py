@@ -3,8 +3,11 @@
 Every request (any method, any path) is decided; admitted ones are forwarded to the upstream with their
 body and headers (hop-by-hop headers dropped) and the answer is streamed back chunk by chunk as it comes,
 so server-sent events reach the client token by token. Latency is measured to the last byte, TTFT to
-the first. An upstream that does not answer within `breaker.timeout_s` gives 504, one that cannot be
-reached 502; both count for the circuit breaker. The guard's metrics are at /guard/metrics.
+the first. An upstream that does not send its response headers within `breaker.timeout_s` gives 504, one
+that cannot be reached 502; both count for the circuit breaker. Once the answer streams, only the gap
+between two chunks is timed (`breaker.idle_timeout_s`), so a long generation is never cut off for its
+length; a stalled one is cut (the client sees a truncated answer) and counts as a timeout. The guard's
+metrics are at /guard/metrics.
 """
 
 from __future__ import annotations
@@ -34,6 +37,14 @@ _MAX_BODY_BYTES = 64 << 20
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message, "type": "proxy_error"}}, status=status,
                              headers={GUARD_HEADER: "proxy_error"})
+
+
+def _cut(request: web.Request, resp: web.StreamResponse) -> web.StreamResponse:
+    """End a half-sent answer by closing the client's connection: a clean end of the body would tell the
+    client that a truncated answer is whole."""
+    if request.transport is not None:
+        request.transport.close()
+    return resp
 
 
 class _Proxy:
@@ -86,37 +97,49 @@ class _Proxy:
         timed_out = False
         kept: list[bytes] = []
         size = 0
+        br = g.cfg.breaker
+        loop = asyncio.get_running_loop()
         try:
-            async with asyncio.timeout(g.cfg.breaker.timeout_s):
+            async with asyncio.timeout(br.timeout_s) as deadline:
                 async with self.session.request(request.method, upstream + request.path_qs, data=body or None,
                                                 headers=fwd, allow_redirects=False) as r:
+                    deadline.reschedule(None)  # the headers are in; from here only upstream reads are timed
                     status = r.status
                     resp = web.StreamResponse(status=r.status, reason=r.reason, headers={
                         k: v for k, v in r.headers.items() if k.lower() not in _HOP})
                     if r.content_length is not None and "Content-Encoding" not in r.headers:
                         resp.content_length = r.content_length
                     await resp.prepare(request)
-                    async for chunk in r.content.iter_any():
+                    chunks = r.content.iter_any().__aiter__()
+                    while True:
+                        deadline.reschedule(loop.time() + br.idle_timeout_s)
+                        try:
+                            chunk = await anext(chunks)
+                        except StopAsyncIteration:
+                            break
+                        deadline.reschedule(None)  # a slow client is not the upstream's fault
                         if ttft is None:
                             ttft = time.monotonic() - t0
                         await resp.write(chunk)
-                        if self._keep and size <= g.cfg.breaker.cache_bytes:
+                        if self._keep and size <= br.cache_bytes:
                             kept.append(chunk)
                             size += len(chunk)
                     await resp.write_eof()
-            if self._keep and status == 200 and size <= g.cfg.breaker.cache_bytes and d.degrade == "":
+            if self._keep and status == 200 and size <= br.cache_bytes and d.degrade == "":
                 g.cache_put(key, b"".join(kept), r.headers.get("Content-Type", "application/json"))
             return resp
         except TimeoutError:
             status, timed_out = 504, True
             if resp is None:
-                return _error(504, f"The upstream {upstream} did not answer within {g.cfg.breaker.timeout_s:g} s.")
-            return resp
+                return _error(504, f"The upstream {upstream} did not answer within {br.timeout_s:g} s.")
+            log.warning("gpuscope guard: the upstream %s sent nothing for %g s mid-answer; cut off %s %s",
+                        upstream, br.idle_timeout_s, request.method, request.path)
+            return _cut(request, resp)
         except aiohttp.ClientError as e:
             status = 502
             if resp is None:
                 return _error(502, f"The upstream {upstream} cannot be reached: {type(e).__name__}.")
-            return resp  # the upstream broke off mid-stream; the client sees a truncated answer
+            return _cut(request, resp)  # the upstream broke off mid-stream
         except ConnectionResetError:
             status = 499  # the client went away; not the upstream's fault
             return resp if resp is not None else _error(499, "The client went away.")
