@@ -4,6 +4,7 @@ aiohttp middleware in an aiohttp app, and the proxy in front of a real aiohttp u
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import threading
 import time
@@ -311,3 +312,45 @@ def test_proxy_times_the_first_byte_and_the_gaps_not_the_whole_stream():
     assert _samples(after_long, "gpuscope_guard_breaker_state")[(("state", "closed"),)] == 1  # not a failure
     assert first == b"data: 0\n\n"
     assert _samples(after_stall, "gpuscope_guard_breaker_state")[(("state", "open"),)] == 1  # the stall was one
+
+
+def test_proxy_reads_only_a_small_body_and_streams_a_large_one_through():
+    async def scenario():
+        async def digest(request: web.Request) -> web.Response:
+            body = await request.read()
+            return web.json_response({"sha256": hashlib.sha256(body).hexdigest(), "bytes": len(body)})
+
+        upstream_app = web.Application(client_max_size=64 << 20)
+        upstream_app.router.add_post("/v1/completions", digest)
+        up_runner, up_url = await _serve(upstream_app)
+        # tokens cost, a bucket of 1000 tokens: a read body's estimate decides; an unread one costs 1
+        cfg = {"classes": [{"name": "a", "rate": 1, "burst": 1000}],
+               "classify": {"cost": "tokens", "max_body_bytes": 4096}, "breaker": {"enabled": False}}
+        guard = Guard(parse_config(cfg))
+        px_runner, px_url = await _serve(make_app(guard, up_url))
+        big = json.dumps({"prompt": "x" * (5 << 20), "max_tokens": 1}).encode()  # ~1.3 M tokens if read
+
+        async def chunked():
+            for i in range(0, len(big), 65536):
+                yield big[i:i + 65536]
+        out = []
+        try:
+            async with aiohttp.ClientSession() as s:
+                for _ in range(2):  # 800 tokens each: read and estimated, so the second is over what is left
+                    async with s.post(px_url + "/v1/completions", json={"prompt": "x" * 3196, "max_tokens": 1}) as r:
+                        out.append(r.status)
+                for data in (big, chunked()):
+                    async with s.post(px_url + "/v1/completions", data=data,
+                                      headers={"Content-Type": "application/json"}) as r:
+                        out.append((r.status, await r.json()))
+        finally:
+            await px_runner.cleanup()
+            await up_runner.cleanup()
+        return out
+
+    out = asyncio.run(scenario())
+    assert out[:2] == [200, 429]
+    want = {"sha256": hashlib.sha256(json.dumps({"prompt": "x" * (5 << 20), "max_tokens": 1}).encode()).hexdigest(),
+            "bytes": len(json.dumps({"prompt": "x" * (5 << 20), "max_tokens": 1}))}
+    assert out[2] == (200, want)  # Content-Length over the cap: not read (cost 1, not 1.3 M), streamed through
+    assert out[3] == (200, want)  # chunked, no Content-Length: the same

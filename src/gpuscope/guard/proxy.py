@@ -31,7 +31,6 @@ log = logging.getLogger("gpuscope.guard")
 
 _HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
                   "trailers", "transfer-encoding", "upgrade", "host", "content-length"})
-_MAX_BODY_BYTES = 64 << 20
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -54,6 +53,7 @@ class _Proxy:
         self.session: aiohttp.ClientSession | None = None
         self.poller = SignalPoller(guard)
         self._needs_body = needs_body(guard)
+        self._max_body = guard.cfg.classify.max_body_bytes
         self._keep = guard.cfg.breaker.fallback == "cached"
 
     async def start(self, app: web.Application) -> None:
@@ -74,8 +74,15 @@ class _Proxy:
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         g = self.guard
-        body = await request.read()
-        parsed = parse_json(body) if self._needs_body else None
+        # The body is read before the decision only when the decision needs it, and only up to
+        # classify.max_body_bytes (as the middlewares do); any other body streams to the upstream as it comes,
+        # so a flood of large uploads holds no more than the socket buffers per client.
+        body: bytes | None = None
+        parsed = None
+        if self._needs_body and request.body_exists and (request.content_length or self._max_body + 1) \
+                <= self._max_body:
+            body = await request.read()
+            parsed = parse_json(body)
         headers = {k.lower(): v for k, v in request.headers.items()}
         d = await g.acquire_async(RequestInfo(path=request.path, headers=headers, body=parsed, method=request.method))
         key = cache_key(request.method, request.path, parsed)
@@ -86,9 +93,14 @@ class _Proxy:
             status, h, b = refusal(d)
             return web.Response(status=status, body=b, headers=h)
         upstream = d.target.rstrip("/") if d.degrade == "upstream" else self.upstream
-        if d.degrade == "model":
-            body = rewrite_model(body, d.target)
         fwd = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        data: bytes | aiohttp.StreamReader | None = body or None
+        if body is None and request.body_exists:
+            data = request.content  # unread: streamed through (a body too large to read is not rewritten)
+            if request.content_length is not None:
+                fwd["Content-Length"] = str(request.content_length)
+        elif body is not None and d.degrade == "model":
+            data = rewrite_model(body, d.target)
         assert self.session is not None
         t0 = time.monotonic()
         ttft = None
@@ -101,7 +113,7 @@ class _Proxy:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(br.timeout_s) as deadline:
-                async with self.session.request(request.method, upstream + request.path_qs, data=body or None,
+                async with self.session.request(request.method, upstream + request.path_qs, data=data,
                                                 headers=fwd, allow_redirects=False) as r:
                     deadline.reschedule(None)  # the headers are in; from here only upstream reads are timed
                     status = r.status
@@ -150,7 +162,7 @@ class _Proxy:
 def make_app(guard: Guard, upstream: str) -> web.Application:
     """The proxy as an aiohttp application (serve it with web.run_app or an AppRunner)."""
     p = _Proxy(guard, upstream)
-    app = web.Application(client_max_size=_MAX_BODY_BYTES)
+    app = web.Application(client_max_size=guard.cfg.classify.max_body_bytes)  # only what is read is capped
     app.router.add_get("/guard/metrics", p.metrics)
     app.router.add_route("*", "/{tail:.*}", p.handle)
     app.on_startup.append(p.start)
