@@ -149,7 +149,7 @@ def test_proxy_command_forwards_to_a_real_upstream(tmp_path):
         port = _free_port()
         proc = subprocess.Popen([sys.executable, "-c", "import sys; from gpuscope.cli import main; sys.exit(main())",
                                  "guard", "proxy", "--config", str(cfg), "--upstream", up, "--listen",
-                                 f"127.0.0.1:{port}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                                 f"127.0.0.1:{port}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
             loop = asyncio.get_running_loop()
 
@@ -169,13 +169,23 @@ def test_proxy_command_forwards_to_a_real_upstream(tmp_path):
             first = await loop.run_in_executor(None, get, "/v1/models")
             second = await loop.run_in_executor(None, get, "/v1/models")
             metrics = await loop.run_in_executor(None, get, "/guard/metrics")
-            return [first, second, metrics]
+            bad = []
+            for line in (b"GET @host/ HTTP/1.1\r\nHost: x\r\n\r\n", ) * 3:  # any client can send these
+                rd, wr = await asyncio.open_connection("127.0.0.1", port)
+                wr.write(line)
+                bad.append((await rd.read())[:12])
+                wr.close()
+            return [first, second, metrics, bad]
         finally:
             proc.terminate()
-            proc.wait(10)
+            proc_output.append(proc.communicate(timeout=10)[0])
             await runner.cleanup()
 
-    first, second, metrics = asyncio.run(scenario())
+    proc_output: list[str] = []
+    first, second, metrics, bad = asyncio.run(scenario())
+    log = proc_output[0]
+    assert bad == [b"HTTP/1.0 400"] * 3
+    assert "Traceback" not in log and log.count("malformed HTTP request from 127.0.0.1 answered 400: ") == 1, log
     assert first[0] == 200 and json.loads(first[1])["path"] == "/v1/models"
     assert second[0] == 429 and json.loads(second[1])["error"]["code"] == "rate"
     assert 'gpuscope_guard_admitted_total{class="all"} 1' in metrics[1]

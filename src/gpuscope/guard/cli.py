@@ -82,12 +82,13 @@ def run(args: argparse.Namespace) -> int:
     from aiohttp import web
 
     from ._core import Guard
+    from ._serverlog import server_logger
     from .proxy import make_app
 
     app = make_app(Guard.from_config(cfg), upstream)
     print(f"gpuscope guard: proxying http://{host}:{port} -> {upstream} (metrics at /guard/metrics)", flush=True)
     try:
-        web.run_app(app, host=host, port=port, print=None, handle_signals=True)
+        web.run_app(app, host=host, port=port, print=None, handle_signals=True, logger=server_logger())
     except OSError as e:
         raise UsageError(f"Cannot listen on {host}:{port}: {e.strerror or e}.") from None
     return 0
