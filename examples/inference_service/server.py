@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from engine import Engine, Sequence
 from model import PRESETS, ModelConfig, TinyDecoder
 from tokenizer import decode_token, encode
@@ -348,7 +349,9 @@ async def serve(args: argparse.Namespace) -> None:
     service.ignore_eos = args.ignore_eos
     engine.start()
     # handler_cancellation: a client that goes away cancels its handler, which frees its batch slot.
-    runner = web.AppRunner(build_app(service), access_log=None, handle_signals=False, handler_cancellation=True)
+    # logger: a malformed request is one log line at most every 10 s, not aiohttp's ERROR traceback each
+    runner = web.AppRunner(build_app(service), access_log=None, handle_signals=False, handler_cancellation=True,
+                           logger=_server_logger())
     await runner.setup()
     try:
         sock = socket.create_server((args.host, args.port), family=socket.AF_INET6 if ":" in args.host else socket.AF_INET)
@@ -364,6 +367,38 @@ async def serve(args: argparse.Namespace) -> None:
     await stop.wait()
     await runner.cleanup()
     engine.stop()
+
+
+class _MalformedRequestLines(logging.Filter):
+    """aiohttp logs each request it cannot parse (`GET @host/`) at ERROR with a traceback, so any client can
+    flood the log; it still answers 400. This keeps one short line every `interval_s`, counting the rest."""
+
+    def __init__(self, interval_s: float = 10.0) -> None:
+        super().__init__()
+        self.interval_s, self._next_s, self._unshown = interval_s, 0.0, 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, HttpProcessingError):
+            return True
+        now = time.monotonic()
+        if now < self._next_s:
+            self._unshown += 1
+            return False
+        self._next_s = now + self.interval_s
+        why = next((ln.strip() for ln in str(exc.message).splitlines() if ln.strip()), "").rstrip(":")
+        more = f" ({self._unshown} more not shown)" if self._unshown else ""
+        record.msg, record.args = "malformed HTTP request answered %s: %s: %s%s", (exc.code, type(exc).__name__,
+                                                                                   why, more)
+        record.exc_info, record.exc_text, record.levelno, record.levelname = None, None, logging.WARNING, "WARNING"
+        self._unshown = 0
+        return True
+
+
+def _server_logger() -> logging.Logger:
+    server_log = logging.getLogger("aiohttp.server.inference_service")
+    server_log.addFilter(_MalformedRequestLines())
+    return server_log
 
 
 def main(argv: list[str] | None = None) -> int:
