@@ -336,8 +336,14 @@ def test_proxy_reads_only_a_small_body_and_streams_a_large_one_through():
         out = []
         try:
             async with aiohttp.ClientSession() as s:
-                for _ in range(2):  # 800 tokens each: read and estimated, so the second is over what is left
-                    async with s.post(px_url + "/v1/completions", json={"prompt": "x" * 3196, "max_tokens": 1}) as r:
+                small = json.dumps({"prompt": "x" * 3196, "max_tokens": 1}).encode()  # 800 tokens
+
+                async def small_chunked():
+                    yield small[:100]
+                    yield small[100:]
+                # both read and estimated, the second chunked (no Content-Length): it is over what is left
+                for data in (small, small_chunked()):
+                    async with s.post(px_url + "/v1/completions", data=data) as r:
                         out.append(r.status)
                 for data in (big, chunked()):
                     async with s.post(px_url + "/v1/completions", data=data,

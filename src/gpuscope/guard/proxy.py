@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -36,6 +38,23 @@ _HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-autho
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message, "type": "proxy_error"}}, status=status,
                              headers={GUARD_HEADER: "proxy_error"})
+
+
+async def _read_at_most(content: aiohttp.StreamReader, max_bytes: int) -> bytes:
+    """The body if it is at most max_bytes long, else its first max_bytes + 1 bytes (the rest stays unread)."""
+    buf = bytearray()
+    while len(buf) <= max_bytes:
+        chunk = await content.read(max_bytes + 1 - len(buf))
+        if not chunk:
+            break
+        buf += chunk
+    return bytes(buf)
+
+
+async def _chain(prefix: bytes, content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
+    yield prefix
+    async for chunk in content.iter_any():
+        yield chunk
 
 
 def _cut(request: web.Request, resp: web.StreamResponse) -> web.StreamResponse:
@@ -75,14 +94,16 @@ class _Proxy:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         g = self.guard
         # The body is read before the decision only when the decision needs it, and only up to
-        # classify.max_body_bytes (as the middlewares do); any other body streams to the upstream as it comes,
+        # classify.max_body_bytes (as the ASGI middleware does); any other body streams to the upstream as it comes,
         # so a flood of large uploads holds no more than the socket buffers per client.
         body: bytes | None = None
         parsed = None
-        if self._needs_body and request.body_exists and (request.content_length or self._max_body + 1) \
-                <= self._max_body:
-            body = await request.read()
-            parsed = parse_json(body)
+        prefix = b""  # what was read of a body found too large: sent ahead of the rest
+        if self._needs_body and request.body_exists and (request.content_length or 0) <= self._max_body:
+            prefix = await _read_at_most(request.content, self._max_body)
+            if len(prefix) <= self._max_body:  # the whole body (a chunked one may be any size until read)
+                body, prefix = prefix, b""
+                parsed = parse_json(body)
         headers = {k.lower(): v for k, v in request.headers.items()}
         d = await g.acquire_async(RequestInfo(path=request.path, headers=headers, body=parsed, method=request.method))
         key = cache_key(request.method, request.path, parsed)
@@ -94,9 +115,10 @@ class _Proxy:
             return web.Response(status=status, body=b, headers=h)
         upstream = d.target.rstrip("/") if d.degrade == "upstream" else self.upstream
         fwd = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
-        data: bytes | aiohttp.StreamReader | None = body or None
+        data: Any = body or None
         if body is None and request.body_exists:
-            data = request.content  # unread: streamed through (a body too large to read is not rewritten)
+            # unread or read in part: streamed through (a body too large to read is not rewritten)
+            data = _chain(prefix, request.content) if prefix else request.content
             if request.content_length is not None:
                 fwd["Content-Length"] = str(request.content_length)
         elif body is not None and d.degrade == "model":
