@@ -493,3 +493,16 @@ def test_a_cost_over_the_burst_is_charged_as_the_burst():
     assert d.reason == "rate" and d.retry_after_s == pytest.approx(2.0)  # until the bucket is full again
     clock.t += 2.0
     assert g.acquire(big).admitted
+
+
+def test_a_body_too_large_to_read_costs_the_burst_not_one_token():
+    # Padding a prompt past classify.max_body_bytes must not make a request cheap.
+    from gpuscope.guard._classify import OVERSIZE
+
+    clock = Clock()
+    g = Guard(parse_config({"classes": [{"name": "a", "rate": 2, "burst": 4}], "classify": {"cost": "tokens"}}),
+              clock=clock)
+    assert estimate_tokens(OVERSIZE) > 4
+    assert g.acquire(RequestInfo(body=OVERSIZE)).admitted
+    d = g.acquire(RequestInfo(body={"prompt": "x", "max_tokens": 0}))  # the burst is spent
+    assert not d.admitted and d.reason == "rate"

@@ -323,9 +323,11 @@ def test_proxy_reads_only_a_small_body_and_streams_a_large_one_through():
         upstream_app = web.Application(client_max_size=64 << 20)
         upstream_app.router.add_post("/v1/completions", digest)
         up_runner, up_url = await _serve(upstream_app)
-        # tokens cost, a bucket of 1000 tokens: a read body's estimate decides; an unread one costs 1
-        cfg = {"classes": [{"name": "a", "rate": 1, "burst": 1000}],
-               "classify": {"cost": "tokens", "max_body_bytes": 4096}, "breaker": {"enabled": False}}
+        # tokens cost, buckets of 1000 tokens: a read body's estimate decides; an unread one costs the whole
+        # burst (so padding past the cap cannot make it cheap): each big body goes to a class of its own
+        cfg = {"classes": [{"name": n, "rate": 1, "burst": 1000} for n in ("a", "b", "c")],
+               "classify": {"cost": "tokens", "max_body_bytes": 4096, "header": "x-priority", "default": "a"},
+               "breaker": {"enabled": False}}
         guard = Guard(parse_config(cfg))
         px_runner, px_url = await _serve(make_app(guard, up_url))
         big = json.dumps({"prompt": "x" * (5 << 20), "max_tokens": 1}).encode()  # ~1.3 M tokens if read
@@ -345,10 +347,12 @@ def test_proxy_reads_only_a_small_body_and_streams_a_large_one_through():
                 for data in (small, small_chunked()):
                     async with s.post(px_url + "/v1/completions", data=data) as r:
                         out.append(r.status)
-                for data in (big, chunked()):
+                for klass, data in (("b", big), ("c", chunked())):
                     async with s.post(px_url + "/v1/completions", data=data,
-                                      headers={"Content-Type": "application/json"}) as r:
+                                      headers={"Content-Type": "application/json", "x-priority": klass}) as r:
                         out.append((r.status, await r.json()))
+                async with s.post(px_url + "/v1/completions", data=small, headers={"x-priority": "b"}) as r:
+                    out.append(r.status)  # b's burst went to the unread big body
         finally:
             await px_runner.cleanup()
             await up_runner.cleanup()
@@ -358,5 +362,6 @@ def test_proxy_reads_only_a_small_body_and_streams_a_large_one_through():
     assert out[:2] == [200, 429]
     want = {"sha256": hashlib.sha256(json.dumps({"prompt": "x" * (5 << 20), "max_tokens": 1}).encode()).hexdigest(),
             "bytes": len(json.dumps({"prompt": "x" * (5 << 20), "max_tokens": 1}))}
-    assert out[2] == (200, want)  # Content-Length over the cap: not read (cost 1, not 1.3 M), streamed through
+    assert out[2] == (200, want)  # Content-Length over the cap: not read (charged the burst), streamed through
     assert out[3] == (200, want)  # chunked, no Content-Length: the same
+    assert out[4] == 429

@@ -36,8 +36,24 @@ class RequestInfo:
     klass: str | None = None  # overrides classification
 
 
+class _Oversize:
+    """A body too large to read for an estimate (past classify.max_body_bytes)."""
+
+    def __repr__(self) -> str:
+        return "OVERSIZE"
+
+
+#: Passed as RequestInfo.body for a body past classify.max_body_bytes: it costs the most a request can be
+#: charged (its buckets' burst), so padding a prompt past the cap cannot make a request cheap.
+OVERSIZE: Any = _Oversize()
+_OVERSIZE_COST = 1e12  # charged as the burst: a cost over the burst is capped there (see _bucket.py)
+
+
 def estimate_tokens(body: Any) -> float:
-    """Prompt tokens (characters / 4) plus max_tokens (or max_completion_tokens) of an OpenAI request body."""
+    """Prompt tokens (characters / 4) plus max_tokens (or max_completion_tokens) of an OpenAI request body;
+    OVERSIZE (a body too large to read) costs the burst."""
+    if body is OVERSIZE:
+        return _OVERSIZE_COST
     if isinstance(body, (bytes, bytearray)):
         try:
             body = json.loads(body)

@@ -22,7 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
-from ._classify import RequestInfo
+from ._classify import OVERSIZE, RequestInfo
 from ._core import Decision, Guard
 from ._http import GUARD_HEADER, cache_key, needs_body, parse_json, refusal
 from ._metrics import CONTENT_TYPE, render
@@ -47,6 +47,8 @@ def guard_middleware(guard: Guard, fallback: Handler | None = None, exempt: tupl
         parsed = None
         if body_needed and request.can_read_body and (request.content_length or 0) <= max_body:
             parsed = parse_json(await request.read())  # aiohttp keeps it: the handler can read it again
+        elif body_needed and request.can_read_body:
+            parsed = OVERSIZE  # too large to read for an estimate: charged as the burst
         headers = {k.lower(): v for k, v in request.headers.items()}
         d = await guard.acquire_async(RequestInfo(path=request.path, headers=headers, body=parsed,
                                                   method=request.method))

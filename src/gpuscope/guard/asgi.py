@@ -20,7 +20,7 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from ._classify import RequestInfo
+from ._classify import OVERSIZE, RequestInfo
 from ._core import Guard
 from ._http import GUARD_HEADER, cache_key, needs_body, parse_json, refusal, rewrite_model
 from ._metrics import CONTENT_TYPE, render
@@ -59,7 +59,9 @@ class GuardMiddleware:
         body: bytes | None = None
         if self._needs_body and scope.get("method") in ("POST", "PUT", "PATCH"):
             body, receive = await _buffer(receive, self._max_body)
-        parsed = parse_json(body) if body else None
+            parsed = OVERSIZE if body is None else parse_json(body) if body else None  # None: past the cap
+        else:
+            parsed = None
         d = await self.guard.acquire_async(RequestInfo(path=path, headers=headers, body=parsed,
                                                        method=scope.get("method", "GET")))
         key = cache_key(scope.get("method", "GET"), path, parsed)

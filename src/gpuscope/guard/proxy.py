@@ -21,7 +21,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from ._classify import RequestInfo
+from ._classify import OVERSIZE, RequestInfo
 from ._core import Guard
 from ._http import GUARD_HEADER, cache_key, needs_body, parse_json, refusal, rewrite_model
 from ._metrics import CONTENT_TYPE, render
@@ -104,6 +104,10 @@ class _Proxy:
             if len(prefix) <= self._max_body:  # the whole body (a chunked one may be any size until read)
                 body, prefix = prefix, b""
                 parsed = parse_json(body)
+            else:
+                parsed = OVERSIZE
+        elif self._needs_body and request.body_exists:
+            parsed = OVERSIZE  # declared too large to read: charged as the burst, streamed unread
         headers = {k.lower(): v for k, v in request.headers.items()}
         d = await g.acquire_async(RequestInfo(path=request.path, headers=headers, body=parsed, method=request.method))
         key = cache_key(request.method, request.path, parsed)
