@@ -175,6 +175,7 @@ def main() -> int:
                 per_run[mode].append(steps / secs)
                 print(f"round {r + 1}/{a.rounds} {mode:10} {steps / secs:9.2f} steps/s", flush=True)
         traced = {"windowed": _windows_all(win_dir)}
+        _print_costs(win_dir)
         allowed = {"windowed": a.rounds * _allowed(seconds, a.delay, a.every, 0.0, a.duration)}
         if a.on_demand:
             traced["on_demand"] = _windows(agent_dir / "traces")
@@ -203,6 +204,17 @@ def main() -> int:
     if a.minutes < 5:
         print("(a smoke run: too short for the overhead to say anything; it checks that every mode works)")
     return 1 if failed else 0
+
+
+def _print_costs(out_dir: Path) -> None:
+    """Each window's measured cost and any budget note, from the processes' status files: what the
+    budget (--budget, default 1 %) spaced the windows by."""
+    import json
+
+    for f in sorted(out_dir.glob("r*/*.gpuscope.json")):
+        status = json.loads(f.read_text())
+        costs = [t.get("cost_s") for t in status.get("traces", [])]
+        print(f"{f.parent.name}: window costs {costs} s" + (f"; {status['budget_note']}" if "budget_note" in status else ""))
 
 
 def _windows_all(out_dir: Path) -> tuple[int, int]:
