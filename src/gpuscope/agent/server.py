@@ -2,7 +2,8 @@
 
 Scrapes and API reads never call NVML: they read the sampler's latest snapshot or the store.
 Bound to loopback, reads are open; bound beyond it, every request needs the bearer token. Nothing
-here changes state but POST /api/v1/trace (trace_api.py), which requires the token wherever bound.
+here changes state but POST /api/v1/trace (trace_api.py) and POST /api/v1/events (events_api.py), which
+require the token wherever bound.
 Every bad request ends in a 4xx with a JSON body {"error": "one sentence"}.
 """
 
@@ -121,7 +122,8 @@ class Api:
                 "/api/v1/labels": "label names and their values",
                 "/api/v1/query_range": "?metric=NAME&start=-1h&end=now&step=1s&agg=mean|max|min|last|count|sum|p50|p99"
                                        "&LABEL=VALUE",
-                "/api/v1/events": "?start=-1h&end=now&kind=xid&gpu=0",
+                "/api/v1/events": "?start=-1h&end=now&kind=xid&gpu=0; POST (token): one event of kind guard, "
+                                  "or a list of them (events_api.py)",
                 "/api/v1/diagnose": "verdicts over the last ?window=30s (the in-memory history), or over a past "
                                     "?start=&end= range from the store (spans, share, overall)",
                 "/api/v1/alerts": "firing, pending and recently resolved alerts, the rules and the notifiers",
@@ -282,11 +284,13 @@ def _prefers_html(accept: str) -> bool:
 
 def make_app(agent: Any, max_request_bytes: int = 65536) -> web.Application:
     from ..web.local import AgentBackend
+    from .events_api import register as register_events
     from .trace_api import register as register_traces
 
     api = Api(agent)
     app = web.Application(middlewares=[api.guard], client_max_size=max_request_bytes)
     api.routes(app)
     register_traces(app, agent)
+    register_events(app, agent)
     ui.add_ui_routes(app, AgentBackend(agent))
     return app
