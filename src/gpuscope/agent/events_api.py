@@ -192,8 +192,8 @@ class EventsApi:
         except EventBadRequest as e:
             return error_response(400, str(e))
         wanted: dict[str, int] = {}
-        for e in events:
-            wanted[e.data["source"]] = wanted.get(e.data["source"], 0) + 1
+        for ev in events:
+            wanted[ev.data["source"]] = wanted.get(ev.data["source"], 0) + 1
         wait_s = self.limiter.take(wanted)
         if wait_s > 0:
             self.refused_rate_total += len(events)

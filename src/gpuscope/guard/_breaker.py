@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 
 from ._config import BreakerConfig
 
@@ -35,6 +36,8 @@ class Breaker:
         # True while allow() would answer 'pass' without looking at the clock (closed, or disabled): the
         # guard's decision path reads this one attribute instead of calling allow()
         self.passing = True
+        # told (old, new) on every state change; the event emitter sets it (it only appends to a queue)
+        self.on_change: Callable[[str, str], None] | None = None
         self._outcomes: deque[tuple[float, bool]] = deque()
         self._failures = 0
         self._opened_at = 0.0
@@ -116,5 +119,10 @@ class Breaker:
     def _set(self, state: str) -> None:
         if state != self.state:
             log.warning("gpuscope guard: upstream circuit %s -> %s", self.state, state)
-            self.state = state
+            old, self.state = self.state, state
             self.passing = state == "closed" or not self.cfg.enabled
+            if self.on_change is not None:
+                try:
+                    self.on_change(old, state)
+                except Exception:  # noqa: BLE001 - a listener never breaks a decision
+                    log.exception("gpuscope guard: the breaker's change listener failed")

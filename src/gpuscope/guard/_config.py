@@ -85,6 +85,8 @@ class SignalsConfig:
     memory_free_low: float = 0.05  # free memory ratio at or below: back off
     queue_high: float = 8.0  # service-reported waiting requests at or above: back off
     backoff_ratio: float = 0.9  # limit multiplier per update while a GPU/queue signal says overloaded
+    events: bool = True  # post the guard's state changes to the agent's event stream (needs `agent`)
+    agent_token_file: str = ""  # the agent's token for those posts; '' = GPUSCOPE_TOKEN, else the agent's default
 
 
 @dataclass(slots=True)

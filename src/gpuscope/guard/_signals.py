@@ -74,6 +74,7 @@ class SignalPoller:
         self.s = guard.cfg.signals
         self._task: asyncio.Task | None = None
         self._warned: set[str] = set()
+        self.emitter: Any = None  # the guard's events to the agent (_events.py), started with the poller
 
     def enabled(self) -> bool:
         return bool(self.s.agent or self.s.service_metrics)
@@ -81,8 +82,16 @@ class SignalPoller:
     def start(self) -> None:
         if self.enabled() and self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run())
+            from ._events import EventEmitter
+
+            if self.emitter is None and EventEmitter.wanted(self.guard):
+                self.emitter = EventEmitter(self.guard)
+                self.emitter.start()
 
     async def stop(self) -> None:
+        if self.emitter is not None:
+            await asyncio.to_thread(self.emitter.stop)  # its last send may take a moment: off the loop
+            self.emitter = None
         if self._task is not None:
             self._task.cancel()
             try:
