@@ -726,7 +726,7 @@ def _dashboard(args: argparse.Namespace) -> int:
 
 # Commands that live in their own package: each module has HELP (and optionally DESCRIPTION),
 # add_arguments(parser) and run(args) -> int, and imports nothing heavy at module level.
-_MODULE_VERBS = {"loadtest": ".loadtest.cli", "capture": ".loadtest.capture", "guard": ".guard.cli"}
+_MODULE_VERBS = {"loadtest": ".loadtest.cli", "capture": ".loadtest.capture_cli", "guard": ".guard.cli"}
 
 
 def _module_verb(args: argparse.Namespace) -> int:

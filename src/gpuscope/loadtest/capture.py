@@ -29,10 +29,7 @@ from typing import IO, Any
 import aiohttp
 from aiohttp import web
 
-HELP = "record a live service's requests through a local proxy, for 'gpuscope loadtest --replay'"
-DESCRIPTION = ("A reverse proxy on --listen that forwards every request to --upstream, streams each answer "
-               "back unchanged and writes one JSON line per request to --out (format: docs/loadtest-replay.md). "
-               "Secret headers are never written; --anonymise replaces prompt text with same-length filler.")
+from .capture_cli import DESCRIPTION, HELP, add_arguments  # noqa: F401  (the command's face, kept light)
 
 # Hop-by-hop headers (RFC 9110 section 7.6.1) belong to one connection, never forwarded or recorded; Host
 # and Content-Length are recomputed by whoever sends the request again.
@@ -315,22 +312,6 @@ def _parse_listen(text: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or int(port) > 65535:
         raise UsageError(f"--listen takes HOST:PORT (such as 127.0.0.1:8081), not {text!r}.")
     return host, int(port)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--upstream", required=True, metavar="URL",
-                        help="the service to forward to, such as http://127.0.0.1:8000")
-    parser.add_argument("--listen", default="127.0.0.1:8081", metavar="HOST:PORT",
-                        help="where clients connect (default 127.0.0.1:8081; port 0 picks a free one)")
-    parser.add_argument("--out", default="capture.jsonl", metavar="FILE",
-                        help="the JSON Lines file to write, replaced if it exists (default capture.jsonl)")
-    parser.add_argument("--anonymise", "--anonymize", action="store_true",
-                        help="replace prompt and message text with same-length filler (structure, roles, "
-                             "model and numbers are kept)")
-    parser.add_argument("--count", type=int, default=0, metavar="N",
-                        help="stop after N requests are recorded (default 0: until interrupted)")
-    parser.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
-                        help="longest a forwarded request may take (default 600)")
 
 
 async def _probe(upstream: str) -> str | None:
