@@ -130,7 +130,8 @@ def test_the_emitter_never_raises_when_the_agent_is_down(caplog):
 
 def test_shedding_started_and_stopped_with_counts():
     guard = Guard(parse({"classes": [{"name": "interactive", "share": 0.5},
-                                     {"name": "batch", "share": 0.5, "rate": 1, "burst": 1}]}))
+                                     {"name": "batch", "share": 0.5, "rate": 1, "burst": 1}]}),
+                  clock=Clock())  # time stands still: the bucket never refills, every later request is shed
     em = EventEmitter(guard, url="http://127.0.0.1:1", token="t")
     batch = RequestInfo(path="/", headers={"x-priority": "batch"})
     shed = [guard.acquire(batch) for _ in range(6)]
