@@ -48,7 +48,7 @@ the URL did not answer before the start."""
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = EPILOG
-    p.add_argument("url", help="the URL to load (http:// or https://); with --openai, the server's base URL")
+    p.add_argument("url", nargs="?", help="the URL to load (http:// or https://); with --openai, the server's base URL")
     g = p.add_argument_group("load shape")
     g.add_argument("--rate", type=float, help="open loop: requests per second (default 10)")
     g.add_argument("--concurrency", type=int, help="closed loop: requests kept in flight")
@@ -101,12 +101,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--capacity-start", type=float, default=1.0, help="first rate of the search (req/s)")
     o.add_argument("--capacity-max", type=float, default=10_000.0, help="highest rate tried (req/s)")
     o.add_argument("--quiet", action="store_true", help="no live progress line")
+    o.add_argument("--report-from", metavar="DIR",
+                   help="send nothing: write DIR/report.html again from a run's output directory (summary.json, "
+                        "records.jsonl, gpu.jsonl), e.g. for a run made where the chart library was missing")
 
 
 def run(args: argparse.Namespace) -> int:
     from ..cli import UsageError
     from . import job
 
+    if args.report_from:
+        from .rerender import RerenderError, rerender
+
+        try:
+            print(f"wrote {rerender(args.report_from)}")
+        except RerenderError as e:
+            raise UsageError(str(e)) from None
+        return 0
+    if not args.url:
+        raise UsageError("Say which URL to load: gpuscope loadtest URL (see 'gpuscope loadtest --help').")
     try:
         return job.execute(job.build(args), args)
     except job.SetupError as e:

@@ -1,0 +1,64 @@
+"""Write a run's report again from its output directory (`gpuscope loadtest --report-from DIR`): after
+a run made where the chart library was missing, or to get the page of an older run with a newer gpuscope.
+
+It reads DIR/summary.json (required), DIR/records.jsonl and DIR/gpu.jsonl (each optional: without
+records the latency plots are empty, without readings the GPU panels say why) and writes DIR/report.html.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from .records import GpuReading, RequestRecord
+
+
+class RerenderError(Exception):
+    """A directory that is not a load test's output: one sentence."""
+
+
+def _lines(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    try:
+        with path.open("rb") as f:
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    obj = orjson.loads(line)
+                    if not isinstance(obj, dict):
+                        raise RerenderError(f"Line {n} of {path} is not a JSON object.")
+                    out.append(obj)
+    except orjson.JSONDecodeError:
+        raise RerenderError(f"Line {n} of {path} is not valid JSON.") from None
+    except OSError as e:
+        raise RerenderError(f"Cannot read {path}: {e.strerror or e}.") from None
+    return out
+
+
+def rerender(out_dir: str | Path) -> Path:
+    """Write out_dir/report.html from the run's files; return its path."""
+    d = Path(out_dir)
+    try:
+        summary = orjson.loads((d / "summary.json").read_bytes())
+    except FileNotFoundError:
+        raise RerenderError(f"{d} holds no summary.json: it is not a gpuscope loadtest output directory.") from None
+    except orjson.JSONDecodeError:
+        raise RerenderError(f"{d / 'summary.json'} is not valid JSON.") from None
+    except OSError as e:
+        raise RerenderError(f"Cannot read {d / 'summary.json'}: {e.strerror or e}.") from None
+    if not isinstance(summary, dict) or summary.get("tool") != "gpuscope loadtest":
+        raise RerenderError(f"{d / 'summary.json'} is not a gpuscope loadtest summary.")
+    try:
+        records = [RequestRecord.from_json(o) for o in _lines(d / "records.jsonl")]
+        fields = GpuReading.__dataclass_fields__
+        readings = [GpuReading(**{k: v for k, v in o.items() if k in fields}) for o in _lines(d / "gpu.jsonl")]
+    except TypeError as e:
+        raise RerenderError(f"{d} holds records of another shape ({e}).") from None
+    from .report import write_html
+
+    path = d / "report.html"
+    write_html(str(path), summary, records, readings)
+    return path
