@@ -66,6 +66,11 @@ def test_posted_events_are_stored_with_their_kind_and_fields(agent):
     # the agent's own kinds are not mixed in, and GET with kind=xid does not return guard events
     code, body = http(agent.port, "/api/v1/events?kind=xid&start=-1h")
     assert code == 200 and not [e for e in json.loads(body)["events"] if e["kind"] == "guard"]
+    # the dashboard's timeline marks them too (no GPU: on every GPU's chart)
+    code, body = http(agent.port, "/ui/api/timeline?start=-1h&end=now")
+    marks = [e for e in json.loads(body)["events"] if e["kind"] == "guard"]
+    assert code == 200 and {"one event", "two events"} <= {e["message"] for e in marks}
+    assert all(e["gpu_key"] is None for e in marks)
 
 
 @pytest.mark.parametrize("token, status, needle", [

@@ -214,6 +214,13 @@ class Sampler:
     def latest(self) -> Snapshot | None:
         return self._latest
 
+    def add_events(self, events: list[Event]) -> None:
+        """Queue events from outside the sampler (the agent's POST /api/v1/events) for its next tick, as its own
+        sources do: from there they reach the snapshot, the event history and the store. Under the tick lock,
+        so none falls between two ticks."""
+        with self._lock:
+            self._pending_events.extend(events)
+
     def subscribe(self, fn: Callable[[Snapshot], None]) -> None:
         """Call fn(snapshot) after every tick, on the sampler thread. Keep it quick; it must not raise."""
         self._subscribers.append(fn)

@@ -164,8 +164,7 @@ def _event(ev: Any, where: str, now_s: float) -> Event:
 def hand_to_sampler(sampler: Any, events: list[Event]) -> None:
     """Queue events for the sampler's next tick, as its own sources do: from there they reach the snapshot,
     the event history and the store. Under the sampler's tick lock, so none falls between two ticks."""
-    with sampler._lock:
-        sampler._pending_events.extend(events)
+    sampler.add_events(events)
 
 
 class EventsApi:

@@ -22,7 +22,7 @@ VERDICT_EVERY_S = 2.0     # and are recomputed at most this often, however many 
 META_EVERY_S = 10.0
 MAX_EVENTS = 5000         # newest first kept in one timeline answer
 # What the sampler really stores as events (sources/*): the timeline shows these.
-TIMELINE_EVENTS = ("xid", "ecc", "clock_events", "gpu_lost", "process_start", "process_stop")
+TIMELINE_EVENTS = ("xid", "ecc", "clock_events", "gpu_lost", "process_start", "process_stop", "guard")
 
 
 class AgentBackend:

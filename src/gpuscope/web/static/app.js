@@ -19,7 +19,7 @@
   const PALETTE = ["#58a6ff", "#3fb950", "#d29922", "#f778ba", "#a371f7", "#39c5cf", "#ff7b72", "#e3b341",
     "#8ddb8c", "#79c0ff", "#ffa657", "#d2a8ff"];
   const EVENT_COLORS = { xid: "#ff4d4f", ecc: "#ff4d4f", gpu_lost: "#ff00ff", clock_events: "#d29922",
-    process_start: "#3fb950", process_stop: "#8a97a5" };
+    process_start: "#3fb950", process_stop: "#8a97a5", guard: "#a371f7" };
   const VERDICT_COLORS = { healthy: "#2ea043", idle: "#444c56", compute_bound: "#1f6feb", memory_bound: "#8957e5",
     host_bound: "#d29922", input_bound: "#bf8700", launch_bound: "#db6d28", sync_bound: "#e16f24",
     throttled: "#da3633", thermal: "#da3633", power: "#da3633", imbalance: "#a371f7", gpu_lost: "#ff00ff" };
