@@ -95,3 +95,26 @@ def test_signal_parsing_edges():
     assert signal_from_latest(snap, "7", 1.0) is None
     assert queue_from_metrics("not { prometheus", "x") is None
     assert queue_from_metrics(VLLM_METRICS, "vllm:num_requests_running") == 3.0
+
+
+def test_an_agent_beyond_loopback_is_read_with_its_token(tmp_path):
+    # Bound beyond loopback the agent answers reads only with the token: without it the GPU signal was lost.
+    agent = AgentProc(tmp_path, "--simulate", "healthy", "--bind", "0.0.0.0")
+    try:
+        agent.wait_ready()
+
+        async def scenario(token_file: str):
+            g = Guard(parse_config({"classes": [{"name": "a"}], "signals": {
+                "agent": f"http://127.0.0.1:{agent.port}", "agent_token_file": token_file, "events": False}}))
+            async with aiohttp.ClientSession() as s:
+                for _ in range(50):
+                    sig = await SignalPoller(g).poll_once(s)
+                    if sig is not None:
+                        return sig
+                    await asyncio.sleep(0.1)
+            return None
+
+        assert asyncio.run(scenario(str(agent.data / "token"))) is not None
+        assert asyncio.run(scenario(str(tmp_path / "no-such-token"))) is None  # 401: no signal, never a raise
+    finally:
+        agent.stop()

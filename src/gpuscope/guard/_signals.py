@@ -74,6 +74,7 @@ class SignalPoller:
         self.s = guard.cfg.signals
         self._task: asyncio.Task | None = None
         self._warned: set[str] = set()
+        self._token: str | bool | None = False  # False: not looked up yet
         self.emitter: Any = None  # the guard's events to the agent (_events.py), started with the poller
 
     def enabled(self) -> bool:
@@ -119,7 +120,12 @@ class SignalPoller:
         sig: GpuSignal | None = None
         if self.s.agent:
             try:
-                async with session.get(self.s.agent.rstrip("/") + "/api/v1/latest") as r:
+                if self._token is False:  # looked up once: the same token the event emitter posts with
+                    from ._events import _find_token
+
+                    self._token = _find_token(self.s.agent_token_file)
+                auth = {"Authorization": f"Bearer {self._token}"} if self._token else {}
+                async with session.get(self.s.agent.rstrip("/") + "/api/v1/latest", headers=auth) as r:
                     if r.status == 200:
                         sig = signal_from_latest(await r.json(content_type=None), self.s.gpu, now)
                     else:
