@@ -116,3 +116,11 @@ def test_throughput_is_judged_against_what_the_trial_actually_sent():
     behind = dict(lucky_low, completed=17, request_throughput=17 / 6)
     t = judge(8, behind, {"e2e": 1.0})
     assert not t["passed"] and t["failed"] == ["throughput"] and "of the 5.667 sent" in t["why"]
+
+
+def test_a_slow_trial_is_stretched_to_about_a_hundred_requests():
+    from gpuscope.loadtest.job import trial_seconds
+
+    assert trial_seconds(6.0, 8.0) == 12.5      # 100 requests at 8/s
+    assert trial_seconds(6.0, 50.0) == 6.0      # already 300 requests
+    assert trial_seconds(6.0, 0.5) == 24.0      # at most 4x --stage-duration

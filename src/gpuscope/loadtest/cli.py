@@ -55,7 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--duration", default=None, help="how long (30s, 2m; default 30s), or use --requests")
     g.add_argument("--requests", type=int, help="stop after this many requests")
     g.add_argument("--stages", help="a step ladder: comma-separated rates (concurrencies with --closed-loop)")
-    g.add_argument("--stage-duration", default="30s", help="length of each --stages step and capacity trial")
+    g.add_argument("--stage-duration", default="30s",
+                   help="length of each --stages step and capacity trial (a slow trial is stretched to send "
+                        "~100 requests, at most 4x)")
     g.add_argument("--closed-loop", action="store_true", help="--stages are concurrencies, not rates")
     g.add_argument("--ramp", metavar="linear|exp:FROM:TO", help="ramp the rate from FROM to TO over --duration")
     g.add_argument("--spike", metavar="BASE:PEAK:AT:LENGTH", help="base rate with one spike, e.g. 20:200:60s:10s")

@@ -406,6 +406,21 @@ def _reading(r: Any) -> dict:
     return {k: v for k, v in asdict(r).items() if v is not None}
 
 
+#: A capacity trial sends at least this many requests when it can (its p99 and SLO attainment need them):
+#: a slow rate gets a longer trial, up to TRIAL_STRETCH_MAX times --stage-duration.
+TRIAL_MIN_REQUESTS = 100
+TRIAL_STRETCH_MAX = 4.0
+
+
+def trial_seconds(stage_s: float, rate: float) -> float:
+    """How long a capacity trial at `rate` runs: --stage-duration, stretched so it sends ~100 requests.
+
+    >>> trial_seconds(6.0, 8.0), trial_seconds(6.0, 50.0), trial_seconds(6.0, 1.0)
+    (12.5, 6.0, 24.0)
+    """
+    return max(stage_s, min(TRIAL_MIN_REQUESTS / rate, TRIAL_STRETCH_MAX * stage_s))
+
+
 def _capacity(spec: Spec, cfg: WorkerConfig, args: argparse.Namespace, progress: Any) -> tuple[dict, list]:
     """Trials of one constant-rate stage each; stages of the summary are the trials, on the first trial's clock."""
     from .capacity import find_capacity
@@ -415,7 +430,7 @@ def _capacity(spec: Spec, cfg: WorkerConfig, args: argparse.Namespace, progress:
     first_mono: list[float] = []
 
     def measure(rate: float) -> dict:
-        stage = S.Stage(spec.trial_s, rate=rate, arrival=spec.arrival, burstiness=spec.burstiness, name=f"{rate:.4g}/s")
+        stage = S.Stage(trial_seconds(spec.trial_s, rate), rate=rate, arrival=spec.arrival, burstiness=spec.burstiness, name=f"{rate:.4g}/s")
         plan = S.plan([stage], seed=args.seed)
         tc = replace(cfg, plan=plan, n_warmup_stages=0, workers=spec.workers)
         res = execute_plan(tc, spec.workers, on_progress=progress.update if progress else None)
