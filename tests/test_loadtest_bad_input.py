@@ -117,3 +117,9 @@ def test_url_password_is_never_written(srv, tmp_path: Path) -> None:
     closed = "http://user:S3CRETPW@127.0.0.1:9/"
     p = _cli(closed, "--requests", "1", "--no-gpu", "--out", str(tmp_path / "o2"), cwd=tmp_path)
     assert p.returncode == 2 and "S3CRETPW" not in p.stderr, p.stderr
+
+
+def test_a_replay_file_that_is_not_utf8_is_one_sentence(srv, tmp_path: Path) -> None:
+    (tmp_path / "cap.jsonl").write_bytes(b'{"t": 0, "path": "/\xff"}\n')
+    p = _cli(srv.url("/latency"), "--replay", "cap.jsonl", "--no-gpu", "--quiet", cwd=tmp_path)
+    assert p.returncode == 2 and "is not UTF-8 text" in p.stderr and "Traceback" not in p.stderr, p.stderr

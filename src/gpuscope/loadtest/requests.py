@@ -26,6 +26,7 @@ import orjson
 
 from . import openai
 from .client import Target, encode_request
+from .jsonl import json_lines
 from .templates import Template
 
 
@@ -146,18 +147,8 @@ class RequestMaker:
 
 def load_replay(path: str | Path, speed: float = 1.0) -> tuple[np.ndarray, list[dict]]:
     """Send times (seconds from the start, divided by `speed`) and requests of a capture file."""
-    try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as e:
-        raise ReplayError(f"Cannot read the replay file {path}: {e.strerror or e}.") from None
     times, reqs = [], []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            obj = orjson.loads(line)
-        except orjson.JSONDecodeError:
-            raise ReplayError(f"Line {n} of the replay file {path} is not valid JSON.") from None
+    for n, obj in json_lines(path, f"the replay file {path}", ReplayError):
         if not isinstance(obj, dict) or not isinstance(obj.get("t"), (int, float)) or obj["t"] < 0:
             raise ReplayError(f"Line {n} of the replay file {path} needs \"t\", seconds since the capture's start.")
         problem = _bad_field(obj)

@@ -12,6 +12,7 @@ from typing import Any
 
 import orjson
 
+from .jsonl import json_lines
 from .records import GpuReading, RequestRecord
 
 
@@ -20,21 +21,14 @@ class RerenderError(Exception):
 
 
 def _lines(path: Path) -> list[dict[str, Any]]:
+    """A run's JSON Lines file as objects ([] when the run wrote none)."""
     if not path.exists():
         return []
     out = []
-    try:
-        with path.open("rb") as f:
-            for n, line in enumerate(f, 1):
-                if line.strip():
-                    obj = orjson.loads(line)
-                    if not isinstance(obj, dict):
-                        raise RerenderError(f"Line {n} of {path} is not a JSON object.")
-                    out.append(obj)
-    except orjson.JSONDecodeError:
-        raise RerenderError(f"Line {n} of {path} is not valid JSON.") from None
-    except OSError as e:
-        raise RerenderError(f"Cannot read {path}: {e.strerror or e}.") from None
+    for n, obj in json_lines(path, f"the file {path}", RerenderError):
+        if not isinstance(obj, dict):
+            raise RerenderError(f"Line {n} of {path} is not a JSON object.")
+        out.append(obj)
     return out
 
 

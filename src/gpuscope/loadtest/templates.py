@@ -21,6 +21,8 @@ from pathlib import Path
 
 import orjson
 
+from .jsonl import json_lines
+
 _VAR = re.compile(r"\{(seq|uuid|rand_int:-?\d+:-?\d+|rand_float:-?[\d.]+:-?[\d.]+|choice:[^{}]*)\}")
 
 
@@ -74,20 +76,8 @@ REQUEST_PATH = re.compile(r"/[\x21-\x7e]*")
 
 def load_request_file(path: str | Path) -> list[dict]:
     """Requests from a JSON-lines file; raises TemplateError with one sentence for a bad file."""
-    try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as e:
-        raise TemplateError(f"Cannot read the request file {path}: {e.strerror or e}.") from None
-    except UnicodeDecodeError:
-        raise TemplateError(f"The request file {path} is not UTF-8 text.") from None
     out = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            obj = orjson.loads(line)
-        except orjson.JSONDecodeError:
-            raise TemplateError(f"Line {n} of the request file {path} is not valid JSON.") from None
+    for n, obj in json_lines(path, f"the request file {path}", TemplateError):
         if not isinstance(obj, dict) or not ({"path", "body"} & set(obj)):
             raise TemplateError(f"Line {n} of the request file {path} needs a \"path\" or a \"body\".")
         body = obj.get("body", "")
