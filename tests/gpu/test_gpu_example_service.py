@@ -14,23 +14,9 @@ import pytest
 from servers import ExampleService  # tests/ is on sys.path (conftest.py's folder)
 from test_example_service import metrics, post
 
-from gpuscope import Sampler, SamplerConfig
+from gpuscope import Sampler
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(scope="module")
-def sampler():
-    s = Sampler(SamplerConfig(interval=0.1))
-    try:
-        s.open()
-    except Exception as e:  # noqa: BLE001
-        pytest.skip(f"no usable NVIDIA GPU: {e}")
-    if not s.devices:
-        pytest.skip("NVML lists no GPU")
-    s.start()
-    yield s
-    s.stop()
 
 
 class Window:

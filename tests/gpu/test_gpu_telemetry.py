@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuscope import Sampler, SamplerConfig
+from gpuscope import Sampler
 
 pytestmark = pytest.mark.gpu
 
@@ -36,20 +36,6 @@ PLAUSIBLE = {
     "gpu_dram_active_ratio": (0, 1), "gpu_pcie_rx_bytes_per_second": (0, 200e9),
     "gpu_pcie_link_generation": (1, 6), "gpu_pcie_link_width": (1, 32),
 }
-
-
-@pytest.fixture(scope="module")
-def sampler():
-    s = Sampler(SamplerConfig(interval=0.1))
-    try:
-        s.open()
-    except Exception as e:  # noqa: BLE001
-        pytest.skip(f"no usable NVIDIA GPU: {e}")
-    if not s.devices:
-        pytest.skip("NVML lists no GPU")
-    s.start()
-    yield s
-    s.stop()
 
 
 def test_every_supported_metric_is_plausible(sampler):
