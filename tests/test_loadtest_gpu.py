@@ -154,3 +154,53 @@ def test_main_throttle_prefers_hardware_reasons_and_ignores_idle():
     assert main_throttle(["gpu_idle"]) is None
     assert main_throttle(["sw_power_cap", "hw_slowdown"]) == "hw_slowdown"
     assert main_throttle(["sw_power_cap", "sw_thermal"]) == "sw_thermal"
+
+
+def test_watch_keeps_only_the_asked_gpus_and_names_a_wrong_one(agent2):
+    url = f"http://127.0.0.1:{agent2.port}"
+    w = GpuWatch(agent_url=url, token=agent2.token(), clock=_clock(), gpus=["1"])
+    w.start()
+    _wait_for(w, 3)
+    readings = w.stop()
+    assert readings and {r.gpu for r in readings} == {"1"}
+    w2 = GpuWatch(agent_url=url, token=agent2.token(), clock=_clock(), gpus=["7"])
+    w2.start()
+    time.sleep(0.5)
+    assert w2.stop() == []
+    assert w2.source.startswith("no GPU data: --gpus 7 matched none of the GPUs read") and "(0, 1)" in w2.source
+    w3 = GpuWatch(agent_url=url, token=agent2.token(), clock=_clock(), gpus=["0", "5"])
+    w3.start()
+    _wait_for(w3, 2)
+    assert {r.gpu for r in w3.stop()} == {"0"} and "--gpus 5 matched no GPU (there are 0, 1)" in w3.source
+
+
+def test_local_watch_says_which_gpus_it_reads():
+    w = GpuWatch(simulate="healthy", clock=_clock(), gpus=["0"])
+    w.start()
+    _wait_for(w, 2)
+    readings = w.stop()
+    assert {r.gpu for r in readings} == {"0"}
+    assert "(GPU 0 of " in w.source or "(1 GPU," in w.source
+
+
+def _idle(gpu: str, n: int = 101) -> list[GpuReading]:
+    return [GpuReading(t=i * 0.1, gpu=gpu, sm_active=0.0, nvml_util=0.0, power_w=80.0, mem_used_frac=0.0,
+                       energy_j=9000 + 8.0 * i) for i in range(n)]
+
+
+def test_per_gpu_figures_and_an_idle_gpu_named():
+    s = _summary()
+    join_stages(s, _steady("0") + _idle("1"))
+    g = s["stages"][0]["gpu"]
+    assert g["sm_active_mean"] == pytest.approx(0.3)  # the idle GPU halves the node's mean ...
+    per = g["per_gpu"]
+    assert per["0"]["sm_active_mean"] == pytest.approx(0.6) and per["1"]["sm_active_mean"] == 0.0  # ... not GPU 0's
+    assert per["0"]["energy_j"] == pytest.approx(200.0) and per["1"]["energy_j"] == pytest.approx(160.0)
+    assert g["energy_j"] == pytest.approx(360.0)
+    assert s["gpu_note"].startswith("GPU 1 stayed idle through the run") and "--gpus 0 leaves it out" in s["gpu_note"]
+    one = _summary()
+    join_stages(one, _steady("0"))
+    assert "per_gpu" not in one["stages"][0]["gpu"] and "gpu_note" not in one
+    both_idle = _summary()
+    join_stages(both_idle, _idle("0") + _idle("1"))
+    assert "every GPU read stayed idle" in both_idle["gpu_note"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 HELP = "load-test an HTTP or OpenAI-compatible service, open loop, with the GPU's side of the story"
 
@@ -99,6 +100,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--no-html", dest="html", action="store_false", help="do not write report.html")
     o.add_argument("--gpu", metavar="AGENT_URL", help="read GPUs from this agent (default $GPUSCOPE_URL or local)")
     o.add_argument("--no-gpu", action="store_true", help="do not read GPUs")
+    o.add_argument("--gpus", metavar="IDS", type=_gpu_ids,
+                   help="read only these GPUs, e.g. 0 or 0,1 or 0/mig1 (default all; the service's GPUs, so idle ones "
+                        "do not dilute SM activity or add to joules per token); with --report-from, recompute the "
+                        "page's GPU figures for these")
     o.add_argument("--find-capacity", action="store_true", help="search the highest rate that holds --slo")
     o.add_argument("--capacity-start", type=float, default=1.0, help="first rate of the search (req/s)")
     o.add_argument("--capacity-max", type=float, default=10_000.0, help="highest rate tried (req/s)")
@@ -106,6 +111,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--report-from", metavar="DIR",
                    help="send nothing: write DIR/report.html again from a run's output directory (summary.json, "
                         "records.jsonl, gpu.jsonl), e.g. for a run made where the chart library was missing")
+
+
+def _gpu_ids(text: str) -> list[str]:
+    """--gpus: GPU labels as gpuscope names them: an index, or index/migN for a MIG instance."""
+    ids = [t.strip() for t in text.split(",") if t.strip()]
+    if not ids or not all(re.fullmatch(r"\d+(/mig\d+)?", t) for t in ids):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of GPU indices such as 0 or 0,1 or 0/mig1")
+    return ids
 
 
 def run(args: argparse.Namespace) -> int:
@@ -116,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
         from .rerender import RerenderError, rerender
 
         try:
-            print(f"wrote {rerender(args.report_from)}")
+            print(f"wrote {rerender(args.report_from, gpus=args.gpus)}")
         except RerenderError as e:
             raise UsageError(str(e)) from None
         return 0

@@ -79,7 +79,7 @@ class GpuWatch:
 
     def __init__(self, agent_url: str | None = None, token: str | None = None, hz: float = 10.0,
                  simulate: str | None = None, clock: tuple[float, float] | None = None, *,
-                 max_ticks: int = MAX_TICKS, nvml: Any = None) -> None:
+                 gpus: Sequence[str] | None = None, max_ticks: int = MAX_TICKS, nvml: Any = None) -> None:
         self.agent_url = agent_url.rstrip("/") if agent_url else None
         self.agent_shown = shown_url(self.agent_url) if self.agent_url else ""  # what is written: no password
         self.token = token
@@ -87,6 +87,10 @@ class GpuWatch:
         self.simulate = simulate
         self.clock = clock or (time.time(), time.perf_counter())
         self.max_ticks = max(2, max_ticks)
+        # Only these GPU labels ("0", "1", "0/mig1"): a service on GPU 0 of an 8-GPU node would otherwise
+        # have its SM activity averaged with seven idle GPUs and their power added to its joules per token.
+        self.gpus = frozenset(gpus) if gpus else None
+        self.labels_seen: set[str] = set()
         self._nvml = nvml  # a FakeNVML for tests; None: the real one
         self.source = "not started"
         self._ticks: list[list[GpuReading]] = []
@@ -109,6 +113,10 @@ class GpuWatch:
     def stop(self) -> list[GpuReading]:
         """Stop reading; the readings, oldest first, times in seconds since the run's start."""
         self._stop.set()
+        try:
+            self._say_unmatched()
+        except Exception:  # noqa: BLE001 - a note only
+            pass
         try:
             if self._thread is not None:
                 self._thread.join(timeout=5.0)
@@ -172,13 +180,35 @@ class GpuWatch:
         self._sampler = sampler
         prefix = "; ".join(why) + "; read instead: " if why else ""
         n = len(sampler.devices)
-        self.source = f"{prefix}{label} ({n} GPU{'s' if n != 1 else ''}, every {interval * 1000:.0f} ms)"
+        which = f"{n} GPU{'s' if n != 1 else ''}"
+        if self.gpus is not None:
+            which = f"GPU {', '.join(sorted(self.gpus & set(total)))} of {n}" if self.gpus & set(total) else which
+        self.source = f"{prefix}{label} ({which}, every {interval * 1000:.0f} ms)"
         sampler.start()
+
+    def _say_unmatched(self) -> None:
+        """With --gpus, name the asked GPUs that were never read (a typo, or a GPU of another host)."""
+        if self.gpus is None or not self.labels_seen:
+            return
+        missing = sorted(self.gpus - self.labels_seen)
+        if not missing:
+            return
+        have = ", ".join(sorted(self.labels_seen))
+        if len(missing) == len(self.gpus):
+            self.source = (f"no GPU data: --gpus {','.join(missing)} matched none of the GPUs read from "
+                           f"{self.source.split(' (')[0]} ({have})")
+        else:
+            self.source += f"; --gpus {','.join(missing)} matched no GPU (there are {have})"
 
     # -- reading -------------------------------------------------------------------------------
     def _add(self, tick: list[GpuReading]) -> None:
         if not tick:
             return
+        if self.gpus is not None:
+            self.labels_seen.update(r.gpu for r in tick)
+            tick = [r for r in tick if r.gpu in self.gpus]
+            if not tick:
+                return
         with self._lock:
             self._seen += 1
             if self._seen % self._stride:
@@ -306,12 +336,41 @@ def gpu_stats(readings: Sequence[GpuReading], t0: float, t1: float, stats: Mappi
     out["energy_j"] = energy if how else None
     out["energy_from"] = "counter" if how == {"counter"} else ("power" if how == {"power"} else
                                                                 ("counter+power" if how else None))
+    if out["gpus"] > 1:
+        out["per_gpu"] = {g: _one_gpu(rs, groups[g], t0, t1) for g, rs in sorted(inside.items()) if rs}
     if stats and out["energy_j"] is not None:
         done = stats.get("completed") or 0
         tokens = stats.get("output_tokens") or 0
         out["j_per_request"] = out["energy_j"] / done if done else None
         out["j_per_output_token"] = out["energy_j"] / tokens if tokens else None
     return out
+
+
+def _one_gpu(inside: Sequence[GpuReading], every: Sequence[GpuReading], t0: float, t1: float) -> dict[str, Any]:
+    """One GPU's figures over [t0, t1) (`inside`: its readings there; `every`: all of its readings)."""
+    def mean(get: Callable[[GpuReading], float | None]) -> float | None:
+        v = [x for r in inside if (x := get(r)) is not None]
+        return float(np.mean(v)) if v else None
+
+    mem = [r.mem_used_frac for r in inside if r.mem_used_frac is not None]
+    return {"sm_active_mean": mean(lambda r: r.sm_active), "nvml_util_mean": mean(lambda r: r.nvml_util),
+            "mem_used_frac_max": float(max(mem)) if mem else None, "power_w_mean": mean(lambda r: r.power_w),
+            "energy_j": _energy_j(every, t0, t1)[0]}
+
+
+IDLE = 0.01  # a GPU whose SM activity (else NVML utilisation) never rose above this did no work for the run
+
+
+def idle_gpus(readings: Sequence[GpuReading], t0: float, t1: float) -> list[str]:
+    """The GPUs that stayed idle over [t0, t1]: most likely not the service's."""
+    out = []
+    for g, rs in _by_gpu(readings).items():
+        inside = [r for r in rs if t0 <= r.t <= t1]
+        busy = [r.sm_active if r.sm_active is not None else r.nvml_util for r in inside]
+        busy = [b for b in busy if b is not None]
+        if busy and max(busy) <= IDLE:
+            out.append(g)
+    return sorted(out)
 
 
 def join_stages(summary: dict[str, Any], readings: Sequence[GpuReading], source: str | None = None) -> None:
@@ -332,3 +391,13 @@ def join_stages(summary: dict[str, Any], readings: Sequence[GpuReading], source:
     overall = summary.get("overall")
     if isinstance(overall, dict):
         overall["gpu"] = gpu_stats(readings, t0, t1 + 1e-9, overall)
+    summary.pop("gpu_note", None)
+    idle, every = idle_gpus(readings, t0, t1), sorted(_by_gpu(readings))
+    if idle and len(idle) == len(every):
+        summary["gpu_note"] = ("every GPU read stayed idle through the run: is the service on another host, or "
+                               "on GPUs the reader cannot see?")
+    elif idle:
+        busy = ",".join(g for g in every if g not in idle)
+        summary["gpu_note"] = (f"GPU {', '.join(idle)} stayed idle through the run; the GPU figures include "
+                               f"{'it' if len(idle) == 1 else 'them'} (SM activity averaged, power and energy added): "
+                               f"--gpus {busy} leaves {'it' if len(idle) == 1 else 'them'} out (also with --report-from)")

@@ -329,7 +329,7 @@ def _gpu_watch(args: argparse.Namespace) -> Any:
         return None
     url = args.gpu or os.environ.get("GPUSCOPE_URL") or DEFAULT_AGENT
     watch = GpuWatch(agent_url=url, token=os.environ.get("GPUSCOPE_TOKEN"), hz=10.0,
-                     clock=(time.time(), time.perf_counter()))
+                     clock=(time.time(), time.perf_counter()), gpus=getattr(args, "gpus", None))
     watch.start()
     return watch
 
@@ -383,6 +383,8 @@ def execute(spec: Spec, args: argparse.Namespace) -> int:
             join_stages(summary, readings, watch.source)
         except ImportError:
             pass
+        if summary.get("gpu_note"):
+            print(f"note: {summary['gpu_note']}.", file=sys.stderr)
         if readings:
             (spec.out_dir / "gpu.jsonl").write_bytes(b"".join(orjson.dumps(_reading(r)) + b"\n" for r in readings))
     (spec.out_dir / "summary.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))

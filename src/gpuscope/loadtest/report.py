@@ -286,6 +286,22 @@ def _stage_table(summary: Mapping[str, Any]) -> str:
     return "".join(out)
 
 
+def _per_gpu_table(g: Mapping[str, Any] | None) -> str:
+    """Each GPU over the whole run, when there were several (the stage table adds them up)."""
+    per = (g or {}).get("per_gpu") or {}
+    if not per:
+        return ""
+    def pc(v: Any) -> str:
+        return "–" if v is None else f"{v * 100:.1f} %"
+    rows = "".join(f"<tr><td>{_e(k)}</td><td class=num>{pc(v.get('sm_active_mean'))}</td>"
+                   f"<td class=num>{pc(v.get('nvml_util_mean'))}</td><td class=num>{pc(v.get('mem_used_frac_max'))}</td>"
+                   f"<td class=num>{_f(v.get('power_w_mean'), '{:.0f}')}</td><td class=num>{_f(v.get('energy_j'), '{:.0f}')}</td></tr>"
+                   for k, v in per.items())
+    return ("<table class=per-gpu id=per-gpu><thead><tr><th>GPU (whole run)</th><th>SM active mean</th>"
+            "<th>NVML utilisation mean</th><th>memory max</th><th>power W</th><th>energy J</th></tr></thead>"
+            f"<tbody>{rows}</tbody></table>")
+
+
 def _capacity(cap: Mapping[str, Any] | None) -> str:
     if not cap:
         return ""
@@ -343,7 +359,7 @@ table{border-collapse:collapse;width:100%;background:#fff;font-size:12.5px;margi
 th,td{border-bottom:1px solid #dfe3ea;padding:4px 6px;text-align:left}th{background:#eef1f5}
 td.num{text-align:right;white-space:nowrap;font-variant-numeric:tabular-nums}tr.fail td{color:#9b2226}
 .wide{overflow-x:auto}.plot{background:#fff;border:1px solid #dfe3ea;border-radius:8px;padding:8px;margin:10px 0;min-height:60px}
-.plot h3{font-size:14px;margin:0 0 4px}.muted{color:#5b6475}.nodata{color:#9b2226}
+.plot h3{font-size:14px;margin:0 0 4px}.muted{color:#5b6475}.nodata{color:#9b2226}.warn{color:#8a5a00;background:#fff6df;padding:6px 10px;border-radius:6px}
 footer{color:#5b6475;font-size:12px;margin:30px 0 10px}
 """
 
@@ -404,7 +420,8 @@ def render(summary: Mapping[str, Any], records: Sequence[RequestRecord], reading
         plots.insert(0, cp)
     if readings:
         plots.extend(_gpu_plots(readings, t0, t1))
-        gpu_note = ""
+        gpu_note = (f"<p class=warn id=gpu-note>{_e(summary['gpu_note'])}.</p>" if summary.get("gpu_note") else "") \
+            + _per_gpu_table((summary.get("overall") or {}).get("gpu"))
     else:
         why = str(summary.get("gpu_source") or "no GPU readings were taken during this run")
         why = why[len("no GPU data: "):] if why.lower().startswith("no gpu data: ") else why

@@ -7,6 +7,7 @@ records the latency plots are empty, without readings the GPU panels say why) an
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +33,9 @@ def _lines(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def rerender(out_dir: str | Path) -> Path:
-    """Write out_dir/report.html from the run's files; return its path."""
+def rerender(out_dir: str | Path, gpus: Sequence[str] | None = None) -> Path:
+    """Write out_dir/report.html from the run's files; return its path. With `gpus`, the page's GPU
+    figures are computed from gpu.jsonl for those GPUs only. summary.json is left as the run wrote it."""
     d = Path(out_dir)
     try:
         summary = orjson.loads((d / "summary.json").read_bytes())
@@ -51,6 +53,18 @@ def rerender(out_dir: str | Path) -> Path:
         readings = [GpuReading(**{k: v for k, v in o.items() if k in fields}) for o in _lines(d / "gpu.jsonl")]
     except TypeError as e:
         raise RerenderError(f"{d} holds records of another shape ({e}).") from None
+    if gpus:
+        have = {r.gpu for r in readings}
+        missing = sorted(set(gpus) - have)
+        if missing:
+            raise RerenderError(f"{d / 'gpu.jsonl'} holds no readings of GPU {', '.join(missing)} "
+                                f"(it has {', '.join(sorted(have)) or 'none'}).")
+        readings = [r for r in readings if r.gpu in set(gpus)]
+        summary["gpu_source"] = f"{summary.get('gpu_source') or ''}; shown for GPU {', '.join(gpus)} only (--gpus)"
+    if readings:  # the stage figures as this version computes them (per GPU, idle GPUs named)
+        from .gpu import join_stages
+
+        join_stages(summary, readings)
     from .report import write_html
 
     path = d / "report.html"
