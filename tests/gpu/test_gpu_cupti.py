@@ -1,5 +1,6 @@
 """`gpuscope trace --backend cupti -- python prog.py` on a real GPU with real cupti-python (`pytest -m gpu`):
-a CuPy program and a Numba program with known launch counts, a pageable copy and a sync in a loop.
+a CuPy program, a Numba program, a JAX program and a cuda-python (cuda.bindings) program with known launch
+counts; a pageable copy and a sync in a loop at their exact lines.
 
 cupti-python is not on the GPU machine's image: install the wheels of .whl/ (cupti-python,
 nvidia-cuda-cupti, pyelftools) with `pip install --no-index --no-deps --target /tmp/site ...` and run with
@@ -15,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -74,6 +76,76 @@ NUMBA_PROG = textwrap.dedent("""
 """)
 
 
+JAX_PROG = textwrap.dedent("""
+    import os
+    import time
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    import jax
+    import jax.numpy as jnp
+
+    @jax.jit
+    def f(x):
+        return jnp.sin(x) * 2.0 + 1.0       # one fused kernel per call
+
+    x = jnp.ones(4096, dtype=jnp.float32)
+    x.block_until_ready()                   # makes the context: the window opens
+    f(x).block_until_ready()                # compiled before the counted calls
+    time.sleep(1.0)
+    for _ in range(300):
+        y = f(x)
+    y.block_until_ready()
+    print("done", flush=True)
+""")
+
+CUDA_PYTHON_PROG = textwrap.dedent("""
+    import time
+    import numpy as np
+    from cuda.bindings import driver as cu, nvrtc
+
+    def ok(res):
+        err, *rest = res
+        if int(err) != 0:
+            raise SystemExit(f"CUDA call failed: {err}")
+        return rest[0] if len(rest) == 1 else rest
+
+    SRC = b'extern "C" __global__ void gpuscope_inc(float *a, int n)' \
+          b'{ int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < n) a[i] += 1.0f; }'
+    ok(cu.cuInit(0))
+    dev = ok(cu.cuDeviceGet(0))
+    major = ok(cu.cuDeviceGetAttribute(cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev))
+    minor = ok(cu.cuDeviceGetAttribute(cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev))
+    ctx = ok(cu.cuDevicePrimaryCtxRetain(dev))
+    ok(cu.cuCtxSetCurrent(ctx))             # the window opens
+    prog = ok(nvrtc.nvrtcCreateProgram(SRC, b"inc.cu", 0, [], []))
+    opts = [f"--gpu-architecture=sm_{major}{minor}".encode()]
+    ok(nvrtc.nvrtcCompileProgram(prog, len(opts), opts))
+    cubin = b" " * ok(nvrtc.nvrtcGetCUBINSize(prog))
+    ok(nvrtc.nvrtcGetCUBIN(prog, cubin))
+    fn = ok(cu.cuModuleGetFunction(ok(cu.cuModuleLoadData(cubin)), b"gpuscope_inc"))
+    n = 1 << 20
+    dptr = ok(cu.cuMemAlloc(n * 4))
+    a_arg = np.array([int(dptr)], dtype=np.uint64)
+    n_arg = np.array([n], dtype=np.int32)
+    args = np.array([a_arg.ctypes.data, n_arg.ctypes.data], dtype=np.uint64)
+    stream = ok(cu.cuStreamCreate(0))
+    time.sleep(1.0)
+    for _ in range(400):
+        ok(cu.cuLaunchKernel(fn, n // 256, 1, 1, 256, 1, 1, 0, stream, args.ctypes.data, 0))
+
+    def step():
+        ok(cu.cuLaunchKernel(fn, n // 256, 1, 1, 256, 1, 1, 0, stream, args.ctypes.data, 0))
+        ok(cu.cuCtxSynchronize())
+        time.sleep(0.002)
+
+    for _ in range(100):
+        step()
+    host = np.ones(n, dtype=np.float32)
+    ok(cu.cuMemcpyHtoD(dptr, host.ctypes.data, host.nbytes))
+    print("done", flush=True)
+""")
+CU_SYNC_LINE = CUDA_PYTHON_PROG.splitlines().index("    ok(cu.cuCtxSynchronize())") + 1
+
+
 def _need(*modules: str) -> None:
     if shutil.which("nvidia-smi") is None:
         pytest.skip("no NVIDIA driver here")
@@ -128,3 +200,33 @@ def test_numba_program_kernel_count(tmp_path):
     assert sum("gpuscope_scale" in e["name"] for e in kernels) == 300, sorted({e["name"] for e in kernels})
     status = json.loads(next((tmp_path / "traces").glob("*.gpuscope.json")).read_text())
     assert status["backend"] == "cupti" and status["trigger"] in ("numba.cuda", "numba_cuda")
+
+
+def test_jax_program_kernel_count(tmp_path):
+    _need("jax", "cupti")
+    p, doc, path = _run(tmp_path, JAX_PROG)
+    names = [e["name"] for e in doc["traceEvents"] if e.get("cat") == "kernel"]
+    assert names, "no kernel recorded"
+    top, count = Counter(names).most_common(1)[0]
+    assert count >= 300, Counter(names).most_common(5)   # the fused kernel of f, once per call
+    status = json.loads(next((tmp_path / "traces").glob("*.gpuscope.json")).read_text())
+    assert status["backend"] == "cupti" and status["trigger"] == "jax"
+
+
+def test_cuda_python_program_kernels_sync_in_loop_and_copy(tmp_path):
+    _need("cuda.bindings", "cupti")
+    p, doc, path = _run(tmp_path, CUDA_PYTHON_PROG)
+    kernels = [e for e in doc["traceEvents"] if e.get("cat") == "kernel"]
+    assert sum(e["name"] == "gpuscope_inc" for e in kernels) == 500, Counter(e["name"] for e in kernels)
+    copies = [e["name"] for e in doc["traceEvents"] if e.get("cat") == "gpu_memcpy"]
+    assert any("HtoD" in c for c in copies), copies
+    status = json.loads(next((tmp_path / "traces").glob("*.gpuscope.json")).read_text())
+    assert status["backend"] == "cupti" and status["trigger"].startswith("cuda.")
+    a = subprocess.run([sys.executable, "-m", "gpuscope.cli", "trace", "analyze", "--json", str(path)],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert a.returncode == 0, a.stderr
+    found = {f["rule"]: f for f in json.loads(a.stdout)["traces"][0]["findings"]}
+    sync = found["sync_in_loop"]
+    assert sync["evidence"]["count"] >= 100
+    where = sync["locations"][0]
+    assert (Path(where["file"]).name, where["line"], where["function"]) == ("prog.py", CU_SYNC_LINE, "step"), where
