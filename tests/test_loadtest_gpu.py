@@ -204,3 +204,12 @@ def test_per_gpu_figures_and_an_idle_gpu_named():
     both_idle = _summary()
     join_stages(both_idle, _idle("0") + _idle("1"))
     assert "every GPU read stayed idle" in both_idle["gpu_note"]
+
+
+def test_a_capacity_search_s_overall_gpu_figures_are_the_chosen_trial_s():
+    s = _summary()
+    s["overall"] = {"completed": 50, "output_tokens": 400}  # the figures of trial 0, as the search writes them
+    s["overall_stage"] = 0
+    join_stages(s, _steady("0"))
+    assert s["overall"]["gpu"] == s["stages"][0]["gpu"]
+    assert s["overall"]["gpu"]["j_per_request"] == pytest.approx(200.0 / 50)  # 2 s at 100 W, not the whole run's 700 J

@@ -390,7 +390,11 @@ def join_stages(summary: dict[str, Any], readings: Sequence[GpuReading], source:
         t0, t1 = 0.0, float(summary.get("duration_s") or 0.0)
     overall = summary.get("overall")
     if isinstance(overall, dict):
-        overall["gpu"] = gpu_stats(readings, t0, t1 + 1e-9, overall)
+        k = summary.get("overall_stage")  # a capacity search: "overall" is the trial at the capacity found
+        if isinstance(k, int) and 0 <= k < len(stages):
+            overall["gpu"] = stages[k]["gpu"]
+        else:
+            overall["gpu"] = gpu_stats(readings, t0, t1 + 1e-9, overall)
     summary.pop("gpu_note", None)
     idle, every = idle_gpus(readings, t0, t1), sorted(_by_gpu(readings))
     if idle and len(idle) == len(every):

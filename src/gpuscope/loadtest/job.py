@@ -465,10 +465,13 @@ def _capacity(spec: Spec, cfg: WorkerConfig, args: argparse.Namespace, progress:
     if not summaries:
         raise RuntimeError("the capacity search ran no trial")
     # The overall figures are those of the trial at the capacity found (else the first trial's).
-    at = [s for s in summaries if s["stages"][0]["target_rate"] == result.get("capacity_rps")]
+    at = [k for k, s in enumerate(summaries) if s["stages"][0]["target_rate"] == result.get("capacity_rps")]
+    k = at[0] if at else 0
     summary = dict(summaries[0])
+    # overall_stage says so to join_stages (the GPU figures of "overall" are then that trial's, not the search's)
     summary.update(stages=stages, valid=valid, invalid_reasons=reasons, capacity=result,
-                   duration_s=stages[-1]["end_s"] - stages[0]["start_s"], overall=(at or summaries)[0]["overall"])
+                   duration_s=stages[-1]["end_s"] - stages[0]["start_s"], overall=summaries[k]["overall"],
+                   overall_stage=k)
     records.sort(key=lambda r: r.t_intended)
     with open(spec.out_dir / "records.jsonl", "wb") as f:
         for n, r in enumerate(records):

@@ -239,7 +239,9 @@ def _pct_of(d: Mapping[str, Any] | None, key: str) -> Any:
 def _stage_table(summary: Mapping[str, Any]) -> str:
     names = summary.get("names") or {}
     rows = [(f"{st.get('index')}", st.get("name", ""), st) for st in summary.get("stages") or []]
-    rows.append(("all", "overall", {"stats": summary.get("overall") or {}, "gpu": (summary.get("overall") or {}).get("gpu")}))
+    k = summary.get("overall_stage")
+    rows.append(("all" if k is None else f"= {k}", "overall" if k is None else "at capacity",
+                 {"stats": summary.get("overall") or {}, "gpu": (summary.get("overall") or {}).get("gpu")}))
     streaming = any("ttft_ms" in (r[2].get("stats") or {}) for r in rows)
     slo = any("goodput" in (r[2].get("stats") or {}) for r in rows)
     gpu = any((r[2].get("gpu") or {}).get("readings") for r in rows)
@@ -286,9 +288,11 @@ def _stage_table(summary: Mapping[str, Any]) -> str:
     return "".join(out)
 
 
-def _per_gpu_table(g: Mapping[str, Any] | None) -> str:
+def _per_gpu_table(readings: Sequence[GpuReading], t0: float, t1: float) -> str:
     """Each GPU over the whole run, when there were several (the stage table adds them up)."""
-    per = (g or {}).get("per_gpu") or {}
+    from .gpu import gpu_stats
+
+    per = gpu_stats(readings, t0, t1 + 1e-9).get("per_gpu") or {}
     if not per:
         return ""
     def pc(v: Any) -> str:
@@ -421,7 +425,7 @@ def render(summary: Mapping[str, Any], records: Sequence[RequestRecord], reading
     if readings:
         plots.extend(_gpu_plots(readings, t0, t1))
         gpu_note = (f"<p class=warn id=gpu-note>{_e(summary['gpu_note'])}.</p>" if summary.get("gpu_note") else "") \
-            + _per_gpu_table((summary.get("overall") or {}).get("gpu"))
+            + _per_gpu_table(readings, t0, t1)
     else:
         why = str(summary.get("gpu_source") or "no GPU readings were taken during this run")
         why = why[len("no GPU data: "):] if why.lower().startswith("no gpu data: ") else why
