@@ -222,6 +222,7 @@ def test_the_budget_spaces_repeated_windows_by_their_measured_cost(fake, tmp_pat
     [entry] = status["traces"]
     assert entry["cost_s"] >= 0.2 and entry["max_duty"] == 0.01
     assert "not the 0.5 s asked" in status["budget_note"] and "1 %" in status["budget_note"]
+    assert p.stderr.count("not the 0.5 s asked") == 1  # the user hears it once, from the traced process
     p = trace(fake, tmp_path, "plain", opts=("--budget", "0"))
     assert p.returncode == 2 and "percentage" in p.stderr
 

@@ -262,10 +262,13 @@ class _Tracer:
             window += 1
             start_at = max(began + self.every_s, budget.next_allowed)
             if start_at > began + self.every_s + 0.5:
-                self._write_status(budget_note=(
-                    f"windows are {start_at - began:.0f} s apart, not the {self.every_s:g} s asked: each cost "
-                    f"{cost_s:.1f} s (start, window, stop, export) and the budget is {budget.max_duty * 100:g} % "
-                    f"of wall time (GPUSCOPE_TRACE_MAX_DUTY)"))
+                note = (f"windows are {start_at - began:.0f} s apart, not the {self.every_s:g} s asked: each cost "
+                        f"{cost_s:.1f} s (start, window, stop, export) and the budget is {budget.max_duty * 100:g} % "
+                        f"of wall time (GPUSCOPE_TRACE_MAX_DUTY)")
+                if "budget_note" not in self.status:  # said once on stderr; the status file keeps the latest
+                    sys.stderr.write(f"gpuscope trace: process {self.pid}: {note}.\n")
+                    sys.stderr.flush()
+                self._write_status(budget_note=note)
 
     def _charge(self, cost_s, budget):
         """Note the last window's measured cost in its status entry."""
