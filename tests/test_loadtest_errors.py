@@ -153,6 +153,10 @@ def test_find_capacity_html_and_plain_progress(srv, tmp_path: Path) -> None:
     assert len(recs) == sum(s["stats"]["requests"] for s in summary["stages"])
     assert (tmp_path / "o" / "report.html").stat().st_size > 1000
     assert "capacity: 20 req/s within the SLOs" in p.stdout
+    # "overall" of a search is the chosen trial's figures, and says so
+    k = summary["overall_stage"]
+    assert summary["stages"][k]["target_rate"] == 20 and summary["overall"] == summary["stages"][k]["stats"]
+    assert "at capacity" in p.stdout
 
 
 def test_help_teaches_with_examples(tmp_path: Path) -> None:

@@ -54,8 +54,9 @@ def print_summary(summary: dict[str, Any], out_dir: Path, out: TextIO) -> None:
     if summary.get("slo"):
         cols += ["goodput", "SLO %"]
     rows = []
-    for st in summary["stages"] + [{"name": "overall", "stats": summary["overall"], "target_rate": None,
-                                    "concurrency": None}]:
+    at_capacity = summary.get("overall_stage") is not None  # a capacity search: "overall" is the chosen trial
+    for st in summary["stages"] + [{"name": "at capacity" if at_capacity else "overall", "stats": summary["overall"],
+                                    "target_rate": None, "concurrency": None}]:
         s = st["stats"]
         target = (f"{st['target_rate']:g}/s" if st.get("target_rate") else
                   f"c={st['concurrency']}" if st.get("concurrency") else "")
@@ -73,7 +74,7 @@ def print_summary(summary: dict[str, Any], out_dir: Path, out: TextIO) -> None:
         out.write("  ".join(v.rjust(w) for v, w in zip(r, widths, strict=False)) + "\n")
     errors = summary["overall"]["errors"]
     if errors:
-        out.write("errors: " + ", ".join(f"{k} {v}" for k, v in sorted(errors.items())) + "\n")
+        out.write(f"errors{' at capacity' if at_capacity else ''}: " + ", ".join(f"{k} {v}" for k, v in sorted(errors.items())) + "\n")
     c = summary["client"]
     out.write(f"client: {c['workers']} worker(s), busiest {c['cpu_percent']:.0f}% CPU, send lag p99 "
               f"{c['send_lag_ms']['p99']:.2f} ms, loop lag p99 {c['loop_lag_ms']['p99']:.2f} ms, {c['late']} late\n")
