@@ -261,6 +261,7 @@ PROG = textwrap.dedent("""
     sys.exit(int(os.environ.get("PROG_EXIT", "0")))
 """)
 SYNC_LINE = PROG.splitlines().index("    cupy.cuda.Device().synchronize()") + 1
+LAUNCH_LINE = PROG.splitlines().index('    cupy.launch("tiny_step_kernel")') + 1
 
 
 @pytest.fixture(scope="module")
@@ -319,8 +320,12 @@ def test_a_cupy_program_is_traced_through_cupti_and_the_rules_read_it(fake, tmp_
     assert meta["backend"] == "cupti" and meta["pid"] == status["pid"]
     cats = {e["cat"] for e in doc["traceEvents"]}
     assert {"kernel", "gpu_memcpy", "cuda_sync", "cuda_runtime", "python_function"} <= cats
-    # Kernel launches are not recorded by default (their cost); the rules' calls are.
-    assert "cuda_driver" not in cats
+    # Kernel launches are sampled by default: the window's 40 are within the first half of the budget.
+    launches = [e for e in doc["traceEvents"] if e["cat"] == "cuda_driver"]
+    assert [e["name"] for e in launches] == ["cuLaunchKernel"] * 40
+    sampling = doc["gpuscope_cupti"]
+    assert (sampling["launchers"], sampling["launch_budget"], sampling["launches_sampled"]) == ("sampled", 2000, 40)
+    assert sampling["launch_slices"] == [40]
 
     t = load(path)
     names = [t.name_of(i) for i in range(len(t))]
@@ -335,6 +340,19 @@ def test_a_cupy_program_is_traced_through_cupti_and_the_rules_read_it(fake, tmp_
     assert t.args[kernel]["grid"] == [4, 1, 1] and t.args[kernel]["shared memory"] == 1024
     assert 0 < t.args[kernel]["est. achieved occupancy %"] <= 100
     assert doc["deviceProperties"][0]["numSms"] == 132
+
+    # Every kernel of the window has its exact launcher, at the launching line.
+    from gpuscope.trace.flame import SAMPLED_LAUNCHER, gpu_flame
+    from gpuscope.trace.stacks import Stacks
+
+    stacks = Stacks(t, [str(fake)])
+    launched = {stacks.location(stacks.launcher(i)) for i, n in enumerate(names)
+                if n == "tiny_step_kernel" and kinds[i] == EventKind.KERNEL}
+    assert {(Path(loc.file).name, loc.line, loc.function) for loc in launched} == {("prog.py", LAUNCH_LINE, "step")}
+    flame = gpu_flame(t)
+    assert flame.inferred_ops == 0 and not any(f.name == SAMPLED_LAUNCHER for s in flame.stacks for f in s)
+    assert sum(ns for s, ns in flame.stacks.items() if s[-1].name == "tiny_step_kernel"
+               and any(_at_launch_line(f) for f in s)) == _kernel_ns(t, "tiny_step_kernel")
 
     found = {f.rule: f for f in findings(t, source_roots=[str(fake)])}
     assert found["pageable_memcpy"].evidence["count"] == 3
@@ -356,12 +374,22 @@ def test_a_cupy_program_is_traced_through_cupti_and_the_rules_read_it(fake, tmp_
     assert "<svg" in svg.read_text()[:500] and "Memcpy HtoD (Pageable -&gt; Device)" in svg.read_text()
 
 
+def _at_launch_line(frame) -> bool:
+    return Path(frame.file).name == "prog.py" and frame.line == LAUNCH_LINE and frame.name.startswith("step (")
+
+
+def _kernel_ns(t, name: str) -> int:
+    ev = t.events
+    return sum(int(ev["dur_ns"][i]) for i in range(len(t)) if ev["kind"][i] == EventKind.KERNEL and t.name_of(i) == name)
+
+
 def test_api_all_records_every_call_and_warns(fake, tmp_path):
-    p = trace(fake, tmp_path, "cupy", "--api", "all")
+    p = trace(fake, tmp_path, "cupy", "--api", "all", env={"GPUSCOPE_TRACE_LAUNCH_SAMPLES": "5"})
     assert p.returncode == 0, p.stderr
     assert "GPUSCOPE_TRACE_API=all records every CUDA runtime and driver call" in p.stderr
     [path] = list(tmp_path.glob("*.pt.trace.json.gz"))
     t = load(path)
+    assert t.meta["gpuscope_cupti"]["launchers"] == "all"  # no sampling, whatever the budget says
     names = [t.name_of(i) for i in range(len(t))]
     assert names.count("cuLaunchKernel") == 40  # the warm-up's launch made the context, before the window
     # Each launch now has its stack too: the flame graph charges the kernels to the program's lines.
@@ -371,6 +399,50 @@ def test_api_all_records_every_call_and_warns(fake, tmp_path):
     kernel = next(i for i, n in enumerate(names) if n == "tiny_step_kernel")
     loc = stacks.location(stacks.launcher(kernel))
     assert loc is not None and Path(loc.file).name == "prog.py"
+
+
+def test_launch_samples_past_the_budget_charge_kernels_by_name_and_say_so(fake, tmp_path):
+    p = trace(fake, tmp_path, "cupy", env={"GPUSCOPE_TRACE_LAUNCH_SAMPLES": "10"})
+    assert p.returncode == 0, p.stderr
+    [path] = list(tmp_path.glob("*.pt.trace.json.gz"))
+    doc = json.loads(gzip.decompress(path.read_bytes()))
+    sampling = doc["gpuscope_cupti"]
+    # Half the budget for the window's first launches; the rest only in short slices a second apart.
+    assert sampling["launch_slices"][0] == 5 and sampling["launches_sampled"] == sum(sampling["launch_slices"]) <= 10
+    launches = sorted((e for e in doc["traceEvents"] if e["cat"] == "cuda_driver"), key=lambda e: e["ts"])
+    assert len(launches) == sampling["launches_sampled"]
+    kernels = sorted((e for e in doc["traceEvents"] if e["cat"] == "kernel"), key=lambda e: e["ts"])
+    assert len(kernels) == 40
+    # The first slice sampled the window's first five launches, each joined to its kernel.
+    assert [e["args"]["correlation"] for e in launches[:5]] == [e["args"]["correlation"] for e in kernels[:5]]
+
+    from gpuscope.trace.flame import SAMPLED_LAUNCHER, gpu_flame, speedscope
+
+    t = load(path)
+    flame = gpu_flame(t)
+    total = _kernel_ns(t, "tiny_step_kernel")
+    assert flame.unattributed_ops == 0 and flame.inferred_ops == 40 - len(launches)
+    at_line = {s: ns for s, ns in flame.stacks.items()
+               if s[-1].name == "tiny_step_kernel" and any(_at_launch_line(f) for f in s)}
+    assert sum(at_line.values()) == total  # one launching line: all its time lands there
+    inferred = sum(ns for s, ns in at_line.items() if s[-2].name == SAMPLED_LAUNCHER)
+    assert inferred == flame.inferred_ns > 0 and total - inferred > 0
+    assert "charged by sampled launchers" in speedscope(t)["profiles"][0]["name"]
+
+
+def test_no_launch_samples_leaves_kernels_unattributed(fake, tmp_path):
+    p = trace(fake, tmp_path, "cupy", env={"GPUSCOPE_TRACE_LAUNCH_SAMPLES": "0"})
+    assert p.returncode == 0, p.stderr
+    [path] = list(tmp_path.glob("*.pt.trace.json.gz"))
+    doc = json.loads(gzip.decompress(path.read_bytes()))
+    assert doc["gpuscope_cupti"]["launchers"] == "none"
+    assert not [e for e in doc["traceEvents"] if e["cat"] == "cuda_driver"]
+    from gpuscope.trace.flame import gpu_flame
+
+    t = load(path)
+    flame = gpu_flame(t)
+    assert flame.unattributed_ops == 40 and flame.inferred_ops == 0
+    assert flame.unattributed_ns == _kernel_ns(t, "tiny_step_kernel")
 
 
 def test_a_numba_cuda_import_starts_it(fake, tmp_path):

@@ -9,9 +9,12 @@ Which records, and why (docs/trace-cupti.md has the figures): cupti-python makes
 every record (tens of µs each), so only the GPU's own work is recorded by default (kernels, copies with
 their memory kinds, memsets, CUPTI's synchronization records) plus the few runtime/driver calls the
 rules read (memcpy, memset, synchronize, malloc/free), timed by a callback on those ids only, which
-also takes the call's Python stack. Kernel launches are not recorded unless `api_all` (the opt-in
-GPUSCOPE_TRACE_API=all), which records every runtime and driver call and slows a launch-bound loop many
-times. Records wait in 256 MiB buffers and are flushed when the window ends.
+also takes the call's Python stack. Kernel launches are sampled: a callback on the launch ids only, on
+for the first launches of a window and for short slices after, at most GPUSCOPE_TRACE_LAUNCH_SAMPLES
+(default 2,000) launches a window, each recorded like the rules' calls; `trace flame` charges the kernels
+not sampled to the stacks sampled for the same kernel name. `api_all` (the opt-in GPUSCOPE_TRACE_API=all)
+records every runtime and driver call instead, and slows a launch-bound loop many times. Records wait in
+256 MiB buffers and are flushed when the window ends.
 
 Only the standard library and `cupti` are imported: this runs inside the traced program.
 """
@@ -46,6 +49,10 @@ HELD = ("another profiler holds CUPTI (Nsight Systems, the PyTorch profiler, DCG
 # The API calls the rules read (sync_memcpy, sync_memset, sync_in_loop, pageable_memcpy's launcher).
 _RULE_CALLS = re.compile(r"^(cuda|cu)(Memcpy|Memset|Malloc|MemAlloc|Free|MemFree|MemHostAlloc|DeviceSynchronize|"
                          r"ThreadSynchronize|CtxSynchronize|StreamSynchronize|EventSynchronize)")
+# The kernel launch calls, sampled (Session.launch_budget): a CUDA graph's kernels carry their graph
+# launch's correlation id, so the graph launches are launchers too.
+_LAUNCH_CALLS = re.compile(r"^(cudaLaunchKernel|cudaLaunchCooperativeKernel|cudaGraphLaunch|cuLaunchKernel|"
+                           r"cuLaunchCooperativeKernel|cuGraphLaunch)(Ex|ExC|MultiDevice)?(_|$)")
 _VERSION_SUFFIX = re.compile(r"_(v\d+|ptsz|ptds)$")
 _STACK_DEPTH = 24
 _COPY = {1: "HtoD", 2: "DtoH", 3: "HtoA", 4: "AtoH", 5: "AtoA", 6: "AtoD", 7: "DtoA", 8: "DtoD", 9: "HtoH",
@@ -61,6 +68,20 @@ class Unavailable(Exception):
     def __init__(self, status, message):
         super().__init__(message)
         self.status = status
+
+
+def _launch_budget():
+    try:
+        return max(0, int(os.environ.get("GPUSCOPE_TRACE_LAUNCH_SAMPLES", "2000")))
+    except ValueError:
+        return 2000
+
+
+#: Launch sampling: the first half of a window's budget goes to its first launches; the rest to slices of
+#: at most LAUNCH_SLICE_S every LAUNCH_SLICE_EVERY_S (a twentieth of the budget each), so that kernels
+#: first launched late in a window are sampled too, for at most 1 % of its time.
+LAUNCH_SLICE_EVERY_S = 1.0
+LAUNCH_SLICE_S = 0.01
 
 
 def base_name(cbid_name):
@@ -83,10 +104,24 @@ def load_cupti():
 class Session:
     """The process's one CUPTI subscriber, held from the trigger to the exit."""
 
-    def __init__(self, api_all=False, with_stack=True, cupti=None):
+    def __init__(self, api_all=False, with_stack=True, cupti=None, launch_samples=None,
+                 launch_slice_every_s=LAUNCH_SLICE_EVERY_S, launch_slice_s=LAUNCH_SLICE_S):
         c = self.cupti = cupti or load_cupti()
         self.api_all = api_all
         self.with_stack = with_stack
+        # --api all records every launch already; else at most this many launches a window (0: none).
+        self.launch_budget = 0 if api_all else (_launch_budget() if launch_samples is None
+                                                else max(0, int(launch_samples)))
+        self.launch_slice_every_s = launch_slice_every_s
+        self.launch_slice_s = launch_slice_s
+        self.launch_lock = threading.Lock()
+        self.launch_taken = 0  # launches sampled in this window (tickets: counted at entry)
+        self.launch_cap = 0  # launch_taken may grow to this: the current slice's end
+        self.launch_full = threading.Event()  # set when launch_taken reaches launch_cap
+        self.launch_threads = set()  # threads inside a sampled runtime launch (its driver launch is not another)
+        # CUPTI's docs: "a subscriber must serialize access to cuptiGetCallbackState, cuptiEnableCallback,
+        # cuptiEnableDomain, and cuptiEnableAllDomains"; the window's thread and its sampler both switch.
+        self.switch_lock = threading.Lock()
         self.cuda_seen = threading.Event()
         self.lock = threading.Lock()
         self.records = []
@@ -116,6 +151,15 @@ class Session:
         for domain, enum in ((c.CallbackDomain.RUNTIME_API, c.RuntimeApiTraceCbid),
                              (c.CallbackDomain.DRIVER_API, c.DriverApiTraceCbid)):
             self.api_cbids[domain] = [int(m) for m in enum if _RULE_CALLS.match(m.name)]
+        self.launch_cbids = {}  # CallbackDomain -> [cbid] of the kernel launch calls
+        for domain, enum in ((c.CallbackDomain.RUNTIME_API, c.RuntimeApiTraceCbid),
+                             (c.CallbackDomain.DRIVER_API, c.DriverApiTraceCbid)):
+            self.launch_cbids[domain] = [int(m) for m in enum if _LAUNCH_CALLS.match(m.name)]
+        # Empty when not sampling: --api all takes every launch (and its stack) through the whole domains.
+        self.launch_keys = frozenset((int(d), cbid) for d, cbids in self.launch_cbids.items() for cbid in cbids
+                                     if self.launch_budget)
+        self.runtime_domain, self.driver_domain = int(c.CallbackDomain.RUNTIME_API), int(c.CallbackDomain.DRIVER_API)
+        self.launch_runtime = frozenset(self.launch_cbids[c.CallbackDomain.RUNTIME_API])
         self.api_names = {}
         for domain, enum in ((c.CallbackDomain.RUNTIME_API, c.RuntimeApiTraceCbid),
                              (c.CallbackDomain.DRIVER_API, c.DriverApiTraceCbid)):
@@ -141,7 +185,17 @@ class Session:
             elif not self.window_open:
                 pass
             elif cbdata.callback_site == c.ApiCallbackSite.API_ENTER:
-                stack = _stack(sys._getframe(1)) if self.with_stack else None
+                key = (int(domain), int(cbid))
+                launch = key in self.launch_keys
+                if launch and not self._take_launch(key[0]):
+                    return  # past the budget, or the driver launch inside a sampled runtime launch
+                stack = None
+                if self.with_stack:
+                    try:
+                        stack = _stack(sys._getframe(1))
+                    except ValueError:  # no Python frame on this thread (XLA launches from its own threads)
+                        if not launch:
+                            return
                 self.open_calls[cbdata.correlation_id] = (c.get_timestamp(), stack)  # after the stack: not its cost
             else:
                 end = c.get_timestamp()
@@ -149,6 +203,8 @@ class Session:
                 entered = self.open_calls.pop(corr, None)
                 if entered is None:
                     return
+                if self.launch_threads and int(domain) == self.runtime_domain and int(cbid) in self.launch_runtime:
+                    self.launch_threads.discard(threading.get_native_id())
                 if not self.api_all:  # with --api all the activity records have every call
                     what = "runtime" if domain == c.CallbackDomain.RUNTIME_API else "driver"
                     self.api_calls.append((what, entered[0], end, os.getpid(), threading.get_native_id(), corr,
@@ -157,6 +213,22 @@ class Session:
                     self.stacks[corr] = entered[1]
         except Exception:
             pass
+
+    def _take_launch(self, domain):
+        """Whether to record this launch: within the slice's budget, and not the driver call a sampled
+        runtime launch makes (one launch, one sample). A lock, not a bare counter: threads may launch at once."""
+        tid = threading.get_native_id()
+        if domain != self.runtime_domain and tid in self.launch_threads:
+            return False
+        with self.launch_lock:
+            if self.launch_taken >= self.launch_cap:
+                return False
+            self.launch_taken += 1
+            if self.launch_taken == self.launch_cap:
+                self.launch_full.set()  # the sampler turns the callbacks off; never from in here
+        if domain == self.runtime_domain:
+            self.launch_threads.add(tid)
+        return True
 
     def _buffer_requested(self):
         return BUFFER_BYTES, 0
@@ -188,9 +260,17 @@ class Window:
         self.clock = {}
         self.kinds = []
         self.skipped = 0  # callback ids CUPTI refused
+        self.launch_slices = []  # launches sampled in each slice: the window's first, then the short ones
+        self.sampler = None
+        self.stopping = threading.Event()
+        self.launch_on = False
 
     def _switch(self, on):
         s, c = self.s, self.s.cupti
+        with s.switch_lock:
+            self._switch_locked(s, c, on)
+
+    def _switch_locked(self, s, c, on):
         flag = 1 if on else 0
         # The rules' calls are recorded by a callback on their ids, enter and exit: on an H200 (CUPTI 13.5,
         # driver 580) cuptiActivityEnableRuntimeApi/DriverApi per id gave no records at all.
@@ -203,6 +283,43 @@ class Window:
                     self._each(c.enable_callback, flag, s.subscriber, domain, cbid)
         for kind in self.kinds:
             (c.activity_enable if on else c.activity_disable)(kind)
+
+    def _switch_launches(self, on):
+        """The launch callbacks on or off. Called from the window's threads only: CUPTI's docs do not say
+        that cuptiEnableCallback may be called from inside a callback, and ask for the calls to be serialised."""
+        s, c = self.s, self.s.cupti
+        with s.switch_lock:
+            if on == self.launch_on or (on and self.stopping.is_set()):
+                return
+            self.launch_on = on
+            for domain, cbids in s.launch_cbids.items():
+                for cbid in cbids:
+                    self._each(c.enable_callback, 1 if on else 0, s.subscriber, domain, cbid)
+
+    def _sample_launches(self):
+        """The sampler thread: the first slice until its half of the budget is taken, then a short slice
+        every launch_slice_every_s until the budget is spent or the window ends."""
+        s = self.s
+        try:
+            s.launch_full.wait()
+            self._switch_launches(False)
+            self.launch_slices.append(s.launch_taken)
+            slice_cap = max(1, s.launch_budget // 20)
+            while s.launch_taken < s.launch_budget and not self.stopping.wait(s.launch_slice_every_s):
+                with s.launch_lock:
+                    before = s.launch_taken
+                    s.launch_cap = min(s.launch_budget, before + slice_cap)
+                    s.launch_full.clear()
+                self._switch_launches(True)
+                s.launch_full.wait(s.launch_slice_s)
+                self._switch_launches(False)
+                if s.launch_taken > before:
+                    self.launch_slices.append(s.launch_taken - before)
+        except Exception:
+            pass  # never into the program; the window ends with what was sampled
+        finally:
+            with s.launch_lock:
+                s.launch_cap = s.launch_taken  # no more, whatever is still enabled
 
     def _each(self, call, *args):
         """One callback id of many: an id this CUDA version does not know is skipped, not fatal; losing
@@ -220,6 +337,11 @@ class Window:
         with s.lock:
             s.records = []
         s.stacks, s.api_calls, s.open_calls = {}, [], {}
+        s.launch_threads = set()
+        with s.launch_lock:
+            s.launch_taken = 0
+            s.launch_cap = s.launch_budget - s.launch_budget // 2
+            s.launch_full.clear()
         k = c.ActivityKind
         self.kinds = [k.CONCURRENT_KERNEL, k.MEMCPY, k.MEMSET, k.SYNCHRONIZATION]
         if s.api_all:
@@ -237,11 +359,21 @@ class Window:
             if getattr(e, "status", None) == int(c.Result.ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED):
                 raise Unavailable("cupti_held", HELD) from None
             raise
+        if s.launch_budget > 0:
+            self._switch_launches(True)
+            self.sampler = threading.Thread(target=self._sample_launches, name="gpuscope-launch-sampler",
+                                            daemon=True)
+            self.sampler.start()
 
     def stop(self):
         s, c = self.s, self.s.cupti
         s.window_open = False
+        self.stopping.set()
+        s.launch_full.set()  # wakes the sampler
         try:
+            if self.sampler is not None:
+                self.sampler.join(5.0)
+            self._switch_launches(False)
             self._switch(False)
         finally:
             c.activity_flush_all(1)  # forced: hand back partly filled buffers too
@@ -254,9 +386,27 @@ class Window:
         doc = to_kineto(records, self.s.stacks, self.clock, self.s.api_names, devices)
         doc["gpuscope_cupti"] = {"api": "all" if self.s.api_all else "rules", "records": len(records),
                                  "stacks": len(self.s.stacks), "dropped_buffers": self.s.dropped_buffers,
-                                 "refused_callback_ids": self.skipped}
+                                 "refused_callback_ids": self.skipped, **self.summary(records)}
         with open(path, "w") as f:
             json.dump(doc, f, separators=(",", ":"))
+
+
+    def summary(self, records=None):
+        """How the window's launchers were recorded, for the trace and the status file: `launchers` is
+        "sampled" (trace flame then charges unsampled kernels by kernel name), "all" or "none"."""
+        s = self.s
+        if s.api_all:
+            return {"launchers": "all"}
+        if s.launch_budget <= 0:
+            return {"launchers": "none"}
+        if records is None:
+            with s.lock:
+                records = list(s.api_calls)
+        keys = s.launch_keys
+        sampled = sum(1 for r in records if r[0] in ("runtime", "driver")
+                      and ((s.runtime_domain if r[0] == "runtime" else s.driver_domain), r[6]) in keys)
+        return {"launchers": "sampled", "launch_budget": s.launch_budget, "launches_sampled": sampled,
+                "launch_slices": list(self.launch_slices)}
 
 
 def _clock_pair(c):

@@ -5,7 +5,14 @@ Each GPU op (kernel, memcpy, memset) is tied to its launching runtime/driver cal
 stack that replayed the graph; the golden fixtures launch no graphs), then to the Python frames and CPU
 ops enclosing that call on its thread (`gpuscope.trace.stacks`). The op's duration is added to that
 stack: thread > Python frames > CPU ops > the GPU op's name. Ops whose launch is not in the trace
-(the profiler started after it) are left out and counted as unattributed.
+(the profiler started after it) are left out and counted as unattributed. A Python frame that knows the
+exact calling line (`args.line`, written by the CUPTI backend) is named by that line.
+
+A CUPTI trace whose launches were sampled (its `gpuscope_cupti.launchers` is "sampled") has the exact
+launcher of the sampled kernels only. A kernel not sampled is charged to the launch stacks sampled for
+the same kernel name, in proportion to how many of that name's sampled launches each stack made, under
+a `[sampled launcher]` frame just above the stack, so that inferred time reads apart from exact time; a
+kernel name never sampled stays unattributed.
 
     >>> from gpuscope.trace.kineto import load
     >>> trace = load("tests/fixtures/traces/launch_bound.pt.trace.json.gz")  # doctest: +SKIP
@@ -16,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 from html import escape
 
@@ -25,6 +33,7 @@ from .model import GPU_KINDS, EventKind, Trace
 from .stacks import Stacks, frame_label, is_user_file, parse_frame
 
 SPEEDSCOPE_SCHEMA = "https://www.speedscope.app/file-format-schema.json"
+SAMPLED_LAUNCHER = "[sampled launcher]"
 
 
 @dataclass(frozen=True)
@@ -32,7 +41,7 @@ class Frame:
     name: str
     file: str = ""
     line: int = 0
-    kind: str = "thread"  # thread, user, python, op, kernel, memcpy, memset: how the SVG colours it
+    kind: str = "thread"  # thread, user, python, op, sampled, kernel, memcpy, memset: how the SVG colours it
 
 
 @dataclass
@@ -43,6 +52,8 @@ class GpuFlame:
     attributed_ns: int = 0
     unattributed_ns: int = 0
     unattributed_ops: int = 0
+    inferred_ns: int = 0  # of attributed_ns: kernels charged to the stacks sampled for their name
+    inferred_ops: int = 0
 
     @property
     def unattributed_ratio(self) -> float:
@@ -53,26 +64,68 @@ class GpuFlame:
 _LEAF_KIND = {EventKind.KERNEL: "kernel", EventKind.MEMCPY: "memcpy", EventKind.MEMSET: "memset"}
 
 
+def sampled_launchers(trace: Trace) -> bool:
+    """Whether the trace's kernel launches were sampled (the CUPTI backend's default), not all recorded."""
+    meta = trace.meta.get("gpuscope_cupti")
+    return isinstance(meta, dict) and meta.get("launchers") == "sampled"
+
+
 def gpu_flame(trace: Trace) -> GpuFlame:
-    """Sums each GPU op's duration into the host stack that launched it."""
+    """Sums each GPU op's duration into the host stack that launched it (or, for a kernel whose launch was
+    not sampled, into the stacks sampled for its name: see the module's docstring)."""
     stacks = Stacks(trace)
     ev = trace.events
     flame = GpuFlame()
+    infer = sampled_launchers(trace)
     host_stack: dict[int, tuple[Frame, ...]] = {}
+    launched_by: dict[int, Counter[tuple[Frame, ...]]] = {}  # kernel name id -> sampled launch stacks
+    unsampled: dict[int, list[int]] = {}  # kernel name id -> [ns, ops] without a launcher
     rows = np.flatnonzero(np.isin(ev["kind"], GPU_KINDS))
-    for r, dur, kind in zip(rows.tolist(), ev["dur_ns"][rows].tolist(), ev["kind"][rows].tolist(), strict=True):
+    for r, dur, kind, name in zip(rows.tolist(), ev["dur_ns"][rows].tolist(), ev["kind"][rows].tolist(),
+                                  ev["name"][rows].tolist(), strict=True):
         launch = stacks.launcher(r)
         if launch < 0:
-            flame.unattributed_ns += dur
-            flame.unattributed_ops += 1
+            if infer and kind == EventKind.KERNEL:
+                pending = unsampled.setdefault(name, [0, 0])
+                pending[0] += dur
+                pending[1] += 1
+            else:
+                flame.unattributed_ns += dur
+                flame.unattributed_ops += 1
             continue
         prefix = host_stack.get(launch)
         if prefix is None:
             prefix = host_stack[launch] = _host_frames(trace, stacks, launch)
-        key = prefix + (Frame(trace.name_of(r), kind=_LEAF_KIND[EventKind(kind)]),)
+        if infer and kind == EventKind.KERNEL:
+            launched_by.setdefault(name, Counter())[prefix] += 1
+        key = prefix + (Frame(trace.names[name], kind=_LEAF_KIND[EventKind(kind)]),)
         flame.stacks[key] = flame.stacks.get(key, 0) + dur
         flame.attributed_ns += dur
+    for name, (ns, ops) in unsampled.items():
+        _charge_sampled(flame, trace.names[name], ns, ops, launched_by.get(name))
     return flame
+
+
+def _charge_sampled(flame: GpuFlame, name: str, ns: int, ops: int,
+                    launches: Counter[tuple[Frame, ...]] | None) -> None:
+    """A kernel name's unsampled time, split over the stacks that launched it among the samples by their
+    number of launches (whole ns; the remainder to the most frequent stack)."""
+    if not launches:
+        flame.unattributed_ns += ns
+        flame.unattributed_ops += ops
+        return
+    total = sum(launches.values())
+    ranked = launches.most_common()
+    shares = [ns * n // total for _, n in ranked]
+    shares[0] += ns - sum(shares)
+    leaf = (Frame(SAMPLED_LAUNCHER, kind="sampled"), Frame(name, kind="kernel"))
+    for (prefix, _), share in zip(ranked, shares, strict=True):
+        if share:
+            key = prefix + leaf
+            flame.stacks[key] = flame.stacks.get(key, 0) + share
+    flame.attributed_ns += ns
+    flame.inferred_ns += ns
+    flame.inferred_ops += ops
 
 
 def _host_frames(trace: Trace, stacks: Stacks, launch: int) -> tuple[Frame, ...]:
@@ -84,6 +137,7 @@ def _host_frames(trace: Trace, stacks: Stacks, launch: int) -> tuple[Frame, ...]
             parsed = parse_frame(name)
             if parsed:
                 file, line, func = parsed
+                line = trace.args.get(r, {}).get("line", line)  # the calling line, where the writer knew it
                 frames.append(Frame(f"{func} ({file}:{line})", file, line, "user" if is_user_file(file) else "python"))
             else:
                 frames.append(Frame(frame_label(name), kind="python"))
@@ -105,10 +159,18 @@ def speedscope(trace: Trace) -> dict:
     return {
         "$schema": SPEEDSCOPE_SCHEMA, "exporter": "gpuscope", "name": f"GPU time by launching stack: {name}",
         "activeProfileIndex": 0, "shared": {"frames": frames},
-        "profiles": [{"type": "sampled", "name": f"GPU time (µs), {flame.unattributed_ratio:.1%} unattributed",
+        "profiles": [{"type": "sampled", "name": f"GPU time (µs), {flame.unattributed_ratio:.1%} unattributed"
+                      + _inferred_note(flame),
                       "unit": "microseconds", "startValue": 0, "endValue": flame.attributed_ns / 1e3,
                       "samples": samples, "weights": weights}],
     }
+
+
+def _inferred_note(flame: GpuFlame) -> str:
+    if not flame.inferred_ops:
+        return ""
+    share = flame.inferred_ns / flame.attributed_ns if flame.attributed_ns else 0.0
+    return f", {share:.1%} charged by sampled launchers (under '{SAMPLED_LAUNCHER}')"
 
 
 def write_speedscope(trace: Trace, path: str) -> None:
@@ -124,8 +186,8 @@ class _Node:
     children: dict[Frame, _Node] = field(default_factory=dict)
 
 
-_COLOURS = {"thread": "#c8c8c8", "user": "#f28e2b", "python": "#edc948", "op": "#76b7b2", "kernel": "#59a14f",
-            "memcpy": "#e15759", "memset": "#ff9da7"}
+_COLOURS = {"thread": "#c8c8c8", "user": "#f28e2b", "python": "#edc948", "op": "#76b7b2", "sampled": "#b07aa1",
+            "kernel": "#59a14f", "memcpy": "#e15759", "memset": "#ff9da7"}
 _WIDTH, _ROW, _CHAR = 1200.0, 17, 6.6
 _MIN_PX = 0.5  # narrower frames are invisible; leaving them out keeps the file small
 
@@ -146,7 +208,7 @@ def svg(trace: Trace) -> str:
     total = root.ns or 1
     title = f"GPU time by launching stack: {os.path.basename(trace.source)}"
     note = (f"{total / 1e6:.2f} ms attributed, {flame.unattributed_ratio:.1%} unattributed "
-            f"({flame.unattributed_ops} ops whose launch is not in the trace)")
+            f"({flame.unattributed_ops} ops whose launch is not in the trace){_inferred_note(flame)}")
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{_WIDTH:.0f}" height="{height}" '
            f'viewBox="0 0 {_WIDTH:.0f} {height}" font-family="monospace" font-size="11">',
            '<rect width="100%" height="100%" fill="#ffffff"/>',
