@@ -553,3 +553,140 @@ def test_on_demand_requests_are_answered_through_cupti(fake, tmp_path):
     t = load(agent / "traces" / answer["file"])
     names = [t.name_of(i) for i in range(len(t))]
     assert names.count("tiny_step_kernel") > 0 and "cudaDeviceSynchronize" in names
+
+
+# -- launch sampling, in this process: the fake cupti as a module, the launches made here -----------------
+
+
+@pytest.fixture
+def fake_cupti():
+    import types
+
+    mod = types.ModuleType("cupti.cupti")  # its frames are CUPTI's, not the program's (as in the wheel)
+    exec(compile(FAKE_CUPTI, "<fake cupti>", "exec"), mod.__dict__)
+    return mod
+
+
+def _launch(c, name, dur_ns=100_000):
+    corr, _, _ = c._api(c.CallbackDomain.DRIVER_API, 307, spin_ns=0)
+    c._gpu(c.ActivityKind.CONCURRENT_KERNEL, corr, dur_ns, name=name, grid_x=1, grid_y=1, grid_z=1, block_x=32,
+           block_y=1, block_z=1, registers_per_thread=16, static_shared_memory=0, dynamic_shared_memory=0)
+
+
+def launch_from_a(c, name):
+    _launch(c, name)
+
+
+def launch_from_b(c, name):
+    _launch(c, name)
+
+
+LAUNCH_IDS = {(1, 307), (2, 211)}  # cuLaunchKernel and cudaLaunchKernel_v7000 in the fake's enums
+
+
+def _wait_for(predicate, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def test_launch_callbacks_are_on_at_window_start_and_off_after_the_budget(fake_cupti):
+    c = fake_cupti
+    s = cupti_backend.Session(cupti=c, launch_samples=4, launch_slice_every_s=3600)
+    assert s.launch_keys == LAUNCH_IDS
+    w = s.window()
+    assert not LAUNCH_IDS & c._callbacks
+    w.start()
+    try:
+        assert LAUNCH_IDS <= c._callbacks and (2, 165) in c._callbacks  # with the rules' calls
+        launch_from_a(c, "k")
+        assert LAUNCH_IDS <= c._callbacks
+        launch_from_a(c, "k")  # the first slice's half of the budget: the sampler turns them off
+        _wait_for(lambda: not LAUNCH_IDS & c._callbacks)
+        assert (2, 165) in c._callbacks
+        for _ in range(5):
+            launch_from_a(c, "k")
+    finally:
+        w.stop()
+    assert not LAUNCH_IDS & c._callbacks
+    assert w.summary() == {"launchers": "sampled", "launch_budget": 4, "launches_sampled": 2, "launch_slices": [2]}
+
+
+def test_exactly_the_budget_is_recorded_even_while_the_callbacks_stay_on(fake_cupti):
+    c = fake_cupti
+    real = c.enable_callback
+    c.enable_callback = lambda on, sub, domain, cbid: real(1, sub, domain, cbid)  # never turns one off
+    s = cupti_backend.Session(cupti=c, launch_samples=10, launch_slice_every_s=0.02, launch_slice_s=0.05)
+    w = s.window()
+    w.start()
+    try:
+        deadline = time.monotonic() + 20
+        while s.launch_taken < 10 and time.monotonic() < deadline:
+            launch_from_a(c, "k")
+            time.sleep(0.001)
+        for _ in range(200):
+            launch_from_a(c, "k")
+    finally:
+        w.stop()
+    summary = w.summary()
+    # 5 for the window's first launches, then slices of a twentieth of the budget (at least 1) each.
+    assert summary["launches_sampled"] == 10 and summary["launch_slices"] == [5, 1, 1, 1, 1, 1]
+    assert len([r for r in s.api_calls if r[0] == "driver"]) == 10
+
+
+def test_a_runtime_launch_and_the_driver_launch_inside_it_are_one_sample(fake_cupti):
+    c = fake_cupti
+    s = cupti_backend.Session(cupti=c, launch_samples=100, launch_slice_every_s=3600)
+    w = s.window()
+    w.start()
+    try:
+        c._corr[0] += 1
+        outer = c._corr[0]
+        c._callback(c.CallbackDomain.RUNTIME_API, 211, c.ApiCallbackSite.API_ENTER, outer)
+        c._api(c.CallbackDomain.DRIVER_API, 307)
+        c._callback(c.CallbackDomain.RUNTIME_API, 211, c.ApiCallbackSite.API_EXIT, outer)
+        launch_from_b(c, "k")  # a driver launch of its own, after: sampled
+    finally:
+        w.stop()
+    assert [(r[0], r[5]) for r in s.api_calls] == [("runtime", outer), ("driver", outer + 2)]
+    assert w.summary()["launches_sampled"] == 2
+
+
+def test_unsampled_kernels_are_charged_to_the_sampled_stacks_of_their_name(fake_cupti, tmp_path):
+    from gpuscope.trace.flame import SAMPLED_LAUNCHER, gpu_flame
+
+    c = fake_cupti
+    s = cupti_backend.Session(cupti=c, launch_samples=8, launch_slice_every_s=3600)
+    w = s.window()
+    w.start()
+    try:
+        for f in (launch_from_a, launch_from_a, launch_from_a, launch_from_b):  # the first slice: 4 samples
+            f(c, "k")
+        _wait_for(lambda: not LAUNCH_IDS & c._callbacks)
+        for _ in range(4):
+            launch_from_b(c, "k")  # not sampled: charged 3:1 by the samples, wherever they came from
+        launch_from_a(c, "never_sampled")
+        launch_from_a(c, "never_sampled")
+    finally:
+        w.stop()
+    path = tmp_path / "t.pt.trace.json"
+    w.export_chrome_trace(str(path))
+    t = load(path)
+    flame = gpu_flame(t)
+    assert flame.unattributed_ops == 2 and flame.unattributed_ns == _kernel_ns(t, "never_sampled")
+    assert flame.inferred_ops == 4 and flame.inferred_ns == 4 * 100_000
+    assert flame.attributed_ns == _kernel_ns(t, "k") == sum(flame.stacks.values())
+
+    def where(stack):
+        funcs = {f.name.split(" (")[0] for f in stack}
+        return "a" if "launch_from_a" in funcs else "b" if "launch_from_b" in funcs else "?"
+
+    exact: dict[str, int] = {}
+    inferred: dict[str, int] = {}
+    for stack, ns in flame.stacks.items():
+        assert stack[-1].name == "k"
+        into = inferred if stack[-2].name == SAMPLED_LAUNCHER else exact
+        into[where(stack)] = into.get(where(stack), 0) + ns
+    assert exact == {"a": 300_000, "b": 100_000}
+    assert inferred == {"a": 300_000, "b": 100_000}

@@ -10,7 +10,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpuscope.trace.flame import SPEEDSCOPE_SCHEMA, gpu_flame, speedscope, svg, write_speedscope, write_svg
+from gpuscope.trace.flame import (
+    SAMPLED_LAUNCHER,
+    SPEEDSCOPE_SCHEMA,
+    gpu_flame,
+    speedscope,
+    svg,
+    write_speedscope,
+    write_svg,
+)
 from gpuscope.trace.kineto import load
 from gpuscope.trace.model import COLUMNS, GPU_KINDS, EventKind, Trace
 
@@ -122,3 +130,45 @@ def test_the_flame_verb_writes_svg_or_speedscope_and_refuses_bad_paths(tmp_path,
         assert err.startswith("gpuscope: ") and len(err.splitlines()) == 1
     assert main(["trace", "flame", str(tmp_path / "none.json.gz"), "--out", str(tmp_path / "g.svg")]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def _sampled_trace(meta: dict) -> Trace:
+    """Three sampled launches of k (two from f, one from g), one k and one m whose launches were not sampled."""
+    P, R, K = EventKind.PYTHON, EventKind.RUNTIME, EventKind.KERNEL
+    rows = [  # kind, name, ts, dur, pid, tid, device, stream, correlation
+        (P, 0, 0, 100, 1, 1, -1, -1, -1), (R, 1, 10, 5, 1, 1, -1, -1, 5), (K, 2, 20, 10, 0, 7, 0, 7, 5),
+        (P, 3, 200, 100, 1, 1, -1, -1, -1), (R, 1, 210, 5, 1, 1, -1, -1, 6), (K, 2, 220, 10, 0, 7, 0, 7, 6),
+        (P, 0, 400, 100, 1, 1, -1, -1, -1), (R, 1, 410, 5, 1, 1, -1, -1, 7), (K, 2, 420, 10, 0, 7, 0, 7, 7),
+        (K, 2, 600, 31, 0, 7, 0, 7, 99), (K, 4, 700, 40, 0, 7, 0, 7, 98)]
+    cols = {c: np.array([r[i] for r in rows] if i < 9 else [-1] * len(rows), dtype=t)
+            for i, (c, t) in enumerate(COLUMNS.items())}
+    return Trace(cols, ["a.py(1): f", "cudaLaunchKernel", "k", "b.py(1): g", "m"], meta=meta, source="t.json")
+
+
+def test_unsampled_kernels_are_charged_by_kernel_name_only_when_the_trace_sampled_launches():
+    plain = gpu_flame(_sampled_trace({}))  # a torch trace, or --api all: nothing inferred
+    assert (plain.unattributed_ops, plain.unattributed_ns, plain.inferred_ops) == (2, 71, 0)
+
+    trace = _sampled_trace({"gpuscope_cupti": {"launchers": "sampled"}})
+    flame = gpu_flame(trace)
+    assert (flame.unattributed_ops, flame.unattributed_ns) == (1, 40)  # m: never sampled
+    assert (flame.inferred_ops, flame.inferred_ns) == (1, 31)
+    assert flame.attributed_ns == 61 == sum(flame.stacks.values())
+    by_names = {tuple(f.name for f in s): ns for s, ns in flame.stacks.items()}
+    # 31 ns over f's two launches of k and g's one: 20 (+1, the remainder, to the most frequent) and 10.
+    assert by_names == {("thread 1", "f (a.py:1)", "k"): 20, ("thread 1", "g (b.py:1)", "k"): 10,
+                        ("thread 1", "f (a.py:1)", SAMPLED_LAUNCHER, "k"): 21,
+                        ("thread 1", "g (b.py:1)", SAMPLED_LAUNCHER, "k"): 10}
+    assert [f.kind for f in next(s for s in flame.stacks if len(s) == 4)] == ["thread", "user", "sampled", "kernel"]
+    assert "charged by sampled launchers" in speedscope(trace)["profiles"][0]["name"]
+    assert "charged by sampled launchers" not in speedscope(_sampled_trace({}))["profiles"][0]["name"]
+    root = ET.fromstring(svg(trace))
+    texts = [t.text or "" for t in root.iter("{http://www.w3.org/2000/svg}text")]
+    assert any("50.8% charged by sampled launchers" in t for t in texts)
+
+
+def test_a_frame_with_its_exact_line_is_named_by_it():
+    trace = _sampled_trace({})
+    trace.args[0] = {"line": 42}
+    names = {tuple(f.name for f in s) for s in gpu_flame(trace).stacks}
+    assert ("thread 1", "f (a.py:42)", "k") in names and ("thread 1", "f (a.py:1)", "k") in names
