@@ -690,3 +690,33 @@ def test_unsampled_kernels_are_charged_to_the_sampled_stacks_of_their_name(fake_
         into[where(stack)] = into.get(where(stack), 0) + ns
     assert exact == {"a": 300_000, "b": 100_000}
     assert inferred == {"a": 300_000, "b": 100_000}
+
+
+@pytest.mark.parametrize("budget", [100, 0])
+def test_the_tiny_kernel_rule_takes_its_launch_median_from_the_samples(fake_cupti, tmp_path, budget):
+    import dataclasses
+    import math
+
+    from gpuscope.trace.rule_thresholds import DEFAULT
+
+    c = fake_cupti
+    s = cupti_backend.Session(cupti=c, launch_samples=budget, launch_slice_every_s=3600)
+    w = s.window()
+    w.start()
+    try:
+        for _ in range(600):
+            _launch(c, "tiny", dur_ns=2_000)
+    finally:
+        w.stop()
+    path = tmp_path / "t.pt.trace.json"
+    w.export_chrome_trace(str(path))
+    th = dataclasses.replace(DEFAULT, tiny_min_per_s=0.0)  # a rate, on a machine of any speed
+    [storm] = [f for f in findings(load(path), thresholds=th) if f.rule == "tiny_kernel_storm"]
+    assert storm.evidence["tiny_kernels"] == 600
+    median = storm.evidence["median_launch_us"]
+    if budget:
+        sampled = sorted(r[2] - r[1] for r in s.api_calls if r[0] == "driver")
+        assert len(sampled) == 50 and median == pytest.approx((sampled[24] + sampled[25]) / 2e3, abs=0.01)
+        assert storm.locations and storm.locations[0][0].function == "_launch"
+    else:
+        assert math.isnan(median) and not storm.locations

@@ -12,6 +12,7 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -54,6 +55,8 @@ CUPY_PROG = textwrap.dedent("""
     print("done", flush=True)
 """)
 SYNC_LINE = CUPY_PROG.splitlines().index("    cp.cuda.Device().synchronize()") + 1
+ADD_LINE = CUPY_PROG.splitlines().index("    y = add_one(x)") + 1
+LAUNCH_CALL = re.compile(r"^(cudaLaunch|cuLaunch|cudaGraphLaunch|cuGraphLaunch)")
 
 NUMBA_PROG = textwrap.dedent("""
     import time
@@ -186,6 +189,26 @@ def test_cupy_program_kernels_pageable_copy_and_sync_in_loop(tmp_path):
     assert sync["evidence"]["count"] >= 100
     where = sync["locations"][0]
     assert (Path(where["file"]).name, where["line"], where["function"]) == ("prog.py", SYNC_LINE, "step"), where
+
+
+def test_cupy_kernels_are_charged_to_their_launching_line_by_sampled_launchers(tmp_path):
+    _need("cupy", "cupti")
+    from gpuscope.trace.flame import gpu_flame
+    from gpuscope.trace.kineto import load
+
+    p, doc, path = _run(tmp_path, CUPY_PROG)  # the default: launches sampled, GPUSCOPE_TRACE_LAUNCH_SAMPLES=2000
+    sampling = doc["gpuscope_cupti"]
+    assert sampling["launchers"] == "sampled" and sampling["launch_budget"] == 2000, sampling
+    launches = [e for e in doc["traceEvents"]
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and LAUNCH_CALL.match(e["name"])]
+    assert 1 <= len(launches) <= sampling["launches_sampled"] <= 2000, (len(launches), sampling)
+    trace = load(path)
+    ev = trace.events
+    total_ns = sum(int(ev["dur_ns"][i]) for i in range(len(trace)) if trace.name_of(i) == "gpuscope_add_one")
+    flame = gpu_flame(trace)
+    at_line_ns = sum(ns for stack, ns in flame.stacks.items() if stack[-1].name == "gpuscope_add_one"
+                     and any(Path(f.file).name == "prog.py" and f.line == ADD_LINE for f in stack))
+    assert total_ns > 0 and at_line_ns >= 0.95 * total_ns, (at_line_ns, total_ns, sampling)
 
 
 def test_numba_program_kernel_count(tmp_path):
