@@ -350,9 +350,13 @@ class Window:
         s.window_open = True
         try:
             self._switch(True)
+            if s.launch_budget > 0:
+                self._switch_launches(True)
         except c.cuptiError as e:
             s.window_open = False
+            self.stopping.set()
             try:
+                self._switch_launches(False)
                 self._switch(False)
             except Exception:
                 pass
@@ -360,7 +364,6 @@ class Window:
                 raise Unavailable("cupti_held", HELD) from None
             raise
         if s.launch_budget > 0:
-            self._switch_launches(True)
             self.sampler = threading.Thread(target=self._sample_launches, name="gpuscope-launch-sampler",
                                             daemon=True)
             self.sampler.start()
@@ -392,8 +395,9 @@ class Window:
 
 
     def summary(self, records=None):
-        """How the window's launchers were recorded, for the trace and the status file: `launchers` is
-        "sampled" (trace flame then charges unsampled kernels by kernel name), "all" or "none"."""
+        """How the window's launchers were recorded, for the trace's `gpuscope_cupti` key (and for the
+        bootstrap's status entry of the window): `launchers` is "sampled" (trace flame then charges
+        unsampled kernels by kernel name), "all" or "none"."""
         s = self.s
         if s.api_all:
             return {"launchers": "all"}
