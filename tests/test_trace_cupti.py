@@ -326,6 +326,8 @@ def test_a_cupy_program_is_traced_through_cupti_and_the_rules_read_it(fake, tmp_
     sampling = doc["gpuscope_cupti"]
     assert (sampling["launchers"], sampling["launch_budget"], sampling["launches_sampled"]) == ("sampled", 2000, 40)
     assert sampling["launch_slices"] == [40]
+    [entry] = status["traces"]  # the window's status entry says it too
+    assert (entry["launchers"], entry["launches_sampled"]) == ("sampled", 40)
 
     t = load(path)
     names = [t.name_of(i) for i in range(len(t))]

@@ -371,6 +371,11 @@ class _Tracer:
                 "with_stack": self.with_stack, "backend": self.backend}
         try:
             prof.export_chrome_trace(raw)
+            if self.backend == "cupti":  # how its launchers were recorded (sampled: how many)
+                try:
+                    meta.update(prof.summary())
+                except Exception:
+                    pass
             _gzip_with_key(raw, packed, "gpuscope", meta)
             os.chmod(packed, 0o644)
             os.replace(packed, path)
