@@ -113,7 +113,14 @@ def test_the_class_cache_is_bounded_and_keyed_by_path_and_header():
     assert g.acquire(RequestInfo(path="/v1/embeddings", headers={"x-priority": " Interactive "})).klass == "interactive"
     assert g.acquire(RequestInfo(path="/v1/embeddings")).klass == "batch"
     assert g.acquire(RequestInfo(path="/v1/chat", headers={"x-priority": "vip"})).klass == "interactive"
-    assert c.cache[("/v1/chat", "batch")] == 1 and c.cache[("/v1/chat", None)] == 0
+    assert c.classify(RequestInfo(path="/v1/chat", headers={"x-priority": "batch"}))[0] == 1
+    assert c.cache[("/v1/chat", None)] == 0
+    # the inline path's own caches (class header value -> class, path -> class) are bounded the same way
+    by_header, by_path = g.acquire.caches
+    for i in range(50):
+        assert g.acquire(RequestInfo(path=f"/v1/embeddings/{i}")).klass == "batch"
+        assert g.acquire(RequestInfo(path="/v1/chat", headers={"x-priority": " batch" + " " * i})).klass == "batch"
+        assert len(by_path) <= 8 and len(by_header) <= 8
     # an override is never cached under the request's path and header
     assert g.acquire(RequestInfo(path="/v1/chat", klass="batch")).klass == "batch"
     assert g.acquire(RequestInfo(path="/v1/chat")).klass == "interactive"
@@ -153,7 +160,8 @@ def test_the_inline_decision_path_decides_as_the_general_one(reqs, factor):
         assert (a.admitted, a.reason, a.klass, a.tenant, a.status, a.probe) == \
             (b.admitted, b.reason, b.klass, b.tenant, b.status, b.probe)
         assert a.retry_after_s == b.retry_after_s and a.start_s == b.start_s
-        assert all(hasattr(a, name) for name in Decision.__slots__)  # the inline path sets every field
+        assert [getattr(a, f) for f in Decision.FIELDS if f != "start_s"] == \
+            [getattr(b, f) for f in Decision.FIELDS if f != "start_s"]  # every field, as the general path's
         if a.admitted:
             held.append((a, b))
         if finish and held:

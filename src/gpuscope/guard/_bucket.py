@@ -15,6 +15,8 @@ Times are monotonic seconds supplied by the caller, so a wall-clock jump cannot 
 
 from __future__ import annotations
 
+import math
+
 __all__ = ["Gcra", "LocalBuckets"]
 
 _EPS_S = 1e-9
@@ -72,21 +74,26 @@ class Gcra:
 
 class LocalBuckets:
     """Per-class and per-tenant GCRA buckets for the classes of a config; `rate_divisor` splits the rates
-    between replicas when these stand in for shared Redis buckets."""
+    between replicas when these stand in for shared Redis buckets.
 
-    __slots__ = ("_class", "_tenant", "_names")
+    A class bucket has one key, so its TAT is a float in `class_tat` (indexed by class; -inf is a full
+    bucket, as a missing key is) rather than a one-key dict: a list index is the cheapest lookup there is,
+    and the guard's inline decision path reads it once per request."""
+
+    __slots__ = ("_class", "_tenant", "class_tat")
 
     def __init__(self, classes: list, rate_divisor: float = 1.0) -> None:
         d = float(rate_divisor)
-        self._names = [c.name for c in classes]
         self._class = [Gcra(c.rate / d, (c.burst if c.burst is not None else c.rate) / d) if c.rate else None
                        for c in classes]
         self._tenant = [Gcra(c.tenant_rate / d, (c.tenant_burst if c.tenant_burst is not None else c.tenant_rate) / d)
                         if c.tenant_rate else None for c in classes]
+        self.class_tat = [-math.inf] * len(classes)
 
-    def per_class(self) -> list[tuple[Gcra | None, Gcra | None, str]]:
-        """(class bucket, tenant buckets, the class bucket's key) per class, for a caller that inlines take()."""
-        return list(zip(self._class, self._tenant, self._names, strict=True))
+    def per_class(self) -> list[tuple[Gcra | None, Gcra | None]]:
+        """(class bucket's parameters, tenant buckets) per class, for a caller that inlines take(); the class
+        bucket's TAT is `class_tat[idx]`."""
+        return list(zip(self._class, self._tenant, strict=True))
 
     def take(self, idx: int, tenant: str, cost: float, now: float, factor: float = 1.0) -> tuple[float, str]:
         """(0.0, '') when both the class and the tenant bucket admit `cost`; else (wait_s, 'rate' | 'tenant_rate').
@@ -99,9 +106,7 @@ class LocalBuckets:
             if tb is None:
                 return _ADMIT
         else:
-            ctats = cb._tat
-            ckey = self._names[idx]
-            ctat = ctats.get(ckey, now)
+            ctat = self.class_tat[idx]
             if ctat < now:
                 ctat = now
             if factor == 1.0:
@@ -134,7 +139,7 @@ class LocalBuckets:
                 tb._evict(now)
             tats[tenant] = tnew
         if cb is not None:
-            ctats[ckey] = cnew
+            self.class_tat[idx] = cnew
         return _ADMIT
 
 

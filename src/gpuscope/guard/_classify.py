@@ -117,12 +117,16 @@ class Classifier:
         cost = estimate_tokens(info.body) if self._tokens else 1.0
         return idx, tenant, cost
 
+    def header_class(self, header_value: str) -> int:
+        """The class a class header value names (trimmed, any case), whatever the path; -1: none."""
+        v = header_value.strip()
+        return self._index.get(v.lower(), self._index.get(v, -1))
+
     def index_of(self, path: str, header_value: str | None) -> int:
         """The class of a request with this path and class header value (None: no header); cached."""
         idx = -1
         if header_value is not None:
-            v = header_value.strip()
-            idx = self._index.get(v.lower(), self._index.get(v, -1))
+            idx = self.header_class(header_value)
         if idx < 0:
             for prefix, i in self._routes:
                 if path.startswith(prefix):
