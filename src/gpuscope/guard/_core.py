@@ -40,6 +40,8 @@ __all__ = ["Decision", "Guard"]
 
 log = logging.getLogger("gpuscope.guard")
 
+_REASONS = ("rate", "tenant_rate", "concurrency", "queue_full", "queue_timeout", "evicted", "gpu_saturated",
+            "breaker_open")  # why a decision was shed (Decision.reason)
 _REFRESH_S = 0.25  # how often the decision path re-checks the GPU signal's staleness
 
 
@@ -156,7 +158,8 @@ class Guard:
         # metrics
         self.admitted_total = [0] * n
         self.queued_count_total = [0] * n
-        self.shed_total: dict[tuple[int, str], int] = {}
+        # refusals per (class, reason) as list items: a list item is the cheapest counter to bump per request
+        self._shed_n = [0] * (n * len(_REASONS))
         self.queue_wait_sum_s = [0.0] * n
         self.queue_wait_count = [0] * n
         self._cache: dict[str, tuple[bytes, str]] = {}
@@ -172,6 +175,12 @@ class Guard:
 
             return cls(cfg, buckets=RedisBuckets(cfg))
         return cls(cfg)
+
+    @property
+    def shed_total(self) -> dict[tuple[int, str], int]:
+        """Refusals so far per (class index, reason), for the reasons that occurred."""
+        r = len(_REASONS)
+        return {(i // r, _REASONS[i % r]): v for i, v in enumerate(self._shed_n) if v}
 
     # -- the decision --------------------------------------------------------------------------
     def acquire(self, info: RequestInfo) -> Decision:
@@ -326,8 +335,7 @@ class Guard:
         d.status = status
         d.retry_after_s = retry_after_s
         d.released = True
-        key = (d.class_index, reason)
-        self.shed_total[key] = self.shed_total.get(key, 0) + 1
+        self._shed_n[d.class_index * len(_REASONS) + _REASONS.index(reason)] += 1
         if reason != "breaker_open":
             if d.probe == "probe":
                 self.breaker.cancel(d.probe)  # a shed probe never reached the upstream: its slot is free again
@@ -488,7 +496,7 @@ def _inline_acquire(g: Guard) -> Callable[[RequestInfo], Decision]:
     limiter = g.limiter
     inflight = g.inflight
     admitted = g.admitted_total
-    shed = g.shed_total
+    shed = g._shed_n
     take_lock = g._lock.acquire
     drop_lock = g._lock.release
     class_tat = g.buckets.class_tat
@@ -503,7 +511,8 @@ def _inline_acquire(g: Guard) -> Callable[[RequestInfo], Decision]:
         plans.append((idx, g._shares[idx],
                       cb is not None, cb.one_s if cb else 0.0, cb.tau_s if cb else 0.0,
                       tb._tat if tb else None, tb.one_s if tb else 0.0, tb.tau_s if tb else 0.0, tb,
-                      *types, (idx, "rate"), (idx, "tenant_rate")))
+                      *types, idx * len(_REASONS) + _REASONS.index("rate"),
+                      idx * len(_REASONS) + _REASONS.index("tenant_rate")))
     # class header value -> plan (names a class whatever the path), path -> plan (no class header); both keys
     # are client-chosen strings, so both caches are bounded as the classifier's is
     by_header = {name: plans[classifier.header_class(name)] for name in g._names}
@@ -551,7 +560,7 @@ def _inline_acquire(g: Guard) -> Callable[[RequestInfo], Decision]:
                     cnew = ctat + c_one
                     over = cnew - now - c_tau
                     if over > _EPS_S:
-                        shed[rate_key] = shed.get(rate_key, 0) + 1
+                        shed[rate_key] += 1
                         d = new(RateRefused)
                         d.tenant = tenant
                         d.start_s = now
@@ -569,7 +578,7 @@ def _inline_acquire(g: Guard) -> Callable[[RequestInfo], Decision]:
                     tnew = ttat + t_one
                     over = tnew - now - t_tau
                     if over > _EPS_S:
-                        shed[tenant_key] = shed.get(tenant_key, 0) + 1
+                        shed[tenant_key] += 1
                         d = new(TenantRefused)
                         d.tenant = tenant
                         d.start_s = now
