@@ -280,8 +280,10 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=2.0, help="per measurement (default 2)")
     ap.add_argument("--redis-url", default=None, help="use this Redis instead of starting redis-server")
     ap.add_argument("--skip-redis", action="store_true")
+    ap.add_argument("--skip-in-process", action="store_true")
     a = ap.parse_args()
-    in_process(a.seconds)
+    if not a.skip_in_process:
+        in_process(a.seconds)
     if not a.skip_redis:
         redis_path(a.seconds, a.redis_url)
 
