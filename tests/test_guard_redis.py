@@ -217,3 +217,19 @@ def test_the_redis_password_stays_out_of_the_fallback_log(caplog):
     with caplog.at_level("WARNING", logger="gpuscope.guard"):
         assert g.acquire(RequestInfo()).admitted  # local fallback
     assert "failed" in caplog.text and ":***@127.0.0.1" in caplog.text and "s3cret" not in caplog.text
+
+
+def test_a_tenant_key_expires_once_its_bucket_is_full_and_a_class_key_never(redis_server):  # noqa: F811
+    import time
+
+    cfg = parse_config({"classes": [{"name": "a", "rate": 1000, "burst": 1000, "tenant_rate": 10, "tenant_burst": 2}],
+                        "redis": {"url": redis_server.url}})
+    g = Guard(cfg, buckets=RedisBuckets(cfg))
+    r = redis.Redis.from_url(redis_server.url)
+    assert [g.acquire(RequestInfo(tenant="x")).admitted for _ in range(3)] == [True, True, False]
+    tau_ms = 2 / 10 * 1000
+    assert 0 < r.pttl("gpuscope:guard:{a}:t:x") <= tau_ms + 1  # lives at most tau past its last admission
+    assert r.pttl("gpuscope:guard:{a}") == -1  # one key per class: no expiry
+    time.sleep((tau_ms + 100) / 1000)
+    assert not r.exists("gpuscope:guard:{a}:t:x") and r.exists("gpuscope:guard:{a}")
+    assert g.acquire(RequestInfo(tenant="x")).admitted  # a full bucket again

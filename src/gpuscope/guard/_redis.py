@@ -37,7 +37,7 @@ log = logging.getLogger("gpuscope.guard")
 # What Redis spends on it (INFO commandstats, Redis 7.0): each redis.call costs about 0.6-1.5 µs, and each Lua
 # number handed to a command costs about 0.9 µs more (Redis formats it with %.17g), so the script makes only the
 # calls it must (TIME, one MGET of both keys -- one hash tag, one slot --, a SET per key) and hands over one
-# number per key, the new TAT. The time to live is a constant string from the client: the stored TAT is at most
+# number per key, the new TAT (whole or not, the formatting costs the same). The time to live is a constant string from the client: the stored TAT is at most
 # `now + tau`, so a key that lives tau (rounded up) past its last admission outlives its debt and expires only
 # when its bucket is full. A class key has no expiry at all (one key per class, so no memory to bound), which
 # saves its SET the PX as well.
