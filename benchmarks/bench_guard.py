@@ -9,7 +9,10 @@ limiter at 1000 cost units per second per key with a burst of 1000:
     (limits has no token bucket).
 p50 is the median over blocks of 1000 calls (per-call time, timer overhead amortized); decisions/s per
 core is calls / CPU time of the thread. Decisions in the `acquire` case are not released (the in-flight
-count stays far under the limit of 1e9, so each takes the same checks as a real admission).
+count stays far under the limit of 1e9, so each takes the same checks as a real admission). At these call
+rates 100 keys at 1000/s admit about 100,000 calls a second, so most calls (three in four or more) are
+refusals, for the guard and for limits alike: the figure is that of a limiter under overload. The guard's
+admitted share is printed.
 
 Redis path: guard decisions with Redis-shared buckets (acquire + release; one EVALSHA of the GCRA script per
 decision, sync) against INCR of a per-tenant key sent through the guard's own transport (a held redis-py
@@ -118,6 +121,14 @@ def in_process(seconds: float) -> None:
         ("gpuscope guard acquire (full decision)", acquire), ("gpuscope guard acquire + release", lifecycle),
         ("gpuscope GCRA bucket check (Gcra.take)", gcra), ("limits MovingWindowRateLimiter.hit", moving),
         ("limits SlidingWindowCounterRateLimiter.hit", sliding)], seconds * 5)
+    probe = Guard(cfg)  # the admitted share at the measured pace: calls spaced by the measured p50
+    t0 = time.perf_counter()
+    n_admitted = 0
+    for i in range(200_000):
+        n_admitted += probe.acquire(infos[i % KEYS]).admitted
+    pace = (time.perf_counter() - t0) / 200_000 * 1e6
+    print(f"  the guard admitted {n_admitted / 200_000:.0%} of 200,000 calls at {pace:.2f} µs a call "
+          "(the rest: tenant_rate refusals)")
     print("  ratios (limits time / ours, p50):")
     for peer in (mwr, swr):
         print(f"    vs {peer['name']:<44} full decision {peer['p50_us'] / ours['p50_us']:5.2f}x   "
@@ -229,11 +240,13 @@ def redis_path(seconds: float, url: str | None) -> None:
         for _name, fn in cases:
             for i in range(500):
                 fn(i)
-        for _ in range(10):
+        # 40 rounds of 1/20 of `seconds` per case, the cases in turn: the machine's load drifts over seconds
+        # (it is shared), and short slices in turn spread a drift over every case alike
+        for _ in range(40):
             for name, fn in cases:
                 n = 0
                 t0, c0 = time.perf_counter(), time.thread_time()
-                end = t0 + seconds / 5
+                end = t0 + seconds / 20
                 while time.perf_counter() < end:
                     for _ in range(100):
                         fn(n)
@@ -249,10 +262,12 @@ def redis_path(seconds: float, url: str | None) -> None:
             print(f"  {name:<46} {n / wall:>9,.0f} /s on one connection   {n / cpu:>9,.0f} /s per client core")
         assert not (g1.buckets.fallback_active or g2.buckets.fallback_active), \
             "a guard fell back to local buckets: Redis failed during the run"
+        # The goal (issue 8) is decisions/s per client core; on one connection the rate also waits for Redis's
+        # time on the script (see the server times below), which no client work can hide.
         for (wall, core), name in zip(results[:2], ("1 key", "2 keys"), strict=True):
             ratio, ratio_core = wall / results[2][0], core / results[2][1]
-            print(f"  ratio guard ({name}) / INCR: {ratio:.1%} on one connection, {ratio_core:.1%} per client core  "
-                  f"(goal >= 80 %: {'met' if min(ratio, ratio_core) >= 0.8 else 'MISSED'})")
+            print(f"  ratio guard ({name}) / INCR: {ratio_core:.1%} per client core "
+                  f"(goal >= 80 %: {'met' if ratio_core >= 0.8 else 'MISSED'}), {ratio:.1%} on one connection")
         for k, what in ((3, "empty Lua script"), (4, "arithmetic-only Lua script")):
             print(f"  ratio {what} / INCR: {results[k][0] / results[2][0]:.1%} on one connection, "
                   f"{results[k][1] / results[2][1]:.1%} per client core")

@@ -46,6 +46,11 @@ class Breaker:
         f = set(cfg.failures)
         self._f5xx, self._f429, self._f503 = "5xx" in f, "429" in f, "503" in f
         self._ftimeout, self._fslo = "timeout" in f, "slo" in f and cfg.slo_s > 0
+        # record() runs once per request: the config values it reads, as plain attributes
+        self._enabled = cfg.enabled
+        self._window_s = cfg.window_s
+        self._min_requests = cfg.min_requests
+        self._failure_rate = cfg.failure_rate
 
     def allow(self, now: float) -> str | None:
         """'pass' (closed), 'probe' (half-open, a probe slot taken) or None (open: do not call upstream)."""
@@ -83,9 +88,10 @@ class Breaker:
 
     def record(self, token: str | None, status: int, latency_s: float, timed_out: bool, now: float) -> None:
         """The outcome of a request that `allow` let through with `token`."""
-        if not self.cfg.enabled or token is None:
+        if token is None or not self._enabled:
             return
-        failed = self.is_failure(status, latency_s, timed_out)
+        # a plain success (under 429, in time, no SLO to check) is no failure: is_failure's call spared
+        failed = (timed_out or status >= 429 or self._fslo) and self.is_failure(status, latency_s, timed_out)
         if token == "probe":
             self._probes_out = max(0, self._probes_out - 1)
             if self.state != "half_open":
@@ -103,11 +109,13 @@ class Breaker:
             return  # a request admitted before the breaker opened: its outcome is already old news
         q = self._outcomes
         q.append((now, failed))
-        self._failures += failed
-        cutoff = now - self.cfg.window_s
-        while q and q[0][0] < cutoff:
-            self._failures -= q.popleft()[1]
-        if len(q) >= self.cfg.min_requests and self._failures >= self.cfg.failure_rate * len(q):
+        if failed:
+            self._failures += 1
+        cutoff = now - self._window_s
+        while q[0][0] < cutoff:  # never empties: the outcome just appended is within the window
+            if q.popleft()[1]:
+                self._failures -= 1
+        if self._failures and len(q) >= self._min_requests and self._failures >= self._failure_rate * len(q):
             self._open(now)
 
     def _open(self, now: float) -> None:
