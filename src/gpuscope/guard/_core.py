@@ -167,9 +167,9 @@ class Guard:
         # acquire()'s inline paths: cost 1 (a token cost needs the body parsed), local or Redis buckets
         if not self._tokens:
             if self._local_buckets:
-                self.acquire = _inline_acquire(self)  # type: ignore[method-assign]
+                self.acquire = _inline_acquire(self)  # type: ignore[method-assign,assignment]
             elif hasattr(self.buckets, "take"):
-                self.acquire = _inline_acquire_shared(self)  # type: ignore[method-assign]
+                self.acquire = _inline_acquire_shared(self)  # type: ignore[method-assign,assignment]
 
     @classmethod
     def from_config(cls, cfg: GuardConfig) -> Guard:
@@ -226,10 +226,10 @@ class Guard:
         finally:
             lock.release()
         wait, why = self.buckets.take(idx, d.tenant, d.cost, now, self.limiter.rate_factor)  # Redis: I/O
-        if wait:
-            return self._shed(d, why, wait)
         lock.acquire()
         try:
+            if wait:
+                return self._shed(d, why, wait)  # under the lock: it counts the refusal
             if not self._runnable(idx):  # another thread took the slot meanwhile
                 return self._shed(d, "concurrency", self._concurrency_retry_s())
             self._admit(d)
