@@ -79,6 +79,7 @@ BAD = [
     ({"classes": [{"name": "a"}], "breaker": {"failures": ["4xx"]}}, "breaker.failures has '4xx'"),
     ({"classes": [{"name": "a"}], "breaker": {"fallback": "upstream:ftp://x"}}, "breaker.fallback"),
     ({"classes": [{"name": "a"}], "breaker": {"enabled": "yes"}}, "true or false"),
+    ({"classes": [{"name": "a"}], "breaker": {"window_s": -1}}, "breaker.window_s must be positive"),
     ({"classes": [{"name": "a"}], "signals": {"agent": "localhost:9400"}}, "signals.agent must start"),
     ({"classes": [{"name": "a"}], "redis": {"url": "http://x"}}, "redis.url"),
     ({"classes": [{"name": "a"}], "redis": {"replicas": 0}}, "redis.replicas"),

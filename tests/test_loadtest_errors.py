@@ -164,3 +164,14 @@ def test_help_teaches_with_examples(tmp_path: Path) -> None:
     assert p.returncode == 0
     for text in ("examples:", "--stages 10,20,40,80", "--openai chat", "--metrics-as", "--find-capacity", "--replay"):
         assert text in p.stdout
+
+
+def test_a_capacity_search_where_nothing_passes_claims_no_capacity(srv, tmp_path: Path) -> None:
+    # Every answer is a 500: no trial passes, so no trial is "at capacity" in the tables or the summary.
+    p = _cli(srv.url("/status/500"), "--find-capacity", "--capacity-start", "50", "--capacity-max", "100",
+             "--capacity-trials", "2", "--stage-duration", "1s", "--workers", "1", "--arrival", "constant", "--no-gpu", "--no-html",
+             "--out", str(tmp_path / "o"), cwd=tmp_path)
+    assert "Traceback" not in p.stderr
+    summary = json.loads((tmp_path / "o" / "summary.json").read_text())
+    assert len(summary["capacity"]["trials"]) == 2 and not any(t["passed"] for t in summary["capacity"]["trials"])
+    assert "overall_stage" not in summary and "at capacity" not in p.stdout and "overall" in p.stdout

@@ -655,6 +655,25 @@ def test_a_runtime_launch_and_the_driver_launch_inside_it_are_one_sample(fake_cu
     assert w.summary()["launches_sampled"] == 2
 
 
+def test_a_runtime_launch_cut_by_the_slice_s_end_does_not_block_its_thread_s_driver_launches(fake_cupti):
+    # The sampler switches the launch callbacks off between a runtime launch's entry and its exit: the exit
+    # never comes. The next slice must still sample this thread's own driver launches.
+    c = fake_cupti
+    s = cupti_backend.Session(cupti=c, launch_samples=100, launch_slice_every_s=3600)
+    w = s.window()
+    w.start()
+    try:
+        c._corr[0] += 1
+        c._callback(c.CallbackDomain.RUNTIME_API, 211, c.ApiCallbackSite.API_ENTER, c._corr[0])
+        w._switch_launches(False)  # the slice ends here; the exit is lost
+        w._switch_launches(True)   # the next slice
+        for _ in range(3):
+            launch_from_b(c, "k")
+    finally:
+        w.stop()
+    assert len([r for r in s.api_calls if r[0] == "driver"]) == 3
+
+
 def test_unsampled_kernels_are_charged_to_the_sampled_stacks_of_their_name(fake_cupti, tmp_path):
     from gpuscope.trace.flame import SAMPLED_LAUNCHER, gpu_flame
 

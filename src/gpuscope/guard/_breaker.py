@@ -112,7 +112,7 @@ class Breaker:
         if failed:
             self._failures += 1
         cutoff = now - self._window_s
-        while q[0][0] < cutoff:  # never empties: the outcome just appended is within the window
+        while q and q[0][0] < cutoff:
             if q.popleft()[1]:
                 self._failures -= 1
         if self._failures and len(q) >= self._min_requests and self._failures >= self._failure_rate * len(q):

@@ -265,6 +265,8 @@ def _check(cfg: GuardConfig, names: list[str]) -> None:
         raise GuardConfigError("breaker.probes, success_threshold and min_requests must be at least 1.")
     if not (br.timeout_s > 0 and br.idle_timeout_s > 0):
         raise GuardConfigError("breaker.timeout_s and breaker.idle_timeout_s must be positive.")
+    if not (br.window_s > 0 and br.open_s >= 0):
+        raise GuardConfigError("breaker.window_s must be positive and breaker.open_s not negative.")
     fb = br.fallback
     if not (fb in ("reject", "cached") or fb.startswith("model:") and len(fb) > 6
             or fb.startswith(("upstream:http://", "upstream:https://"))):

@@ -107,6 +107,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--find-capacity", action="store_true", help="search the highest rate that holds --slo")
     o.add_argument("--capacity-start", type=float, default=1.0, help="first rate of the search (req/s)")
     o.add_argument("--capacity-max", type=float, default=10_000.0, help="highest rate tried (req/s)")
+    o.add_argument("--capacity-trials", type=int, default=12, help="most trials of the search (default 12)")
     o.add_argument("--quiet", action="store_true", help="no live progress line")
     o.add_argument("--report-from", metavar="DIR",
                    help="send nothing: write DIR/report.html again from a run's output directory (summary.json, "

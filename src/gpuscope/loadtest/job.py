@@ -235,6 +235,8 @@ def build(args: argparse.Namespace) -> Spec:
     slo = parse_slo(args.slo)
     if args.find_capacity and not 0 < args.capacity_start < args.capacity_max:
         raise SetupError("--capacity-start must be above 0 and below --capacity-max.")
+    if args.find_capacity and args.capacity_trials < 1:
+        raise SetupError("--capacity-trials must be at least 1.")
     if args.max_connections < 0:
         raise SetupError("--max-connections must be 0 (as many as needed) or more.")
     cfg = WorkerConfig(url=args.url, proto=proto, plan=plan, seed=args.seed,
@@ -450,7 +452,8 @@ def _capacity(spec: Spec, cfg: WorkerConfig, args: argparse.Namespace, progress:
         trials.append((dt, res, tc, stage.name))
         return s["overall"]
 
-    result = find_capacity(measure, cfg.slo or None, start_rate=args.capacity_start, max_rate=args.capacity_max)
+    result = find_capacity(measure, cfg.slo or None, start_rate=args.capacity_start, max_rate=args.capacity_max,
+                           max_trials=args.capacity_trials)
     stages = []
     valid, reasons = True, []
     summaries = []
@@ -468,10 +471,10 @@ def _capacity(spec: Spec, cfg: WorkerConfig, args: argparse.Namespace, progress:
     at = [k for k, s in enumerate(summaries) if s["stages"][0]["target_rate"] == result.get("capacity_rps")]
     k = at[0] if at else 0
     summary = dict(summaries[0])
-    # overall_stage says so to join_stages (the GPU figures of "overall" are then that trial's, not the search's)
     summary.update(stages=stages, valid=valid, invalid_reasons=reasons, capacity=result,
-                   duration_s=stages[-1]["end_s"] - stages[0]["start_s"], overall=summaries[k]["overall"],
-                   overall_stage=k)
+                   duration_s=stages[-1]["end_s"] - stages[0]["start_s"], overall=summaries[k]["overall"])
+    if at:  # join_stages then gives "overall" that trial's GPU figures, and the tables say "at capacity"
+        summary["overall_stage"] = k
     records.sort(key=lambda r: r.t_intended)
     with open(spec.out_dir / "records.jsonl", "wb") as f:
         for n, r in enumerate(records):

@@ -200,11 +200,11 @@ class Session:
             else:
                 end = c.get_timestamp()
                 corr = cbdata.correlation_id
+                if self.launch_threads and int(domain) == self.runtime_domain and int(cbid) in self.launch_runtime:
+                    self.launch_threads.discard(threading.get_native_id())
                 entered = self.open_calls.pop(corr, None)
                 if entered is None:
                     return
-                if self.launch_threads and int(domain) == self.runtime_domain and int(cbid) in self.launch_runtime:
-                    self.launch_threads.discard(threading.get_native_id())
                 if not self.api_all:  # with --api all the activity records have every call
                     what = "runtime" if domain == c.CallbackDomain.RUNTIME_API else "driver"
                     self.api_calls.append((what, entered[0], end, os.getpid(), threading.get_native_id(), corr,
@@ -295,6 +295,10 @@ class Window:
             for domain, cbids in s.launch_cbids.items():
                 for cbid in cbids:
                     self._each(c.enable_callback, 1 if on else 0, s.subscriber, domain, cbid)
+            if not on:
+                # A runtime launch entered before the switch may never see its exit callback: its thread
+                # must not stay marked "inside a sampled launch" (its driver launches would be refused).
+                s.launch_threads = set()
 
     def _sample_launches(self):
         """The sampler thread: the first slice until its half of the budget is taken, then a short slice
@@ -334,6 +338,10 @@ class Window:
 
     def start(self):
         s, c = self.s, self.s.cupti
+        old = getattr(s, "sampler_thread", None)
+        if old is not None and old.is_alive():  # the last window's sampler outlived its stop(): let it end
+            old.join(5.0)
+        sample = s.launch_budget > 0 and not (old is not None and old.is_alive())  # else it would reset our counts
         with s.lock:
             s.records = []
         s.stacks, s.api_calls, s.open_calls = {}, [], {}
@@ -350,7 +358,7 @@ class Window:
         s.window_open = True
         try:
             self._switch(True)
-            if s.launch_budget > 0:
+            if sample:
                 self._switch_launches(True)
         except c.cuptiError as e:
             s.window_open = False
@@ -363,9 +371,10 @@ class Window:
             if getattr(e, "status", None) == int(c.Result.ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED):
                 raise Unavailable("cupti_held", HELD) from None
             raise
-        if s.launch_budget > 0:
+        if sample:
             self.sampler = threading.Thread(target=self._sample_launches, name="gpuscope-launch-sampler",
                                             daemon=True)
+            s.sampler_thread = self.sampler
             self.sampler.start()
 
     def stop(self):

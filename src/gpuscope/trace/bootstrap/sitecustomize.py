@@ -266,8 +266,11 @@ class _Tracer:
                         f"{cost_s:.1f} s (start, window, stop, export) and the budget is {budget.max_duty * 100:g} % "
                         f"of wall time (GPUSCOPE_TRACE_MAX_DUTY)")
                 if "budget_note" not in self.status:  # said once on stderr; the status file keeps the latest
-                    sys.stderr.write(f"gpuscope trace: process {self.pid}: {note}.\n")
-                    sys.stderr.flush()
+                    try:  # a closed or broken stderr must not end the windows
+                        sys.stderr.write(f"gpuscope trace: process {self.pid}: {note}.\n")
+                        sys.stderr.flush()
+                    except Exception:
+                        pass
                 self._write_status(budget_note=note)
 
     def _charge(self, cost_s, budget):
