@@ -41,6 +41,17 @@ def _redis_time_s(r: redis.Redis) -> float:
     return s + us / 1e6
 
 
+def _run_threads(r: redis.Redis, target, n: int) -> float:
+    """target(i) on n threads at once; the seconds they took by Redis's clock (the buckets' own)."""
+    t0 = _redis_time_s(r)
+    threads = [threading.Thread(target=target, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return _redis_time_s(r) - t0
+
+
 def test_two_guards_sharing_redis_keep_the_global_rate(redis_server):  # noqa: F811
     guards = [_guard(redis_server.url), _guard(redis_server.url)]
     target = 600  # admitted requests in all: about 3 s at 200/s
@@ -64,13 +75,7 @@ def test_two_guards_sharing_redis_keep_the_global_rate(redis_server):  # noqa: F
                 refused[i] += 1
 
     r = redis.Redis.from_url(redis_server.url)
-    t0 = _redis_time_s(r)
-    threads = [threading.Thread(target=hammer, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    elapsed = _redis_time_s(r) - t0
+    elapsed = _run_threads(r, hammer, 2)
     total = sum(admitted)
     assert odd == []
     assert all(admitted) and all(refused)  # both guards took part and both were held back
@@ -174,13 +179,7 @@ def test_one_guard_many_threads_and_a_flushed_script(redis_server):  # noqa: F81
             elif d.reason != "rate":
                 odd.append(d)
 
-    t0 = _redis_time_s(r)
-    threads = [threading.Thread(target=hammer, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    elapsed = _redis_time_s(r) - t0
+    elapsed = _run_threads(r, hammer, 4)
     assert odd == [] and not g.buckets.fallback_active
     assert BURST <= sum(counts) <= BURST + RATE * elapsed + 1  # no admission outside the shared bucket
 

@@ -14,9 +14,9 @@ import time
 
 import pytest
 from hypothesis import given, settings
-from hypothesis import strategies as st
+from test_guard_core import INLINE_CFG, Clock, replay_on_both, request_ops
 
-from gpuscope.guard import Decision, Guard, RequestInfo, parse_config
+from gpuscope.guard import Guard, RequestInfo, parse_config
 from gpuscope.guard._bucket import LocalBuckets
 
 THREADS = 8
@@ -99,50 +99,17 @@ class SharedLocal:
             return self._b.take(idx, tenant, cost, now, factor)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def _shared_cfg() -> dict:
-    return {"classes": [{"name": "interactive", "share": 0.7, "rate": 8, "burst": 3, "tenant_rate": 4, "tenant_burst": 2},
-                        {"name": "batch", "share": 0.3, "tenant_rate": 2, "tenant_burst": 1}],
-            "classify": {"routes": {"/v1/embeddings": "batch"}},
-            "controller": {"mode": "fixed", "min_limit": 1, "initial_limit": 6, "max_limit": 6}}
-
-
 @settings(max_examples=100, deadline=None)
-@given(reqs=st.lists(st.tuples(st.sampled_from(["/v1/chat", "/v1/embeddings", "/x"]),
-                               st.sampled_from([None, "interactive", "batch", "vip", " BATCH"]),
-                               st.sampled_from(["", "a", "b"]), st.floats(0, 0.5), st.booleans()),
-                     min_size=1, max_size=60))
+@given(reqs=request_ops)
 def test_the_shared_bucket_inline_path_decides_as_the_general_one(reqs):
     """acquire()'s inline path for shared buckets against _acquire: the same decisions, reasons, Retry-After
     and counters for the same requests at the same times."""
     ca, cb = Clock(), Clock()
-    cfg = parse_config(_shared_cfg())
+    cfg = parse_config(INLINE_CFG)
     fast = Guard(cfg, clock=ca, buckets=SharedLocal(cfg.classes))
     general = Guard(cfg, clock=cb, buckets=SharedLocal(cfg.classes))
     assert fast.acquire.__name__ == "acquire" and not hasattr(fast.acquire, "caches")  # the shared one
-    held: list[tuple] = []
-    for path, prio, tenant, dt, finish in reqs:
-        ca.t += dt
-        cb.t = ca.t
-        headers = {"x-tenant": tenant} if prio is None else {"x-tenant": tenant, "x-priority": prio}
-        a = fast.acquire(RequestInfo(path=path, headers=headers))
-        b = general._acquire(RequestInfo(path=path, headers=headers), cb.t)
-        assert [getattr(a, f) for f in Decision.FIELDS] == [getattr(b, f) for f in Decision.FIELDS]
-        if a.admitted:
-            held.append((a, b))
-        if finish and held:
-            a, b = held.pop(0)
-            fast.release(a, 200, 0.1)
-            general.release(b, 200, 0.1)
-    assert (fast.inflight, fast.admitted_total, fast.shed_total) == \
-        (general.inflight, general.admitted_total, general.shed_total)
+    replay_on_both(fast, general, ca, cb, reqs)
 
 
 def test_threads_on_the_shared_bucket_path_count_every_decision(switch_often):

@@ -396,7 +396,7 @@ def join_stages(summary: dict[str, Any], readings: Sequence[GpuReading], source:
         else:
             overall["gpu"] = gpu_stats(readings, t0, t1 + 1e-9, overall)
     summary.pop("gpu_note", None)
-    idle, every = idle_gpus(readings, t0, t1), sorted(_by_gpu(readings))
+    idle, every = idle_gpus(readings, t0, t1), sorted({r.gpu for r in readings})
     if idle and len(idle) == len(every):
         summary["gpu_note"] = ("every GPU read stayed idle through the run: is the service on another host, or "
                                "on GPUs the reader cannot see?")
