@@ -130,10 +130,14 @@ def test_async_path_shares_the_redis_bucket(redis_server):  # noqa: F811
 
 
 def test_lua_script_refuses_without_spending(redis_server):  # noqa: F811
-    g = _guard(redis_server.url)
+    # A slow refill (one token per 10 s by Redis's clock): at RATE a busy machine refilled a token
+    # between the burst and the refused request, and that request was admitted.
+    cfg = parse_config({"classes": [{"name": "a", "rate": 0.1, "burst": BURST}],
+                        "controller": {"mode": "fixed", "max_limit": 100000, "initial_limit": 100000},
+                        "redis": {"url": redis_server.url}})
+    g = Guard(cfg, buckets=RedisBuckets(cfg))
     r = redis.Redis.from_url(redis_server.url)
-    for _ in range(int(BURST)):
-        g.acquire(RequestInfo(headers={"x-tenant": "x"}))
+    assert all(g.acquire(RequestInfo(headers={"x-tenant": "x"})).admitted for _ in range(int(BURST)))
     before = r.get("gpuscope:guard:{a}")
     assert not g.acquire(RequestInfo(headers={"x-tenant": "x"})).admitted
     assert r.get("gpuscope:guard:{a}") == before  # a refusal stores nothing
