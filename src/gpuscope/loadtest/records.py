@@ -55,6 +55,8 @@ class RequestRecord:
     output_tokens: int | None = None
     tokens_from: str | None = None       # "usage" (server's usage field) or "estimate" (see openai.py)
     tag: str | None = None               # the request's class/label (replay path, template name, priority)
+    t_failed: float | None = None        # when the client saw it fail; a timeout's t_failed - t_intended is
+                                         # the timeout (deadlines count from the intended send)
 
     @property
     def latency(self) -> float | None:
