@@ -11,6 +11,8 @@ prints "ready PORT RAWPORT" and serves until killed:
 - /status/N: answers status N. /sleep?s=X: answers after X s. /malformed_sse: a 200 stream with bad JSON.
 - /error_sse: a 200 stream whose second event is an error object (code 500), as vLLM sends mid-stream.
 - /fast: answers "ok" at once (for added-latency measurements: the server's own time is near zero).
+- /hold?s=X: answers after X s; each arrival is kept as [time.perf_counter(), /hold requests in flight then,
+  itself included]: GET /_held lists them (perf_counter is CLOCK_MONOTONIC, the load tester's clock too).
 The raw port speaks bad HTTP: path /garbage answers bytes that are not HTTP; /disconnect closes mid-body.
 
     with LoadtestServer() as srv: srv.url("/latency")
@@ -74,6 +76,9 @@ class LoadtestServer:
 
     def sse_applied(self) -> list[list[float]]:
         return self._get("/_sse_applied")  # type: ignore[return-value]
+
+    def held(self) -> list[list[float]]:
+        return self._get("/_held")  # type: ignore[return-value]
 
 
 def self_signed(tmp: Path) -> tuple[str, str]:
@@ -163,6 +168,18 @@ def main() -> None:
     async def fast(request: web.Request) -> web.Response:
         return web.Response(text="ok")
 
+    holding = [0]
+    held: list[list[float]] = []
+
+    async def hold(request: web.Request) -> web.Response:
+        holding[0] += 1
+        held.append([time.perf_counter(), holding[0]])
+        try:
+            await asyncio.sleep(float(request.query.get("s", "0.05")))
+        finally:
+            holding[0] -= 1
+        return web.Response(text="held")
+
     app = web.Application()
     app.router.add_route("*", "/latency", latency)
     app.router.add_post("/v1/completions", sse)
@@ -171,6 +188,8 @@ def main() -> None:
     app.router.add_route("*", "/sleep", sleep)
     app.router.add_route("*", "/malformed_sse", malformed)
     app.router.add_route("*", "/fast", fast)
+    app.router.add_route("*", "/hold", hold)
+    app.router.add_get("/_held", lambda r: _json(web, held))
     app.router.add_route("*", "/error_sse", error_sse)
     app.router.add_get("/_applied", lambda r: _json(web, applied))
     app.router.add_get("/_sse_applied", lambda r: _json(web, sse_applied))

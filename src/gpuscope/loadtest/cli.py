@@ -22,9 +22,11 @@ examples:
   gpuscope loadtest http://127.0.0.1:8000/health --rate 50 --duration 1m --warmup 10s
   # a step ladder of rates, 30 s each; bursty arrivals (gamma, burstiness 0.5)
   gpuscope loadtest http://host:8000/ --stages 10,20,40,80 --stage-duration 30s --arrival gamma --burstiness 0.5
-  # closed loop: 32 requests in flight for 2 minutes
+  # closed loop: 32 requests in flight for 2 minutes; or ramped from 1 to 64 in flight over 5 minutes
   gpuscope loadtest http://host:8000/ --concurrency 32 --duration 2m
-  # ramps and spikes; a stage file (YAML/JSON list of {duration, rate|concurrency, arrival, ramp_to})
+  gpuscope loadtest http://host:8000/ --closed-loop --ramp linear:1:64 --duration 5m
+  # ramps and spikes; a stage file (YAML/JSON list of {duration, rate|concurrency, arrival, ramp_to};
+  # ramp_to is the rate, or the concurrency, at the stage's end)
   gpuscope loadtest http://host:8000/ --ramp exp:1:200 --duration 5m
   gpuscope loadtest http://host:8000/ --spike 20:200:60s:10s --duration 3m
   gpuscope loadtest http://host:8000/ --stage-file stages.yaml
@@ -59,8 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stage-duration", default="30s",
                    help="length of each --stages step and capacity trial (a slow trial is stretched to send "
                         "~100 requests, at most 4x)")
-    g.add_argument("--closed-loop", action="store_true", help="--stages are concurrencies, not rates")
-    g.add_argument("--ramp", metavar="linear|exp:FROM:TO", help="ramp the rate from FROM to TO over --duration")
+    g.add_argument("--closed-loop", action="store_true", help="--stages and --ramp are concurrencies, not rates")
+    g.add_argument("--ramp", metavar="linear|exp:FROM:TO", help="ramp the rate (the concurrency with --closed-loop) from FROM to TO over --duration")
     g.add_argument("--spike", metavar="BASE:PEAK:AT:LENGTH", help="base rate with one spike, e.g. 20:200:60s:10s")
     g.add_argument("--stage-file", help="YAML or JSON list of {duration, rate|concurrency, arrival, ramp_to, ...}")
     g.add_argument("--arrival", default="poisson", choices=("constant", "poisson", "gamma"),

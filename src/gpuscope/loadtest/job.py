@@ -99,6 +99,12 @@ def _stages(args: argparse.Namespace) -> tuple[list[S.Stage], bool]:
             if not m or duration is None:
                 raise SetupError("--ramp takes linear:FROM:TO or exp:FROM:TO (rates) and needs --duration.")
             r0, r1 = float(m.group(2)), float(m.group(3))
+            if args.closed_loop:   # the same ramp of requests in flight (as Locust ramps users)
+                if not (r0.is_integer() and r1.is_integer() and min(r0, r1) >= 1):
+                    raise SetupError("--ramp with --closed-loop takes whole concurrencies of at least 1, "
+                                     "e.g. linear:1:32.")
+                return [S.Stage(duration, concurrency=int(r0), ramp_to=r1, ramp=m.group(1), requests=args.requests,
+                                name=f"ramp c={r0:g}->{r1:g}")], False
             return [S.Stage(duration, rate=r0, ramp_to=r1, ramp=m.group(1), name=f"ramp {r0:g}->{r1:g}/s", **kw)], False
         if args.spike:
             parts = args.spike.split(":")

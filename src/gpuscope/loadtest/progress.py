@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -45,6 +46,18 @@ def _p(d: dict | None, key: str) -> str:
     return "-" if not d or d.get(key) is None else f"{d[key]:.1f}"
 
 
+def offered_text(st: Mapping[str, Any], per_s: str, conc: str) -> str:
+    """A stage's intended load as its table shows it: '10 req/s', '4 conc.', or 'A -> B' for a ramp."""
+    rate, c0 = st.get("target_rate"), st.get("concurrency")
+    if rate is not None:
+        end = st.get("ramp_to")
+        return f"{rate:g}{per_s}" if end is None or end == rate else f"{rate:g} -> {end:g}{per_s}"
+    if c0 is not None:
+        c1 = st.get("concurrency_end")
+        return f"{c0}{conc}" if c1 is None or c1 == c0 else f"{c0} -> {c1}{conc}"
+    return "–"
+
+
 def print_summary(summary: dict[str, Any], out_dir: Path, out: TextIO) -> None:
     streaming = summary["protocol"] != "http"
     names = summary["names"]
@@ -58,8 +71,8 @@ def print_summary(summary: dict[str, Any], out_dir: Path, out: TextIO) -> None:
     for st in summary["stages"] + [{"name": "at capacity" if at_capacity else "overall", "stats": summary["overall"],
                                     "target_rate": None, "concurrency": None}]:
         s = st["stats"]
-        target = (f"{st['target_rate']:g}/s" if st.get("target_rate") else
-                  f"c={st['concurrency']}" if st.get("concurrency") else "")
+        target = "" if st.get("target_rate") is None and st.get("concurrency") is None else \
+            offered_text(st, "/s", "") if st.get("target_rate") is not None else f"c={offered_text(st, '', '')}"
         row = [st["name"], target, str(s["requests"]), str(s["completed"]), str(sum(s["errors"].values())),
                str(s["late"]), f"{s['request_throughput']:.1f}", _p(s["latency_ms"], "p50"),
                _p(s["latency_ms"], "p99"), _p(s["service_latency_ms"], "p99")]

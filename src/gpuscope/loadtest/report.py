@@ -24,6 +24,7 @@ import numpy as np
 
 from .. import __version__
 from ..report.htmlpage import write_atomic
+from .progress import offered_text
 from .records import ERROR_CLASSES, GpuReading, RequestRecord
 
 MAX_BUCKETS = 600       # points per time series
@@ -166,7 +167,9 @@ def _throughput_plot(stages: list[dict[str, Any]]) -> dict[str, Any] | None:
         s = st.get("stats") or {}
         offered = st.get("target_rate")
         key = offered if offered is not None else st.get("concurrency")
-        if key is None:
+        # A ramp has no one offered load to plot its throughput against (the table shows its start -> end).
+        if key is None or st.get("ramp_to") not in (None, offered) \
+                or st.get("concurrency_end") not in (None, st.get("concurrency")):
             continue
         rows.append((float(key), s.get("request_throughput"), s.get("goodput"), offered is not None))
     if not rows:
@@ -258,8 +261,7 @@ def _stage_table(summary: Mapping[str, Any]) -> str:
     for idx, name, st in rows:
         s = st.get("stats") or {}
         g = st.get("gpu") or {}
-        offered = (f"{st['target_rate']:g} req/s" if st.get("target_rate") is not None else
-                   f"{st['concurrency']} conc." if st.get("concurrency") is not None else "–")
+        offered = offered_text(st, " req/s", " conc.")
         lat, svc = s.get("latency_ms"), s.get("service_latency_ms")
         cells = [_e(idx), _e(name), _e(offered), _f(s.get("requests"), "{}"), _f(s.get("completed"), "{}"),
                  _f(sum((s.get("errors") or {}).values()), "{}"), _f(s.get("late"), "{}"),

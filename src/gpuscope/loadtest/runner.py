@@ -165,8 +165,10 @@ def summarize(cfg: WorkerConfig, res: RunResult, *, url: str, protocol: str, sta
         end = plan.ends_s[k] if math.isfinite(plan.ends_s[k]) else max(res.end_s, start)
         stages.append({"index": k - n_warm, "name": stage_names[k], "start_s": start, "end_s": end,
                        "target_rate": st.rate if st.open_loop else None,
-                       "ramp_to": st.ramp_to, "arrival": st.arrival if st.open_loop else None,
-                       "concurrency": st.concurrency,
+                       "ramp_to": st.ramp_to if st.open_loop else None,
+                       "ramp": st.ramp if st.ramp_to is not None else None,
+                       "arrival": st.arrival if st.open_loop else None,
+                       "concurrency": st.concurrency, "concurrency_end": st.concurrency_end(),
                        "stats": acc.stats(metrics_as=cfg.metrics_as, wall_s=end - start, slo=cfg.slo)})
         overall.merge(acc)
     measured_s = (stages[-1]["end_s"] - stages[0]["start_s"]) if stages else 0.0

@@ -1,7 +1,7 @@
 """Load shapes as stages, and the intended send time of every open-loop request.
 
 A stage is either open-loop (a request rate, possibly ramping, with an arrival process) or closed-loop (a
-fixed number of requests in flight). Open-loop arrivals are drawn in "operational time" with unit rate
+number of requests in flight, possibly ramping: see `Stage.slot_span`). Open-loop arrivals are drawn in "operational time" with unit rate
 (constant gaps of 1, exponential gaps for Poisson, Gamma(shape=b, scale=1/b) gaps for bursty traffic, as
 vLLM's `--burstiness` defines it) and mapped to real time through the stage's integrated rate, so a ramp
 keeps its arrival process's shape while its rate changes.
@@ -35,9 +35,9 @@ class ScheduleError(ValueError):
 class Stage:
     duration_s: float | None           # None: ends after `requests` requests
     rate: float | None = None          # open loop: requests per second at the stage's start
-    ramp_to: float | None = None       # open loop: rate at the stage's end (None: constant)
+    ramp_to: float | None = None       # rate (open loop) or concurrency (closed loop) at the stage's end
     ramp: str = "linear"               # "linear" or "exp" (exponential)
-    concurrency: int | None = None     # closed loop: requests in flight
+    concurrency: int | None = None     # closed loop: requests in flight (at the stage's start, if it ramps)
     arrival: str = "poisson"
     burstiness: float = 1.0            # gamma shape b: 1 = Poisson, large = constant, < 1 = burstier
     requests: int | None = None        # a request count instead of (or as well as) a duration
@@ -50,6 +50,44 @@ class Stage:
 
     def peak_rate(self) -> float:
         return max(self.rate or 0.0, self.ramp_to or 0.0)
+
+    def concurrency_end(self) -> int | None:
+        """Closed loop: the concurrency at the stage's end (its concurrency when it does not ramp)."""
+        if self.open_loop:
+            return None
+        return int(self.ramp_to) if self.ramp_to is not None else self.concurrency
+
+    def concurrency_at(self, t_s: float) -> float:
+        """Closed loop: the intended concurrency `t_s` seconds into the stage, before rounding."""
+        c0 = float(self.concurrency or 0)
+        if self.ramp_to is None or not self.duration_s:
+            return c0
+        f = min(max(t_s / self.duration_s, 0.0), 1.0)
+        if self.ramp == "exp":
+            return c0 * (self.ramp_to / c0) ** f
+        return c0 + (self.ramp_to - c0) * f
+
+    def slot_span(self, k: int) -> tuple[float, float]:
+        """Closed loop: when slot `k` (1-based) of the stage may send, as (from, until) seconds into the stage.
+
+        At any moment the slots that may send are the first round(concurrency_at(t)) ones, so a ramp
+        adds a slot each time the intended concurrency passes k - 0.5 (and a ramp down retires one there:
+        it sends nothing new, its request in flight finishes). A stage without a ramp: (0, inf).
+
+        >>> [Stage(10.0, concurrency=1, ramp_to=3).slot_span(k) for k in (1, 2, 3)]
+        [(0.0, inf), (2.5, inf), (7.5, inf)]
+        >>> Stage(10.0, concurrency=3, ramp_to=1).slot_span(3)
+        (0.0, 2.5)
+        """
+        c0, c1 = int(self.concurrency or 0), self.concurrency_end() or 0
+        if k <= min(c0, c1) or c0 == c1 or not self.duration_s:
+            return 0.0, math.inf
+        if self.ramp == "exp":
+            f = math.log((k - 0.5) / c0) / math.log(c1 / c0)
+        else:
+            f = (k - 0.5 - c0) / (c1 - c0)
+        at = self.duration_s * f
+        return (at, math.inf) if c1 > c0 else (0.0, at)
 
     def rate_at(self, t_s: float) -> float:
         """The intended rate (req/s) `t_s` seconds into the stage."""
@@ -116,6 +154,11 @@ def validate(stage: Stage) -> Stage:
     else:
         if stage.concurrency is None or stage.concurrency < 1:
             raise ScheduleError("A closed-loop stage needs a concurrency of at least 1.")
+        if stage.ramp_to is not None and not (math.isfinite(stage.ramp_to) and stage.ramp_to >= 1
+                                              and float(stage.ramp_to).is_integer()):
+            raise ScheduleError("A closed-loop ramp's target concurrency must be a whole number of at least 1.")
+        if stage.ramp_to is not None and stage.duration_s is None:
+            raise ScheduleError("A ramp needs a duration.")
         if stage.duration_s is None and stage.requests is None:
             raise ScheduleError("A closed-loop stage needs a duration or a request count.")
     return stage

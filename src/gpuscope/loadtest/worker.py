@@ -3,7 +3,9 @@
 Open-loop stages: the worker sends every W-th scheduled request (W workers) at its intended time, never
 waiting for answers; when it falls behind it sends at once (catch-up) and the lateness is recorded.
 Closed-loop stages: the worker keeps its share of the concurrency in flight, each slot sending the next
-request as soon as the previous one ends (intended time = that moment).
+request as soon as the previous one ends (intended time = that moment). The stage's slots 1, 2, ... are
+dealt to workers in turn (slot k to worker (k - 1) mod W); a ramp opens each slot at its time and retires
+it on the way down once its request in flight has ended (`Stage.slot_span`), never cancelling one.
 
 The worker also watches itself: event-loop lag (a 10 ms timer's lateness), send lag (dispatch − intended
 time) and its CPU time, so the parent can tell a slow server from a slow client.
@@ -134,16 +136,22 @@ class Worker:
     async def run_closed(self, stage_index: int) -> None:
         st = self.cfg.plan.stages[stage_index]
         n_w, w = self.cfg.workers, self.index
-        slots = (st.concurrency or 0) // n_w + (1 if w < (st.concurrency or 0) % n_w else 0)
+        start = self.cfg.plan.starts_s[stage_index]
         end = self.cfg.plan.ends_s[stage_index]
+        top = max(st.concurrency or 0, st.concurrency_end() or 0)
+        spans = [st.slot_span(k) for k in range(w + 1, top + 1, n_w)]
         budget = None if st.requests is None else st.requests // n_w + (1 if w < st.requests % n_w else 0)
         counter = [0]
         loop = asyncio.get_running_loop()
 
-        async def slot() -> None:
+        async def slot(opens_s: float, retires_s: float) -> None:
+            until = min(end, start + retires_s)
+            # A loop timer may fire a fraction of a millisecond early: a slot never opens before its time.
+            while (now := perf_counter() - self.t0) < start + opens_s:
+                await asyncio.sleep(start + opens_s - now)
             while True:
                 now = perf_counter() - self.t0
-                if now >= end or (budget is not None and counter[0] >= budget):
+                if now >= until or (budget is not None and counter[0] >= budget):
                     return
                 seq = 1_000_000_000 + counter[0] * n_w + w
                 counter[0] += 1
@@ -164,7 +172,7 @@ class Worker:
                         fut.set_result(None)
                 self.client.send(rec, payload, finished, reader)
                 await fut
-        await asyncio.gather(*(slot() for _ in range(slots)))
+        await asyncio.gather(*(slot(a, b) for a, b in spans))
         self.cfg.plan.ends_s[stage_index] = min(end, perf_counter() - self.t0) if not math.isfinite(end) else end
 
     async def _watch_loop(self) -> None:
