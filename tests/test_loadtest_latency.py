@@ -61,6 +61,7 @@ def test_open_loop_with_unbounded_connections_sends_on_time_through_a_stall() ->
 
 @pytest.mark.parametrize("workers", [2])
 def test_workers_split_the_schedule_and_merge_histograms(workers: int, tmp_path) -> None:
+    from gpuscope.loadtest.records import read_records
     from gpuscope.loadtest.runner import collect_records
 
     with LoadtestServer() as srv:
@@ -69,7 +70,8 @@ def test_workers_split_the_schedule_and_merge_histograms(workers: int, tmp_path)
                            records_dir=str(tmp_path))
         res = execute(cfg, workers)
         summary = summarize(cfg, res, url="u", protocol="http", stage_names=["a", "b"])
-        recs = collect_records(tmp_path, workers)
+        assert collect_records(tmp_path, workers) == 240
+        recs = list(read_records(tmp_path / "records.jsonl"))
     a, b = summary["stages"]
     assert (a["stats"]["requests"], b["stats"]["requests"]) == (80, 160)
     assert {r.worker for r in recs} == {0, 1} and [r.i for r in recs] == list(range(240))

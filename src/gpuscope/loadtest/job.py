@@ -23,7 +23,7 @@ from . import schedule as S
 from .client import Client, Target, UrlError, classify_connect_error, shown_url
 from .openai import load_prompts
 from .progress import ProgressLine, print_summary
-from .records import RequestRecord
+from .records import RequestRecord, read_records
 from .requests import Protocol, ReplayError, RequestMaker, load_replay
 from .runner import collect_records, default_workers, summarize
 from .runner import execute as execute_plan
@@ -370,14 +370,14 @@ def execute(spec: Spec, args: argparse.Namespace) -> int:
     cfg = replace(cfg, records_dir=str(spec.out_dir))
     try:
         if args.find_capacity:
-            summary, records = _capacity(spec, cfg, args, progress)
+            summary = _capacity(spec, cfg, args, progress)
         else:
             res = execute_plan(cfg, spec.workers, on_progress=progress.update if progress else None)
             if progress:
                 progress.end()
             summary = summarize(replace(cfg, workers=spec.workers), res, url=shown_url(args.url), protocol=spec.protocol,
                                 stage_names=spec.stage_names)
-            records = collect_records(spec.out_dir, spec.workers, load=args.html)
+            collect_records(spec.out_dir, spec.workers)
     except RuntimeError as e:
         raise SetupError(f"The load test could not run: {e}.") from None
     readings = watch.stop() if watch is not None else []
@@ -399,7 +399,8 @@ def execute(spec: Spec, args: argparse.Namespace) -> int:
     if args.html:
         try:
             from .report import write_html
-            write_html(str(spec.out_dir / "report.html"), summary, records, readings)
+            write_html(str(spec.out_dir / "report.html"), summary, read_records(spec.out_dir / "records.jsonl"),
+                       readings)
         except ImportError:
             pass
     if args.json:
@@ -431,13 +432,16 @@ def trial_seconds(stage_s: float, rate: float) -> float:
     return max(stage_s, min(TRIAL_MIN_REQUESTS / rate, TRIAL_STRETCH_MAX * stage_s))
 
 
-def _capacity(spec: Spec, cfg: WorkerConfig, args: argparse.Namespace, progress: Any) -> tuple[dict, list]:
-    """Trials of one constant-rate stage each; stages of the summary are the trials, on the first trial's clock."""
+def _capacity(spec: Spec, cfg: WorkerConfig, args: argparse.Namespace, progress: Any) -> dict:
+    """Trials of one constant-rate stage each; stages of the summary are the trials, on the first trial's clock.
+    Each trial's records are appended to records.jsonl as it ends: trials follow one another in time, so the
+    file stays in intended-time order."""
     from .capacity import find_capacity
 
     trials: list[tuple[float, Any, WorkerConfig, str]] = []
-    records: list[RequestRecord] = []
     first_mono: list[float] = []
+    written = [0]
+    out = open(spec.out_dir / "records.jsonl", "wb")  # noqa: SIM115 (closed below, whatever the search does)
 
     def measure(rate: float) -> dict:
         stage = S.Stage(trial_seconds(spec.trial_s, rate), rate=rate, arrival=spec.arrival, burstiness=spec.burstiness, name=f"{rate:.4g}/s")
@@ -449,17 +453,21 @@ def _capacity(spec: Spec, cfg: WorkerConfig, args: argparse.Namespace, progress:
         if not first_mono:
             first_mono.append(res.clock["mono_s"])
         dt = res.clock["mono_s"] - first_mono[0]
-        recs = collect_records(spec.out_dir, spec.workers, load=True)
-        for r in recs:
+        k = len(trials)
+
+        def adjust(r: RequestRecord) -> None:
             _shift(r, dt)
-            r.stage = len(trials)
-        records.extend(recs)
+            r.stage = k
+        written[0] += collect_records(spec.out_dir, spec.workers, into=out, first=written[0], adjust=adjust)
         s = summarize(tc, res, url=shown_url(args.url), protocol=spec.protocol, stage_names=[stage.name])
         trials.append((dt, res, tc, stage.name))
         return s["overall"]
 
-    result = find_capacity(measure, cfg.slo or None, start_rate=args.capacity_start, max_rate=args.capacity_max,
-                           max_trials=args.capacity_trials)
+    try:
+        result = find_capacity(measure, cfg.slo or None, start_rate=args.capacity_start, max_rate=args.capacity_max,
+                               max_trials=args.capacity_trials)
+    finally:
+        out.close()
     stages = []
     valid, reasons = True, []
     summaries = []
@@ -481,10 +489,5 @@ def _capacity(spec: Spec, cfg: WorkerConfig, args: argparse.Namespace, progress:
                    duration_s=stages[-1]["end_s"] - stages[0]["start_s"], overall=summaries[k]["overall"])
     if at:  # join_stages then gives "overall" that trial's GPU figures, and the tables say "at capacity"
         summary["overall_stage"] = k
-    records.sort(key=lambda r: r.t_intended)
-    with open(spec.out_dir / "records.jsonl", "wb") as f:
-        for n, r in enumerate(records):
-            r.i = n
-            f.write(orjson.dumps(r.to_json()) + b"\n")
-    return summary, records
+    return summary
 

@@ -14,8 +14,12 @@ actual send (`t_sent`) is kept beside it. A request sent late is still sent and 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
+
+import orjson
 
 # Why a request did not succeed; `None` when it did. One class per request, the first that applied.
 ERROR_CLASSES: dict[str, str] = {
@@ -78,6 +82,15 @@ class RequestRecord:
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> RequestRecord:
         return cls(**{k: obj[k] for k in cls.__dataclass_fields__ if k in obj})
+
+
+def read_records(path: str | Path) -> Iterator[RequestRecord]:
+    """The records of a JSON Lines file (records.jsonl or a worker's shard), one at a time, in file order.
+    Raises OSError, orjson.JSONDecodeError (a line that is not JSON) or TypeError (another shape)."""
+    with open(path, "rb") as f:
+        for line in f:
+            if line.strip():
+                yield RequestRecord.from_json(orjson.loads(line))
 
 
 @dataclass(slots=True)

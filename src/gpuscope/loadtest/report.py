@@ -8,7 +8,9 @@ for streams, and the GPU panels (SM activity, memory, power, throttling).
 
 A run may hold a million requests: plots are bucketed on the server side of this module (p50, p99 and
 the max per bucket, so the tail survives downsampling), a few hundred points per series, and the file
-stays far below 10 MB. Without uPlot (a checkout without `make web`) the tables are still there and
+stays far below 10 MB. The records are read once, as a stream, into a few numbers per request
+(`Columns`: about 50 bytes each, not the records themselves): the exact per-bucket percentiles and
+percentile curves need every latency. Without uPlot (a checkout without `make web`) the tables are still there and
 every plot says why it is empty.
 """
 
@@ -16,7 +18,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from array import array
+from collections.abc import Iterable, Mapping, Sequence
 from html import escape
 from typing import Any
 
@@ -88,6 +91,56 @@ def _r(xs: Sequence[float | None], k: int = 3) -> list[float | None]:
     return [None if x is None or not math.isfinite(x) else round(x, k) for x in xs]
 
 
+# -- the records, as columns -------------------------------------------------------------------------
+ERROR_LEGEND_RECORDS = 200_000   # the error-class legend looks at the first records only
+
+
+class Columns:
+    """What the plots use of each record (warm-up left out), gathered in one pass over a stream of records."""
+
+    def __init__(self, records: Iterable[RequestRecord], metrics_as: str) -> None:
+        from .stats import request_metrics
+
+        self.count = 0
+        self.first_t: float | None = None
+        self.last_t = -math.inf
+        # completed without error: intended, sent and end times and stage
+        self.t_intended, self.t_sent, self.t_end, self.stage = array("d"), array("d"), array("d"), array("q")
+        self.err_t, self.err_class = array("d"), array("H")     # failed: intended time, index in err_names
+        self.err_names: list[str] = []
+        self.legend: set[str] = set()                           # error classes among the first records
+        self.stream_t, self.ttft_ms, self.tpot_ms = array("d"), array("d"), array("d")
+        nan = math.nan
+        for r in records:
+            if r.warmup:
+                continue
+            if self.first_t is None:
+                self.first_t = r.t_intended
+            self.last_t = max(self.last_t, r.t_intended)
+            if r.error:
+                if r.error not in self.err_names:
+                    self.err_names.append(r.error)
+                self.err_t.append(r.t_intended)
+                self.err_class.append(self.err_names.index(r.error))
+                if self.count < ERROR_LEGEND_RECORDS:
+                    self.legend.add(r.error)
+            if r.error is None and r.t_end is not None:
+                self.t_intended.append(r.t_intended)
+                self.t_sent.append(r.t_sent)
+                self.t_end.append(r.t_end)
+                self.stage.append(r.stage)
+                if r.chunk_times:
+                    m = request_metrics(r, metrics_as)
+                    self.stream_t.append(r.t_intended)
+                    self.ttft_ms.append(nan if (v := m["ttft"]) is None else v * 1000)
+                    self.tpot_ms.append(nan if (v := m["tpot"]) is None else v * 1000)
+            self.count += 1
+
+    @staticmethod
+    def np(a: array) -> np.ndarray:
+        return np.frombuffer(a, dtype=np.int64 if a.typecode == "q" else float) if len(a) else np.empty(0)
+
+
 # -- plots -------------------------------------------------------------------------------------------
 def _plot(pid: str, title: str, kind: str, x: list[float], series: list[tuple[str, list[Any]]], ylabel: str,
           xlabel: str = "seconds since start", points: bool = False, note: str = "") -> dict[str, Any]:
@@ -95,30 +148,29 @@ def _plot(pid: str, title: str, kind: str, x: list[float], series: list[tuple[st
             "note": note, "series": [s for s, _ in series], "data": [x] + [_r(d) for _, d in series]}
 
 
-def _latency_plots(recs: list[RequestRecord], t0: float, t1: float, names: Mapping[str, str],
-                   metrics_as: str, stages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+def _latency_plots(cols: Columns, t0: float, t1: float, names: Mapping[str, str],
+                   stages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
     plots: list[dict[str, Any]] = []
     notes: list[str] = []
-    done = [r for r in recs if r.t_end is not None and r.error is None]
-    nb = int(min(MAX_BUCKETS, max(10, len(recs) // 20)))
+    n_done = len(cols.t_intended)
+    nb = int(min(MAX_BUCKETS, max(10, cols.count // 20)))
     edges = _edges(t0, t1, nb)
     x = _centers(edges)
-    if done:
-        ti = np.fromiter((r.t_intended for r in done), float, len(done))
-        ends = np.fromiter((r.t_end or 0.0 for r in done), float, len(done))  # every one has ended
+    if n_done:
+        ti, ends = cols.np(cols.t_intended), cols.np(cols.t_end)
         lat = (ends - ti) * 1000
-        svc = (ends - np.fromiter((r.t_sent for r in done), float, len(done))) * 1000
+        svc = (ends - cols.np(cols.t_sent)) * 1000
         a, b = _bucket(ti, lat, edges), _bucket(ti, svc, edges)
         plots.append(_plot("latency", "Latency over time (by intended send time)", "time", x,
                            [("p50 from intended", a["p50"]), ("p99 from intended", a["p99"]),
                             ("max from intended", a["max"]), ("p99 from sent", b["p99"])], "ms"))
         # Percentile curves: latency against log10(1/(1-p)), the HdrHistogram view of the tail.
-        top = min(6.0, math.log10(max(10, len(done))))
+        top = min(6.0, math.log10(max(10, n_done)))
         xs = np.linspace(0.0, top, CURVE_POINTS)
         ps = 1 - 10 ** (-xs)
         groups = [("all, from intended", lat), ("all, from sent", svc)]
         if len(stages) <= MAX_CURVE_STAGES:
-            st_of = np.fromiter((r.stage for r in done), int, len(done))
+            st_of = cols.np(cols.stage)
             for st in stages:
                 sel = lat[st_of == st["index"]]
                 if len(sel) >= 2:
@@ -133,26 +185,22 @@ def _latency_plots(recs: list[RequestRecord], t0: float, t1: float, names: Mappi
     else:
         notes.append("No request completed: there is no latency to plot.")
     # Errors by class over time, per second.
-    errs = [r for r in recs if r.error]
-    if errs:
+    if len(cols.err_t):
         width = float(edges[1] - edges[0])
+        err_t, err_class = cols.np(cols.err_t), np.frombuffer(cols.err_class, dtype=np.uint16)
         series = []
-        for cls in sorted({r.error for r in errs if r.error}):
-            t = np.fromiter((r.t_intended for r in errs if r.error == cls), float)
+        for cls in sorted(cols.err_names):
+            t = err_t[err_class == cols.err_names.index(cls)]
             counts = np.bincount(np.clip(np.searchsorted(edges, t, side="right") - 1, 0, nb - 1), minlength=nb)
             series.append((cls, (counts / width).tolist()))
         plots.append(_plot("errors", "Errors by class", "time", x, series, "errors/s"))
     else:
         notes.append("No request failed: the errors plot is left out.")
     # Streaming: TTFT and TPOT per request, as the summary defines them.
-    streamed = [r for r in done if r.chunk_times]
-    if streamed:
-        from .stats import request_metrics
-
-        ms = [request_metrics(r, metrics_as) for r in streamed]
-        ts = np.fromiter((r.t_intended for r in streamed), float, len(streamed))
-        for key, label, pid in (("ttft", "TTFT", "ttft"), ("tpot", names.get("tpot_ms", "TPOT"), "tpot")):
-            vals = np.array([np.nan if (v := m[key]) is None else v * 1000 for m in ms], float)
+    if len(cols.stream_t):
+        ts = cols.np(cols.stream_t)
+        for vals_a, label, pid in ((cols.ttft_ms, "TTFT", "ttft"), (cols.tpot_ms, names.get("tpot_ms", "TPOT"), "tpot")):
+            vals = cols.np(vals_a)
             ok = ~np.isnan(vals)
             if ok.any():
                 bk = _bucket(ts[ok], vals[ok], edges)
@@ -409,15 +457,15 @@ document.body.setAttribute('data-rendered',D.plots.length);
 """
 
 
-def render(summary: Mapping[str, Any], records: Sequence[RequestRecord], readings: Sequence[GpuReading]) -> str:
-    """The report page as a string (write_html writes it)."""
+def render(summary: Mapping[str, Any], records: Iterable[RequestRecord], readings: Sequence[GpuReading]) -> str:
+    """The report page as a string (write_html writes it). `records` is read once, in intended-time order
+    (as records.jsonl holds them), and may be a stream."""
     stages = list(summary.get("stages") or [])
-    recs = [r for r in records if not r.warmup]
-    t0 = min([float(s["start_s"]) for s in stages] + [r.t_intended for r in recs[:1]] or [0.0])
+    cols = Columns(records, str(summary.get("metrics_as", "vllm")))
+    t0 = min([float(s["start_s"]) for s in stages] + ([cols.first_t] if cols.first_t is not None else []) or [0.0])
     t1 = max([float(s["end_s"]) for s in stages] + [float(summary.get("duration_s") or 0.0)]
-             + ([max(r.t_intended for r in recs)] if recs else []))
-    plots, notes = _latency_plots(recs, t0, t1, summary.get("names") or {}, str(summary.get("metrics_as", "vllm")),
-                                  stages)
+             + ([cols.last_t] if cols.count else []))
+    plots, notes = _latency_plots(cols, t0, t1, summary.get("names") or {}, stages)
     tp = _throughput_plot(stages)
     if tp is not None:
         plots.insert(2 if len(plots) >= 2 else len(plots), tp)
@@ -445,7 +493,7 @@ def render(summary: Mapping[str, Any], records: Sequence[RequestRecord], reading
     if not readings:
         sections.append("<h2>GPU</h2>" + gpu_note)
     errors_legend = "".join(f"<dt>{_e(k)}</dt><dd>{_e(v)}</dd>" for k, v in ERROR_CLASSES.items()
-                            if any(r.error == k for r in recs[:200_000]))
+                            if k in cols.legend)
     parts = [
         "<!DOCTYPE html><html lang=en><head><meta charset=utf-8>",
         "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src 'unsafe-inline'; "
@@ -459,7 +507,7 @@ def render(summary: Mapping[str, Any], records: Sequence[RequestRecord], reading
         "".join(f"<p class=muted>{_e(n)}</p>" for n in notes),
         "".join(sections),
         f"<h2>Error classes</h2><dl class=kv>{errors_legend}</dl>" if errors_legend else "",
-        f"<footer>gpuscope {_e(__version__)} · {len(recs)} requests · {len(readings)} GPU readings</footer>",
+        f"<footer>gpuscope {_e(__version__)} · {cols.count} requests · {len(readings)} GPU readings</footer>",
         f"</main><script type='application/json' id='loadtest-data'>{blob}</script>",
         f"<script>{_ERRORS_JS}</script>",
         f"<script>{vendor[0]}</script>" if vendor else "",
@@ -468,7 +516,7 @@ def render(summary: Mapping[str, Any], records: Sequence[RequestRecord], reading
     return "".join(parts)
 
 
-def write_html(path: str, summary: Mapping[str, Any], records: Sequence[RequestRecord],
+def write_html(path: str, summary: Mapping[str, Any], records: Iterable[RequestRecord],
                readings: Sequence[GpuReading]) -> None:
     """Write the report to `path` atomically. Raises OSError (the caller says it in one sentence)."""
     write_atomic(path, render(summary, records, readings))

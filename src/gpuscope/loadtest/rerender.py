@@ -7,7 +7,7 @@ records the latency plots are empty, without readings the GPU panels say why) an
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +48,6 @@ def rerender(out_dir: str | Path, gpus: Sequence[str] | None = None) -> Path:
     if not isinstance(summary, dict) or summary.get("tool") != "gpuscope loadtest":
         raise RerenderError(f"{d / 'summary.json'} is not a gpuscope loadtest summary.")
     try:
-        records = [RequestRecord.from_json(o) for o in _lines(d / "records.jsonl")]
         fields = GpuReading.__dataclass_fields__
         readings = [GpuReading(**{k: v for k, v in o.items() if k in fields}) for o in _lines(d / "gpu.jsonl")]
     except TypeError as e:
@@ -68,5 +67,32 @@ def rerender(out_dir: str | Path, gpus: Sequence[str] | None = None) -> Path:
     from .report import write_html
 
     path = d / "report.html"
-    write_html(str(path), summary, records, readings)
+    write_html(str(path), summary, _records(d / "records.jsonl"), readings)
     return path
+
+
+def _records(path: Path) -> Iterator[RequestRecord]:
+    """records.jsonl as a stream (a long run's records need not fit in memory); [] when the run wrote none."""
+    if not path.exists():
+        return
+    try:
+        with open(path, "rb") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = orjson.loads(line)
+                except orjson.JSONDecodeError:
+                    try:
+                        line.decode("utf-8")
+                    except UnicodeDecodeError:
+                        raise RerenderError(f"The file {path} is not UTF-8 text.") from None
+                    raise RerenderError(f"Line {n} of the file {path} is not valid JSON.") from None
+                if not isinstance(obj, dict):
+                    raise RerenderError(f"Line {n} of {path} is not a JSON object.")
+                try:
+                    yield RequestRecord.from_json(obj)
+                except TypeError as e:
+                    raise RerenderError(f"Line {n} of {path} holds a record of another shape ({e}).") from None
+    except OSError as e:
+        raise RerenderError(f"Cannot read the file {path}: {e.strerror or e}.") from None

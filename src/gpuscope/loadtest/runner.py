@@ -1,5 +1,8 @@
 """Runs a plan on N worker processes, merges their histograms and records, and builds summary.json.
 
+Nothing here holds every record: the statistics are merged HDR histograms and counters (`stats.Acc`), and
+the workers' record shards, each in intended-time order, are merged as streams into records.jsonl.
+
 Workers are spawned (not forked: the parent may hold threads, e.g. the GPU watch), report ready, and are
 then given one start instant `t0` on `time.perf_counter()` — CLOCK_MONOTONIC on Linux, the same clock in
 every process — so every record and stage boundary is on one time axis. One worker runs in-process.
@@ -7,18 +10,20 @@ every process — so every record and stage boundary is on one time axis. One wo
 
 from __future__ import annotations
 
+import heapq
 import math
 import multiprocessing as mp
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import orjson
 
-from .records import RequestRecord
+from .records import RequestRecord, read_records
 from .stats import NAMES, Acc, Dist
 from .worker import WorkerConfig, run_worker, shard_path
 
@@ -134,22 +139,36 @@ def _merge(cfg: WorkerConfig, results: list[dict], clock: dict[str, float], reco
     return RunResult(accs, loop_lag, send_lag, cpu, end_s, clock, records)
 
 
-def collect_records(out_dir: str | Path, workers: int, records: list[RequestRecord] | None = None,
-                    load: bool = True) -> list[RequestRecord]:
-    """Merge the workers' shards (or in-process records) into records.jsonl, numbered by intended time."""
+def merge_key(rec: RequestRecord) -> tuple[float, int]:
+    return rec.t_intended, rec.worker
+
+
+def merged_records(streams: Iterable[Iterable[RequestRecord]]) -> Iterator[RequestRecord]:
+    """One stream in (t_intended, worker) order from streams each already in intended-time order (a worker's
+    shard); equal keys keep their stream's order. Holds one record per stream."""
+    return heapq.merge(*streams, key=merge_key)
+
+
+def collect_records(out_dir: str | Path, workers: int, records: Iterable[RequestRecord] | None = None, *,
+                    into: BinaryIO | None = None, first: int = 0,
+                    adjust: Callable[[RequestRecord], None] | None = None) -> int:
+    """Merge the workers' shards (and in-process records) into records.jsonl (or the open file `into`),
+    numbered by intended time from `first`, each passed to `adjust` first; the shards are removed.
+    Returns how many records were written."""
     out_dir = Path(out_dir)
-    recs = list(records or [])
-    for w in range(workers):
-        p = Path(shard_path(out_dir, w))
-        if p.exists():
-            recs.extend(RequestRecord.from_json(orjson.loads(line)) for line in p.read_bytes().splitlines() if line)
-            p.unlink()
-    recs.sort(key=lambda r: (r.t_intended, r.worker))
-    with open(out_dir / "records.jsonl", "wb") as f:
-        for n, r in enumerate(recs):
+    shards = [p for p in (Path(shard_path(out_dir, w)) for w in range(workers)) if p.exists()]
+    merged = merged_records([records or (), *(read_records(p) for p in shards)])
+    n = first
+    with open(out_dir / "records.jsonl", "wb") if into is None else nullcontext(into) as f:
+        for r in merged:
+            if adjust is not None:
+                adjust(r)
             r.i = n
+            n += 1
             f.write(orjson.dumps(r.to_json()) + b"\n")
-    return recs if load else []
+    for p in shards:
+        p.unlink()
+    return n - first
 
 
 def summarize(cfg: WorkerConfig, res: RunResult, *, url: str, protocol: str, stage_names: list[str]) -> dict[str, Any]:

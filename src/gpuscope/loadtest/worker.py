@@ -7,6 +7,10 @@ request as soon as the previous one ends (intended time = that moment). The stag
 dealt to workers in turn (slot k to worker (k - 1) mod W); a ramp opens each slot at its time and retires
 it on the way down once its request in flight has ended (`Stage.slot_span`), never cancelling one.
 
+Records leave the worker (its shard file, or the list kept for in-process runs) in the order the requests
+were fired, which is the order of their intended send times: the parent then merges the shards as sorted
+streams instead of loading and sorting every record. A record that ends before an older one waits for it.
+
 The worker also watches itself: event-loop lag (a 10 ms timer's lateness), send lag (dispatch − intended
 time) and its CPU time, so the parent can tell a slow server from a slow client.
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,6 +69,10 @@ class Worker:
         self.records: list[RequestRecord] = []
         self._buffer: list[bytes] = []
         self._file = open(shard_path(cfg.records_dir, index), "ab") if cfg.records_dir else None  # noqa: SIM115
+        # Fired and not yet written, oldest first; ids of those of them that have ended. Only when kept.
+        self._keeping = cfg.keep_records or self._file is not None
+        self._fired: deque[RequestRecord] = deque()
+        self._ended: set[int] = set()
         self._idle: asyncio.Event | None = None
 
     # sending
@@ -75,6 +84,8 @@ class Worker:
         reader = SseReader(rec, words) if stream else None
         self.in_flight += 1
         self.counts[self.base] += 1
+        if self._keeping:
+            self._fired.append(rec)
         self.client.send(rec, payload, lambda r: self.done(r, stage, reader), reader)
 
     def done(self, rec: RequestRecord, stage: int, reader: SseReader | None) -> None:
@@ -89,14 +100,28 @@ class Worker:
         cfg = self.cfg
         if not rec.warmup:
             self.accs[stage].add(rec, metrics_as=cfg.metrics_as, late_s=cfg.late_threshold_s, slo=cfg.slo)
-        if cfg.keep_records:
-            self.records.append(rec)
-        if self._file is not None:
-            self._buffer.append(orjson.dumps(rec.to_json()))
-            if len(self._buffer) >= 4096:
-                self._flush()
+        if self._keeping:
+            self._keep(rec)
         if self.in_flight == 0 and self._idle is not None:
             self._idle.set()
+
+    def _keep(self, rec: RequestRecord) -> None:
+        """Write out every ended record no older request is still holding back (fired order)."""
+        fired, ended = self._fired, self._ended
+        if fired[0] is not rec:
+            ended.add(id(rec))
+            return
+        fired.popleft()
+        out = [rec]
+        while fired and id(fired[0]) in ended:
+            ended.discard(id(fired[0]))
+            out.append(fired.popleft())
+        if self.cfg.keep_records:
+            self.records.extend(out)
+        if self._file is not None:
+            self._buffer.extend(orjson.dumps(r.to_json()) for r in out)
+            if len(self._buffer) >= 4096:
+                self._flush()
 
     def _flush(self) -> None:
         if self._file is not None and self._buffer:
@@ -165,6 +190,8 @@ class Worker:
                 reader = SseReader(rec, words) if stream else None
                 self.in_flight += 1
                 self.counts[self.base] += 1
+                if self._keeping:
+                    self._fired.append(rec)
 
                 def finished(r: RequestRecord, fut: asyncio.Future = fut, reader: SseReader | None = reader) -> None:
                     self.done(r, stage_index, reader)
@@ -201,6 +228,14 @@ class Worker:
                 pass
         watcher.cancel()
         self.client.close()
+        # Requests still unanswered after the wait leave no record; those that ended behind them do.
+        rest = [r for r in self._fired if id(r) in self._ended]
+        self._fired.clear()
+        self._ended.clear()
+        if self.cfg.keep_records:
+            self.records.extend(rest)
+        if self._file is not None:
+            self._buffer.extend(orjson.dumps(r.to_json()) for r in rest)
         self._flush()
         if self._file is not None:
             self._file.close()
