@@ -20,7 +20,7 @@ from typing import Any
 
 from . import __version__
 from ._nvml import NvmlUnavailable
-from .agent.client import ClientError
+from .agent.client import BadUrl, ClientError
 from .sampler import ConfigError, Sampler, SamplerConfig
 
 EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE = 0, 1, 2
@@ -36,11 +36,17 @@ class Unavailable(Exception):
 
 def _time_range(args: argparse.Namespace) -> tuple[int, int]:
     """--start (or --since back from now) and --end, in ns; one sentence when they make no range."""
-    from .agent.timeparse import TimeError, parse_time
+    from .agent.timeparse import TimeError, parse_duration, parse_time
 
     try:
         now = time.time()
-        start_ns = parse_time(args.start or f"-{args.since}", now, "--start" if args.start else "--since")
+        if args.start:
+            start_ns = parse_time(args.start, now, "--start")
+        else:  # a duration back from now; its errors quote what the user typed, not '-' + it
+            back_s = parse_duration(args.since, "--since")
+            if back_s > now:
+                raise UsageError(f"--since {args.since!r} reaches back before 1970.")
+            start_ns = int((now - back_s) * 1e9)
         end_ns = parse_time(args.end, now, "--end")
     except TimeError as e:
         raise UsageError(str(e)) from None
@@ -281,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as e:
         print(f"gpuscope: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except ConfigError as e:
+    except (ConfigError, BadUrl) as e:
         print(f"gpuscope: {e}", file=sys.stderr)
         return EXIT_USAGE
     except (NvmlUnavailable, ClientError, Unavailable) as e:
@@ -472,7 +478,10 @@ def _query(args: argparse.Namespace) -> int:
         params[k] = v
     url = args.url or default_url()
     try:
-        data = get_json(url, "/api/v1/query_range", params, find_token(args.token, args.data_dir))
+        data = get_json(url, "/api/v1/query_range", params, find_token(args.token, args.data_dir),
+                        require={"metric": str, "series": list})
+    except BadUrl:
+        raise
     except ClientError as e:
         print(f"gpuscope: {e}", file=sys.stderr)
         return EXIT_UNAVAILABLE
@@ -572,7 +581,9 @@ def _diagnose_range(args: argparse.Namespace) -> int:
         from .agent.client import find_token, get_json
 
         data = get_json(args.url, "/api/v1/diagnose", {"start": f"{start_ns / 1e9:.3f}", "end": f"{end_ns / 1e9:.3f}"},
-                        find_token(args.token, args.data_dir), timeout=60.0)
+                        find_token(args.token, args.data_dir), timeout=60.0,
+                        require={"start": (int, float), "end": (int, float), "window_s": (int, float),
+                                 "share": dict, "spans": list})
     else:
         try:
             data = _with_store(args.data_dir, lambda store: range_as_dict(diagnose_range(store, start_ns, end_ns)),
@@ -603,11 +614,24 @@ def _diagnose_from_agent(args: argparse.Namespace) -> dict[str, Any] | None:
     url = args.url or default_url()
     try:
         return get_json(url, "/api/v1/diagnose", {"window": f"{args.seconds:g}s"},
-                        find_token(args.token, None), timeout=30.0 if args.url else 2.0)
+                        find_token(args.token, None), timeout=30.0 if args.url else 2.0, require={"verdicts": list})
     except ClientError as e:
         if args.url is not None or "No gpuscope agent answers" not in str(e):
             raise
         return None
+
+
+def _check_writable(flag: str, path: str | None) -> None:
+    """One sentence now when a report could not be written at `path` later (a directory, no parent)."""
+    if not path:
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise UsageError(f"{flag} {path} is a directory; name a file in it.")
+    if not os.path.isdir(parent):
+        raise UsageError(f"{flag} {path}: {parent} is not an existing directory.")
+    if not os.access(parent, os.W_OK):
+        raise UsageError(f"{flag} {path}: the directory {parent} is not writable.")
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -620,6 +644,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.html and args.json and os.path.abspath(args.html) == os.path.abspath(args.json):
         raise UsageError(f"--html and --json both name {args.json}; give each report its own file.")
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    for flag, path in (("--html", args.html), ("--json", args.json)):
+        _check_writable(flag, path)  # before the command runs: a report lost after an hour's run is lost data
     html = None if args.no_html else (args.html or time.strftime("gpuscope-run-%Y%m%d-%H%M%S.html"))
     beside = html or args.json
     trace_dir = os.path.splitext(beside)[0] + "-traces" if args.trace and beside else None

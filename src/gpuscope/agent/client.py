@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import http.client
 import io
 import json
 import os
@@ -18,6 +19,10 @@ from .config import DEFAULT_PORT, default_data_dir
 
 class ClientError(RuntimeError):
     """One sentence for the user."""
+
+
+class BadUrl(ClientError):
+    """The URL itself is unusable (no scheme, bad port): the user's typing, not a missing agent."""
 
 
 def default_url() -> str:
@@ -37,30 +42,41 @@ def find_token(explicit: str | None, data_dir: str | None) -> str | None:
         return None
 
 
-def get_json(url: str, path: str, params: dict[str, str], token: str | None, timeout: float = 30.0) -> Any:
+def get_json(url: str, path: str, params: dict[str, str], token: str | None, timeout: float = 30.0,
+             require: dict[str, type | tuple[type, ...]] | None = None) -> Any:
+    """The agent's JSON object at `path`; `require` names top-level keys and their types that the caller
+    reads, so that a server that is not a gpuscope agent ends in one sentence rather than a KeyError."""
     if not url.startswith(("http://", "https://")):
-        raise ClientError(f"--url must start with http:// or https://, not {url!r}.")
+        raise BadUrl(f"--url must start with http:// or https://, not {url!r}.")
     try:
         _ = urllib.parse.urlsplit(url).port  # a bad host or port raises here, not as a traceback from urlopen
     except ValueError as e:
-        raise ClientError(f"--url {url!r} is not a usable URL: {e}.") from None
+        raise BadUrl(f"--url {url!r} is not a usable URL: {e}.") from None
     full = url.rstrip("/") + path + ("?" + urllib.parse.urlencode(params) if params else "")
     req = urllib.request.Request(full, headers={"Authorization": f"Bearer {token}"} if token else {})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
-            return json.loads(r.read())
+            data = json.loads(r.read())
     except urllib.error.HTTPError as e:
         try:
             msg = json.loads(e.read()).get("error", e.reason)
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, RecursionError):
             msg = e.reason
         raise ClientError(f"The agent at {url} answered {e.code}: {msg}") from None
     except urllib.error.URLError as e:
         raise ClientError(f"No gpuscope agent answers at {url} ({e.reason}); start one with 'gpuscope agent'.") from None
+    except http.client.HTTPException:  # BadStatusLine and kin: something listens there that speaks no HTTP
+        raise ClientError(f"{url} did not answer in HTTP; is it a gpuscope agent?") from None
     except (TimeoutError, OSError) as e:
         raise ClientError(f"The agent at {url} did not answer: {e}.") from None
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: JSON nested thousands deep
         raise ClientError(f"{url} answered with something that is not JSON; is it a gpuscope agent?") from None
+    if not isinstance(data, dict):
+        raise ClientError(f"{url} answered {path} with JSON that is not an object; is it a gpuscope agent?")
+    for key, kind in (require or {}).items():
+        if not isinstance(data.get(key), kind):
+            raise ClientError(f"{url} answered {path} without a usable {key!r}; is it a gpuscope agent?")
+    return data
 
 
 def _ts(ns: int) -> str:

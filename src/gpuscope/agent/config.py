@@ -285,6 +285,8 @@ def load(path: str | os.PathLike[str] | None) -> Config:
         raise ConfigError(f"The config file {p} is not UTF-8 text.") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"The config file {p} is not valid TOML: {e}.") from None
+    except RecursionError:  # arrays nested thousands deep: no parser error, a Python one
+        raise ConfigError(f"The config file {p} nests arrays or tables too deep to be a config file.") from None
     alerts = data.get("alerts")
     if isinstance(alerts, dict) and isinstance(alerts.get("rule_files"), list | str):
         # Rule files are found relative to the config file, as Prometheus does.

@@ -184,7 +184,7 @@ class EventsApi:
                                        "are taken.")
         try:
             doc = json.loads(body)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: '[' nested 30000 deep
             return error_response(400, "The body is not valid JSON.")
         try:
             events = parse_events(doc, time.time())

@@ -213,7 +213,7 @@ class Traces:
         body = await request.read()
         try:
             doc = json.loads(body) if body.strip() else {}
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: '[' nested 30000 deep
             return error_response(400, 'The body must be JSON such as {"duration": "5s", "pids": [1234]}.')
         try:
             duration_s, pids = _parse_request(doc)

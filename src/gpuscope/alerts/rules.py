@@ -396,11 +396,15 @@ def _read(path: Path) -> dict[str, Any]:
             at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
             problem = getattr(e, "problem", None) or str(e).splitlines()[0]
             raise RuleError(f"The rule file {path} is not valid YAML{at}: {problem}.") from None
+        except RecursionError:  # '[' nested thousands deep: no parser error, a Python one
+            raise RuleError(f"The rule file {path} nests lists or tables too deep to be a rule file.") from None
     elif suffix == ".toml":
         try:
             doc = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
             raise RuleError(f"The rule file {path} is not valid TOML: {e}.") from None
+        except RecursionError:
+            raise RuleError(f"The rule file {path} nests lists or tables too deep to be a rule file.") from None
     else:
         raise RuleError(f"The rule file {path} must end in .toml, .yaml or .yml.")
     if doc is None:

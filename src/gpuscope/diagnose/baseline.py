@@ -174,7 +174,7 @@ class Baselines:
                 if s["metric"] in METRICS:
                     b._hist[(str(s["gpu"]), s["metric"], str(s["job"]))] = deque(
                         (float(x) for x in s["medians"]), maxlen=b.keep)
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
             raise ValueError(f"The baselines file {path} is damaged ({e.__class__.__name__}); "
                              "move it away to start new baselines.") from None
         return b

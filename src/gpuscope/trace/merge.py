@@ -122,8 +122,14 @@ def add_arguments(p: Any) -> None:
 
 
 def run(args: Any) -> int:
-    """A bad file raises TraceError for the caller to report as one sentence."""
-    done = merge(args.files, args.out)
+    """A bad file raises TraceError for the caller to report as one sentence; so does a bad --out."""
+    from ..cli import UsageError, _check_writable
+
+    _check_writable("--out", args.out)  # before reading every rank's trace
+    try:
+        done = merge(args.files, args.out)
+    except OSError as e:  # the reads turn theirs into TraceError: this is the write
+        raise UsageError(f"Cannot write {args.out}: {e.strerror or e}.") from None
     for r in done["ranks"]:
         shift = f", clock moved {r['clock_shift_ns'] / 1000:+.1f} us" if r["clock_shift_ns"] else ""
         print(f"rank {r['rank']}: {r['file']} ({r['events']} events{shift})")

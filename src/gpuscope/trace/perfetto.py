@@ -12,6 +12,7 @@ memory and PCIe rates, so a kernel gap can be read against what the GPU itself m
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import os
 from collections.abc import Iterable
@@ -112,13 +113,18 @@ def write_json(doc: dict[str, Any], out_path: str | os.PathLike[str]) -> None:
     out = os.fspath(out_path)
     raw = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
     tmp = out + ".tmp"
-    if out.endswith(".gz"):
-        with gzip.open(tmp, "wb", compresslevel=3) as f:
-            f.write(raw)
-    else:
-        with open(tmp, "wb") as f:
-            f.write(raw)
-    os.replace(tmp, out)
+    try:
+        if out.endswith(".gz"):
+            with gzip.open(tmp, "wb", compresslevel=3) as f:
+                f.write(raw)
+        else:
+            with open(tmp, "wb") as f:
+                f.write(raw)
+        os.replace(tmp, out)
+    except BaseException:  # a failed write (disk full, --out a directory) leaves no half file behind
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def with_counters(trace_json_path: str | os.PathLike[str], samples: Iterable[Any],

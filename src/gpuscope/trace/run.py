@@ -214,23 +214,36 @@ def _kernel_summary(path: str, top: int = 5) -> str:
     return "\n".join(lines)
 
 
+DEFAULT_OUT, DEFAULT_DELAY_S, DEFAULT_DURATION_S = "gpuscope-traces", 5.0, 10.0
+
+
 def run(args: Any) -> int:
     """The `gpuscope trace [run]` handler (cli.py parses; the exit code is CMD's)."""
+    from ..cli import UsageError, _check_sim
+
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
-    if args.gpus is not None and args.simulate is None:
-        print("gpuscope: --gpus only applies to a simulated node; add --simulate SCENARIO.", file=sys.stderr)
-        return 2
+    _check_sim(args)  # an unknown --simulate scenario is a typo, not a request for no samples
     if args.agent_dir and not args.on_demand:
         print("gpuscope: --agent-dir only applies with --on-demand.", file=sys.stderr)
         return 2
-    out, requests_dir = args.out, None
+    window_flags = [flag for flag, value in (("--out", args.out), ("--delay", args.delay),
+                                             ("--duration", args.duration), ("--every", args.every))
+                    if value is not None]
+    if args.on_demand and window_flags:  # silently ignored, they would leave the user waiting for traces
+        raise UsageError(f"--on-demand traces when the agent asks, into the agent's data directory; "
+                         f"{', '.join(window_flags)} {'does' if len(window_flags) == 1 else 'do'} not apply with it.")
+    out, requests_dir = args.out or DEFAULT_OUT, None
     if args.on_demand:
         from ..agent.config import default_data_dir
 
+        if args.agent_dir and not os.path.isdir(args.agent_dir):  # the agent made it; a typo would trace into a void
+            raise UsageError(f"--agent-dir {args.agent_dir} is not a directory; name the agent's --data-dir.")
         agent_dir = args.agent_dir or str(default_data_dir())
         out, requests_dir = os.path.join(agent_dir, "traces"), os.path.join(agent_dir, "trace-requests")
+    delay_s = DEFAULT_DELAY_S if args.delay is None else args.delay
+    duration_s = DEFAULT_DURATION_S if args.duration is None else args.duration
     try:
-        code, report = trace(cmd, out_dir=out, requests_dir=requests_dir, delay_s=args.delay, duration_s=args.duration,
+        code, report = trace(cmd, out_dir=out, requests_dir=requests_dir, delay_s=delay_s, duration_s=duration_s,
                            every_s=args.every or 0.0, stack=not args.no_stack, samples=args.samples,
                            simulate=args.simulate, gpus=args.gpus, backend=getattr(args, "backend", "auto"),
                            api=getattr(args, "api", "rules"), max_duty=getattr(args, "budget", 1.0) / 100)
@@ -246,14 +259,15 @@ def add_arguments(p: Any) -> None:
     from ..cli import _add_source_args
     from ..cli import _interval as interval
 
-    p.add_argument("--out", default="gpuscope-traces", metavar="DIR",
+    # Defaults of None, filled in by run(): --on-demand must tell a flag given from one left out.
+    p.add_argument("--out", default=None, metavar="DIR",
                    help="where each process writes <host>.<pid>[.rank<N>].pt.trace.json.gz (default ./gpuscope-traces)")
     def delay(text: str) -> float:  # 0 is a delay (trace from the first CUDA context on), not a bad duration
         return 0.0 if text.strip().rstrip("ms").strip() in ("0", "0.0") else interval(text)
 
-    p.add_argument("--delay", type=delay, default=5.0,
+    p.add_argument("--delay", type=delay, default=None,
                    help="warm-up after the process initialises CUDA, before tracing (default 5s; 0: none)")
-    p.add_argument("--duration", type=interval, default=10.0, help="how long each window traces (default 10s)")
+    p.add_argument("--duration", type=interval, default=None, help="how long each window traces (default 10s)")
     p.add_argument("--every", type=interval, default=None,
                    help="trace a --duration window this often (e.g. 5m) instead of once")
     def percent(text: str) -> float:

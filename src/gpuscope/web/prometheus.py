@@ -228,7 +228,7 @@ class PrometheusBackend:
             raise BackendError(502, f"{where} broke off its answer to {path} ({type(e).__name__}).") from None
         try:
             doc = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: JSON nested thousands deep
             doc = None
         if isinstance(doc, dict) and doc.get("status") == "success" and status < 400:
             return doc.get("data")
