@@ -53,3 +53,14 @@ def test_a_request_that_waited_past_its_deadline_is_not_sent(srv) -> None:
 def test_answers_before_the_deadline_are_not_timed_out(srv) -> None:
     recs = _records(srv.url("/latency"))             # 50 ms answers, well inside 200 ms
     assert [r.error for r in recs] == [None] * 12 and all(r.t_failed is None for r in recs)
+
+
+def test_back_to_back_timeouts_each_fire_at_their_own_deadline(srv) -> None:
+    # Closed loop on a server that never answers in time: every slot sends again the moment its request times
+    # out, so new deadlines keep arriving while earlier ones are being fired.
+    cfg = WorkerConfig(url=srv.url("/sleep?s=10"), proto=Protocol(), keep_records=True, timeout_s=TIMEOUT_S,
+                       plan=S.plan([S.Stage(1.0, concurrency=6)]))
+    recs = execute(cfg, 1).records
+    assert len(recs) >= 6 * 4 and {r.error for r in recs} == {"timeout"}
+    waited = sorted(r.t_failed - r.t_intended for r in recs)
+    assert waited[0] >= TIMEOUT_S and waited[-1] < TIMEOUT_S + MAX_LATE_S, waited
