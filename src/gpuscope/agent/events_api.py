@@ -178,7 +178,14 @@ class EventsApi:
         if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
             return error_response(413, f"The request body is {request.content_length} bytes; at most "
                                        f"{MAX_BODY_BYTES} are taken.")
-        body = await request.content.read(MAX_BODY_BYTES + 1)
+        # read(n) returns what has arrived so far, up to n: a body that comes in several TCP segments
+        # must be read to its end, or a valid list of events is refused as "not valid JSON".
+        body = b""
+        while len(body) <= MAX_BODY_BYTES:
+            chunk = await request.content.read(MAX_BODY_BYTES + 1 - len(body))
+            if not chunk:
+                break
+            body += chunk
         if len(body) > MAX_BODY_BYTES:
             return error_response(413, f"The request body is over {MAX_BODY_BYTES} bytes; at most {MAX_BODY_BYTES} "
                                        "are taken.")

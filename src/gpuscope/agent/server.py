@@ -83,6 +83,8 @@ class Api:
                           413: "The request body is too large."}.get(e.status, e.reason)
                 return _error(e.status, reason)
             raise
+        except ConnectionResetError:  # the client left mid-body (a Content-Length it never sent): not our failure
+            return _error(400, "The connection closed before the request body ended.")
         except Exception as e:  # noqa: BLE001 - the agent keeps serving
             from ..store import StoreError  # late: the store imports numpy
 
