@@ -327,6 +327,28 @@ def test_breaker_state_machine():
     assert b.state == "closed"
 
 
+def test_a_client_that_left_is_no_outcome_for_the_breaker_and_no_sample_for_the_limiter():
+    b = Breaker(BreakerConfig(min_requests=1, failure_rate=0.5, open_s=10, failures=["5xx", "timeout", "slo"],
+                              slo_s=1.0))
+    b.record(b.allow(0), 499, 30.0, False, 0)  # slower than the SLO, yet the client's doing
+    assert b.state == "closed" and len(b._outcomes) == 0
+    b.record(b.allow(1), 500, 0.1, False, 1)
+    assert b.state == "open"
+    assert b.allow(11) == "probe" and b.allow(11.1) is None
+    b.record("probe", 499, 30.0, False, 11.2)  # the probe's slot comes back; the breaker learned nothing
+    assert b.state == "half_open" and b.allow(11.3) == "probe"
+
+    clock = Clock()
+    g = Guard(parse_config({"classes": [{"name": "a"}], "controller": {"mode": "aimd", "timeout_s": 1.0}}),
+              clock=clock)
+    before = g.limiter.limit
+    for _ in range(20):
+        d = g.acquire(RequestInfo())
+        clock.t += 5.0
+        g.release(d, 499, 5.0)  # each far past the AIMD timeout: would be a drop from the service
+    assert g.limiter.limit == before and g.inflight_total == 0
+
+
 def test_breaker_failure_classes():
     b = Breaker(BreakerConfig(failures=["429", "slo"], slo_s=1.0))
     assert [b.is_failure(s, lat, to) for s, lat, to in ((429, 0.1, False), (500, 0.1, False), (200, 2.0, False),

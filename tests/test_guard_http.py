@@ -4,11 +4,13 @@ aiohttp middleware in an aiohttp app, and the proxy in front of a real aiohttp u
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
+import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import aiohttp
 import pytest
@@ -17,7 +19,7 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from gpuscope.guard import Guard, parse_config
@@ -52,6 +54,23 @@ async def _boom(request: Request) -> JSONResponse:
     return JSONResponse({"error": "upstream broke"}, status_code=500)
 
 
+@contextlib.contextmanager
+def _uvicorn(app: Starlette) -> Iterator[str]:
+    """The app served by a real uvicorn on a loopback port, in a thread; yields its URL."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="critical", lifespan="off"))
+    t = threading.Thread(target=server.run, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 20
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        t.join(10)
+
+
 @pytest.fixture
 def starlette_url() -> Iterator[tuple[str, Guard]]:
     guard = Guard(parse_config(CFG))
@@ -60,16 +79,78 @@ def starlette_url() -> Iterator[tuple[str, Guard]]:
                             Route("/v1/length", _length, methods=["POST"]),
                             Route("/boom", _boom, methods=["GET", "POST"])])
     app.add_middleware(GuardMiddleware, guard=guard)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
-    t = threading.Thread(target=server.run, daemon=True)
-    t.start()
-    deadline = time.monotonic() + 20
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    yield f"http://127.0.0.1:{port}", guard
-    server.should_exit = True
-    t.join(10)
+    with _uvicorn(app) as url:
+        yield url, guard
+
+
+# ---- a client that stops reading ------------------------------------------------------------------------
+STALL_CFG = {**CFG, "breaker": {"client_stall_s": 0.3, "min_requests": 1, "failure_rate": 0.1}}
+
+
+def _stalled_client(url: str, path: str) -> socket.socket:
+    """A client that sends one GET and then reads nothing (a small receive buffer, so the server's fills)."""
+    host, port = url.removeprefix("http://").split(":")
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect((host, int(port)))
+    s.sendall(f"GET {path} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+    return s
+
+
+def _closed_by_server(s: socket.socket) -> bool:
+    """Read what the server had sent; True when it then closed the connection (not left it open)."""
+    s.settimeout(10)
+    deadline = time.monotonic() + 10  # a bound against an endless answer, not a timing assertion
+    try:
+        while time.monotonic() < deadline:
+            if not s.recv(1 << 16):
+                return True
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        pass
+    return False
+
+
+async def _until(cond: Callable[[], bool], limit_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + limit_s  # a bound against hanging, not a timing assertion
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.02)
+    return True
+
+
+async def _endless_starlette(request: Request) -> StreamingResponse:
+    async def chunks():
+        while True:
+            yield b"x" * 65536
+            await asyncio.sleep(0)  # as a real generator does: uvicorn's send after a disconnect never blocks
+
+    return StreamingResponse(chunks(), media_type="application/octet-stream")
+
+
+def test_asgi_middleware_frees_the_slot_of_a_client_that_stops_reading():
+    guard = Guard(parse_config(STALL_CFG))
+    app = Starlette(routes=[Route("/endless", _endless_starlette), Route("/v1/embeddings", _echo, methods=["POST"])])
+    app.add_middleware(GuardMiddleware, guard=guard)
+    with _uvicorn(app) as url:
+        s = _stalled_client(url, "/endless")
+        try:
+            freed = asyncio.run(_until(lambda: sum(guard.admitted_total) == 1 and guard.inflight_total == 0))
+            closed = _closed_by_server(s)
+        finally:
+            s.close()
+
+        async def after():
+            async with aiohttp.ClientSession() as session:
+                return await _post(session, url + "/v1/embeddings", {"input": "x"})
+
+        status = asyncio.run(after())[0]
+    assert freed  # without client_stall_s the slot stays taken for as long as the connection lives
+    assert closed
+    assert guard.breaker.state == "closed"  # a client's stall is no failure of the service
+    assert status == 200
 
 
 async def _post(session: aiohttp.ClientSession, url: str, body: dict | None = None,
@@ -365,3 +446,42 @@ def test_proxy_reads_only_a_small_body_and_streams_a_large_one_through():
     assert out[2] == (200, want)  # Content-Length over the cap: not read (charged the burst), streamed through
     assert out[3] == (200, want)  # chunked, no Content-Length: the same
     assert out[4] == 429
+
+
+def test_proxy_frees_the_slot_of_a_client_that_stops_reading():
+    async def scenario():
+        async def endless(request: web.Request) -> web.StreamResponse:
+            resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+            await resp.prepare(request)
+            with contextlib.suppress(ConnectionError):
+                while True:
+                    await resp.write(b"x" * 65536)
+            return resp
+
+        upstream_app = web.Application()
+        upstream_app.router.add_get("/endless", endless)
+        async def ok(request: web.Request) -> web.Response:
+            return web.json_response({"ok": True})
+
+        upstream_app.router.add_get("/ok", ok)
+        up_runner, up_url = await _serve(upstream_app)
+        guard = Guard(parse_config(STALL_CFG))
+        px_runner, px_url = await _serve(make_app(guard, up_url))
+        try:
+            s = _stalled_client(px_url, "/endless")
+            try:
+                freed = await _until(lambda: sum(guard.admitted_total) == 1 and guard.inflight_total == 0)
+                closed = await asyncio.to_thread(_closed_by_server, s)
+            finally:
+                s.close()
+            async with aiohttp.ClientSession() as session, session.get(px_url + "/ok") as r:
+                after = r.status, await r.json()
+        finally:
+            await px_runner.cleanup()
+            await up_runner.cleanup()
+        return guard, freed, closed, after
+
+    guard, freed, closed, after = asyncio.run(scenario())
+    assert freed and closed
+    assert guard.breaker.state == "closed"  # the upstream kept sending: not its fault
+    assert after == (200, {"ok": True})

@@ -90,6 +90,10 @@ class Breaker:
         """The outcome of a request that `allow` let through with `token`."""
         if token is None or not self._enabled:
             return
+        if status == 499:  # the client went away or stopped reading: says nothing of the upstream
+            if token == "probe":
+                self._probes_out = max(0, self._probes_out - 1)
+            return
         # a plain success (under 429, in time, no SLO to check) is no failure: is_failure's call spared
         failed = (timed_out or status >= 429 or self._fslo) and self.is_failure(status, latency_s, timed_out)
         if token == "probe":

@@ -122,6 +122,9 @@ class BreakerConfig:
     # chunks; never the whole answer, which for a long generation may rightly stream for minutes
     timeout_s: float = 60.0
     idle_timeout_s: float = 60.0
+    # proxy and ASGI middleware: longest one write to the client may wait, so a client that stops reading
+    # gives its concurrency slot back (a slow reader is cut only when it reads nothing for this long)
+    client_stall_s: float = 30.0
     fallback: str = "reject"  # reject | cached | model:NAME | upstream:URL
     cache_bytes: int = 65536  # largest response body kept for the 'cached' fallback
 
@@ -263,8 +266,9 @@ def _check(cfg: GuardConfig, names: list[str]) -> None:
         raise GuardConfigError("breaker.failure_rate must be in (0, 1].")
     if br.probes < 1 or br.success_threshold < 1 or br.min_requests < 1:
         raise GuardConfigError("breaker.probes, success_threshold and min_requests must be at least 1.")
-    if not (br.timeout_s > 0 and br.idle_timeout_s > 0):
-        raise GuardConfigError("breaker.timeout_s and breaker.idle_timeout_s must be positive.")
+    if not (br.timeout_s > 0 and br.idle_timeout_s > 0 and br.client_stall_s > 0):
+        raise GuardConfigError("breaker.timeout_s, breaker.idle_timeout_s and breaker.client_stall_s must be "
+                               "positive.")
     if not (br.window_s > 0 and br.open_s >= 0):
         raise GuardConfigError("breaker.window_s must be positive and breaker.open_s not negative.")
     fb = br.fallback

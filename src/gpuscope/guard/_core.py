@@ -451,7 +451,8 @@ class Guard:
                 self.inflight[d.class_index] -= 1
                 self.inflight_total -= 1
                 self.breaker.record(d.probe, status, latency_s, timed_out, now)
-                if self._adaptive:  # a fixed limit takes no samples: the call spared
+                # a fixed limit takes no samples (the call spared); a client's 499 says nothing of the service
+                if self._adaptive and status != 499:
                     self.limiter.observe(sample, inflight, dropped, now)
                 if self.queued_total > 0:
                     self._dispatch()

@@ -11,11 +11,15 @@ Refused requests get 429 (503 when the upstream's circuit is open) with Retry-Af
 `fallback` is an ASGI app that serves requests while the circuit is open; with `breaker.fallback: cached`
 the last good answer for the same method, path and model is replayed; with `model:NAME` the body's model
 field is rewritten. The guard's metrics are served at `metrics_path`. Latency is measured to the last
-body byte, TTFT to the first; an exception in the app releases the slot as a 500 and goes on up.
+body byte, TTFT to the first; an exception in the app releases the slot as a 500 and goes on up. A client
+that stops reading (one body write waits `breaker.client_stall_s`) gives its slot back as a 499: the app's
+send raises ClientStalled (an OSError, which Starlette takes for a disconnect) and the server closes the
+connection.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
@@ -26,13 +30,17 @@ from ._http import GUARD_HEADER, cache_key, needs_body, parse_json, refusal, rew
 from ._metrics import CONTENT_TYPE, render
 from ._signals import SignalPoller
 
-__all__ = ["GuardMiddleware"]
+__all__ = ["ClientStalled", "GuardMiddleware"]
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+class ClientStalled(ConnectionError):
+    """Raised from send() to the app when the client has read nothing for breaker.client_stall_s."""
 
 
 class GuardMiddleware:
@@ -83,6 +91,7 @@ class GuardMiddleware:
         state: dict[str, Any] = {"status": 500, "ttft": None, "ctype": "", "chunks": [], "size": 0}
         keep = d.degrade == "" and self.guard.cfg.breaker.fallback == "cached"
         cache_bytes = self.guard.cfg.breaker.cache_bytes
+        stall_s = self.guard.cfg.breaker.client_stall_s
 
         async def watched_send(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -97,11 +106,23 @@ class GuardMiddleware:
                 if keep and state["size"] <= cache_bytes:
                     state["chunks"].append(chunk)
                     state["size"] += len(chunk)
+                if state.get("stalled"):
+                    raise ClientStalled("the client stopped reading")
+                try:
+                    async with asyncio.timeout(stall_s):  # the server's flow control blocks a body write
+                        await send(message)
+                except TimeoutError:
+                    state["stalled"] = True
+                    raise ClientStalled(f"the client read nothing for {stall_s:g} s") from None
+                return
             await send(message)
 
         try:
             await self.app(scope, receive, watched_send)
         except BaseException:
+            if state.get("stalled"):  # the app gave up on the client: the slot is free, the server closes
+                self.guard.release(d, 499, time.monotonic() - t0, ttft_s=state["ttft"])
+                return
             self.guard.release(d, 500, time.monotonic() - t0, ttft_s=state["ttft"])
             raise
         self.guard.release(d, state["status"], time.monotonic() - t0, ttft_s=state["ttft"])

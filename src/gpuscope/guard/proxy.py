@@ -6,7 +6,9 @@ so server-sent events reach the client token by token. Latency is measured to th
 the first. An upstream that does not send its response headers within `breaker.timeout_s` gives 504, one
 that cannot be reached 502; both count for the circuit breaker. Once the answer streams, only the gap
 between two chunks is timed (`breaker.idle_timeout_s`), so a long generation is never cut off for its
-length; a stalled one is cut (the client sees a truncated answer) and counts as a timeout. The guard's
+length; a stalled one is cut (the client sees a truncated answer) and counts as a timeout. A client that
+stops reading is cut once one write to it has waited `breaker.client_stall_s`, so it cannot hold its
+concurrency slot for ever; that is not the upstream's fault and does not count for the breaker. The guard's
 metrics are at /guard/metrics.
 """
 
@@ -133,6 +135,7 @@ class _Proxy:
         resp: web.StreamResponse | None = None
         status = 502
         timed_out = False
+        writing = False
         kept: list[bytes] = []
         size = 0
         br = g.cfg.breaker
@@ -155,10 +158,14 @@ class _Proxy:
                             chunk = await anext(chunks)
                         except StopAsyncIteration:
                             break
-                        deadline.reschedule(None)  # a slow client is not the upstream's fault
                         if ttft is None:
                             ttft = time.monotonic() - t0
+                        # A slow client is not the upstream's fault, but one that stops reading must not
+                        # hold its slot for ever: each write to it has client_stall_s.
+                        deadline.reschedule(loop.time() + br.client_stall_s)
+                        writing = True
                         await resp.write(chunk)
+                        writing = False
                         if self._keep and size <= br.cache_bytes:
                             kept.append(chunk)
                             size += len(chunk)
@@ -167,6 +174,11 @@ class _Proxy:
                 g.cache_put(key, b"".join(kept), r.headers.get("Content-Type", "application/json"))
             return resp
         except TimeoutError:
+            if writing:
+                status = 499  # the client stopped reading: its slot is freed, and the upstream is not to blame
+                log.warning("gpuscope guard: a client read nothing for %g s; cut off %s %s and freed its slot",
+                            br.client_stall_s, request.method, request.path)
+                return _cut(request, resp) if resp is not None else _error(499, "The client stopped reading.")
             status, timed_out = 504, True
             if resp is None:
                 return _error(504, f"The upstream {upstream} did not answer within {br.timeout_s:g} s.")
