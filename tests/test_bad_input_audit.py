@@ -28,9 +28,12 @@ ROOT = Path(__file__).resolve().parents[1]
 DEEP = 100_000  # '[' nested this deep: json, PyYAML and tomllib raise RecursionError, not their parse error
 
 
-def gpuscope(*args: str, cwd: Path | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def gpuscope(*args: str, cwd: Path | None = None, timeout: float = 60,
+             env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.pop("GPUSCOPE_URL", None)
+    env.pop("GPUSCOPE_TOKEN", None)
+    env.update(env_extra or {})
     return subprocess.run([sys.executable, "-m", "gpuscope", *args], capture_output=True, text=True, env=env,
                           cwd=cwd, timeout=timeout, stdin=subprocess.DEVNULL)
 
@@ -144,6 +147,32 @@ def test_top_once_with_a_json_list_names_the_answer(json_server):
                                              ("http://127.0.0.1:99999", "is not a usable URL")])
 def test_a_malformed_url_is_a_usage_error(args, url, needle):
     one_sentence(gpuscope(*args, "--url", url), 2, needle)
+
+
+ENV_VERBS = [["query", "gpu_sm_active_ratio"], ["alerts", "list"], ["diagnose", "--seconds", "5"], ["top", "--once"]]
+
+
+@pytest.mark.parametrize("args", ENV_VERBS, ids=" ".join)
+@pytest.mark.parametrize(("url", "needle"), [("nosch", "GPUSCOPE_URL must be an http:// or https:// URL"),
+                                             ("http://[::1", "GPUSCOPE_URL 'http://[::1' is not a usable URL")])
+def test_a_bad_gpuscope_url_is_named_as_such(args, url, needle):
+    # It was blamed on a --url the user never typed, and exited 1.
+    one_sentence(gpuscope(*args, env_extra={"GPUSCOPE_URL": url}), 2, needle)
+
+
+def test_a_bad_gpuscope_url_does_not_stop_a_simulated_top():
+    p = gpuscope("top", "--once", "--json", "--simulate", "healthy", env_extra={"GPUSCOPE_URL": "nosch"})
+    assert p.returncode == 0 and json.loads(p.stdout)["simulated"] == "healthy", p.stderr
+
+
+@pytest.mark.parametrize("args", ENV_VERBS, ids=" ".join)
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_a_token_that_cannot_go_in_a_header_is_a_usage_error(json_server, args, how):
+    # urllib's "Invalid header value" ValueError was reported as "answered with something that is not JSON".
+    token = "abc\ndef"
+    p = gpuscope(*args, "--url", f"{json_server}/empty", *(["--token", token] if how == "flag" else []),
+                 env_extra={"GPUSCOPE_TOKEN": token} if how == "env" else None)
+    one_sentence(p, 2, "The token holds a line break")
 
 
 def test_a_dashboard_prometheus_answering_json_nested_too_deep(json_server):

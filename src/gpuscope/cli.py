@@ -20,7 +20,7 @@ from typing import Any
 
 from . import __version__
 from ._nvml import NvmlUnavailable
-from .agent.client import BadUrl, ClientError
+from .agent.client import BadArgument, ClientError
 from .sampler import ConfigError, Sampler, SamplerConfig
 
 EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE = 0, 1, 2
@@ -287,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as e:
         print(f"gpuscope: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except (ConfigError, BadUrl) as e:
+    except (ConfigError, BadArgument) as e:
         print(f"gpuscope: {e}", file=sys.stderr)
         return EXIT_USAGE
     except (NvmlUnavailable, ClientError, Unavailable) as e:
@@ -427,7 +427,8 @@ def _top(args: argparse.Namespace) -> int:
     from . import top
 
     try:
-        feed = top.open_feed(args.url or default_url(), find_token(args.token, args.data_dir), args.refresh,
+        url = "" if args.simulate is not None else args.url or default_url()  # a simulated node reads no agent
+        feed = top.open_feed(url, find_token(args.token, args.data_dir), args.refresh,
                              args.simulate, args.gpus, args.processes)
     except top.NoSource as e:
         raise Unavailable(str(e)) from None
@@ -480,7 +481,7 @@ def _query(args: argparse.Namespace) -> int:
     try:
         data = get_json(url, "/api/v1/query_range", params, find_token(args.token, args.data_dir),
                         require={"metric": str, "series": list})
-    except BadUrl:
+    except BadArgument:
         raise
     except ClientError as e:
         print(f"gpuscope: {e}", file=sys.stderr)

@@ -21,12 +21,23 @@ class ClientError(RuntimeError):
     """One sentence for the user."""
 
 
-class BadUrl(ClientError):
-    """The URL itself is unusable (no scheme, bad port): the user's typing, not a missing agent."""
+class BadArgument(ClientError):
+    """The URL or the token itself is unusable (no scheme, bad port, a line break): the user's typing, not a
+    missing agent."""
 
 
 def default_url() -> str:
-    return os.environ.get("GPUSCOPE_URL", f"http://127.0.0.1:{DEFAULT_PORT}")
+    """$GPUSCOPE_URL (an empty one counts as unset), else the local agent; a bad $GPUSCOPE_URL is named as such,
+    not as a --url the user never typed."""
+    url = os.environ.get("GPUSCOPE_URL") or f"http://127.0.0.1:{DEFAULT_PORT}"
+    try:
+        parts = urllib.parse.urlsplit(url)
+        _ = parts.port
+    except ValueError as e:
+        raise BadArgument(f"GPUSCOPE_URL {url!r} is not a usable URL: {e}.") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise BadArgument(f"GPUSCOPE_URL must be an http:// or https:// URL of an agent, not {url!r}.")
+    return url
 
 
 def find_token(explicit: str | None, data_dir: str | None) -> str | None:
@@ -47,11 +58,14 @@ def get_json(url: str, path: str, params: dict[str, str], token: str | None, tim
     """The agent's JSON object at `path`; `require` names top-level keys and their types that the caller
     reads, so that a server that is not a gpuscope agent ends in one sentence rather than a KeyError."""
     if not url.startswith(("http://", "https://")):
-        raise BadUrl(f"--url must start with http:// or https://, not {url!r}.")
+        raise BadArgument(f"--url must start with http:// or https://, not {url!r}.")
     try:
         _ = urllib.parse.urlsplit(url).port  # a bad host or port raises here, not as a traceback from urlopen
     except ValueError as e:
-        raise BadUrl(f"--url {url!r} is not a usable URL: {e}.") from None
+        raise BadArgument(f"--url {url!r} is not a usable URL: {e}.") from None
+    if token is not None and not _header_safe(token):  # urllib's ValueError would read as "not JSON"
+        raise BadArgument("The token holds a line break or another character that cannot go in an HTTP header; "
+                          "check --token, $GPUSCOPE_TOKEN or the token file.")
     full = url.rstrip("/") + path + ("?" + urllib.parse.urlencode(params) if params else "")
     req = urllib.request.Request(full, headers={"Authorization": f"Bearer {token}"} if token else {})
     try:
@@ -77,6 +91,14 @@ def get_json(url: str, path: str, params: dict[str, str], token: str | None, tim
         if not isinstance(data.get(key), kind):
             raise ClientError(f"{url} answered {path} without a usable {key!r}; is it a gpuscope agent?")
     return data
+
+
+def _header_safe(text: str) -> bool:
+    try:
+        text.encode("latin-1")  # what http.client encodes header values as
+    except UnicodeEncodeError:
+        return False
+    return text.isprintable()
 
 
 def _ts(ns: int) -> str:

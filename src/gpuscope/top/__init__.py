@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .._nvml import NvmlUnavailable
-from ..agent.client import ClientError
+from ..agent.client import BadArgument, ClientError
 from ..sampler import Sampler, SamplerConfig
 from .feed import AgentFeed, Feed, LocalFeed, StaticFeed
 from .model import plain
@@ -40,6 +40,8 @@ def open_feed(url: str, token: str | None, refresh: float, simulate: str | None 
     try:
         agent.probe()
         return agent
+    except BadArgument:  # a token that cannot be sent is the user's to fix, not a reason to sample here
+        raise
     except ClientError as e:
         why = str(e).rstrip(".")
     sampler = (local or (lambda: Sampler(SamplerConfig(interval=SAMPLER_INTERVAL_S))))()
