@@ -88,7 +88,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--slo", help="SLOs for goodput, e.g. ttft=200ms,tpot=50ms,e2e=2s")
     m.add_argument("--metrics-as", default="vllm", choices=("vllm", "aiperf"),
                    help="name and compute LLM figures as vLLM or AIPerf do (default vllm)")
-    m.add_argument("--timeout", default="60s", help="per-request timeout (default 60s)")
+    m.add_argument("--timeout", default="60s", help="per-request timeout, counted from the intended send time (default 60s)")
     m.add_argument("--insecure", action="store_true", help="do not verify the server's TLS certificate")
     m.add_argument("--max-connections", type=int, default=0,
                    help="connections per worker (default: as many as needed: a true open loop)")
