@@ -267,6 +267,18 @@ def test_a_config_file_nested_too_deep(tmp_path):
                  "nests arrays or tables too deep")
 
 
+@pytest.mark.parametrize(("text", "needle"), [
+    ('[alerts]\nexternal_url = "javascript:alert(1)"\n', "external_url must be the agent's http:// or https:// URL"
+                                                          " as people reach it, not 'javascript:alert(1)'."),
+    ('[alerts]\nwebhook_urls = ["nosch"]\n', "webhook_urls must hold http:// or https:// URLs, not 'nosch'."),
+], ids=["external_url", "webhook_urls"])
+def test_a_config_url_that_is_not_http_is_named_as_typed(tmp_path, text, needle):
+    # external_url was not checked (it became every alert's link); a bad URL was shown as '/nosch'
+    (tmp_path / "c.toml").write_text(text)
+    one_sentence(gpuscope("agent", "--config", str(tmp_path / "c.toml"), "--data-dir", str(tmp_path / "d")), 2,
+                 needle)
+
+
 def test_a_baselines_file_nested_too_deep_is_reported_as_damaged(tmp_path):
     from gpuscope.diagnose.baseline import Baselines
 

@@ -381,7 +381,8 @@ def redact_url(url: str) -> str:
         if p.username is not None:
             host = f"{p.username}:{MASK}@{host}" if p.password is not None else f"{p.username}@{host}"
         segs = [s for s in p.path.split("/") if s]
-        path = ("/" + segs[0] + (f"/{MASK}" if len(segs) > 1 else "")) if segs else p.path
+        lead = "/" if p.path.startswith("/") else ""  # 'nosch' stays 'nosch' in "must be a URL, not ..."
+        path = (lead + segs[0] + (f"/{MASK}" if len(segs) > 1 else "")) if segs else p.path
         query = "&".join(f"{k}={MASK}" for k, _ in urllib.parse.parse_qsl(p.query, keep_blank_values=True))
         return urllib.parse.urlunsplit((p.scheme, host, path, query, ""))
     except ValueError:

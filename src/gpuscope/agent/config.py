@@ -317,6 +317,9 @@ def validate(cfg: Config) -> None:
         for u in getattr(al, key):
             if not _is_http_url(u):
                 raise ConfigError(f"{src}[alerts] {key} must hold http:// or https:// URLs, not {redact_url(u)!r}.")
+    if al.external_url and not _is_http_url(al.external_url):  # it becomes every alert's link back to the agent
+        raise ConfigError(f"{src}[alerts] external_url must be the agent's http:// or https:// URL as people "
+                          f"reach it, not {redact_url(al.external_url)!r}.")
     for name, value in al.webhook_headers.items():
         if not re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+", name) or "\r" in value or "\n" in value:
             raise ConfigError(f"{src}[alerts] webhook_headers: {name!r} must be a header name with a one-line value.")
