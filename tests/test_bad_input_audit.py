@@ -388,3 +388,15 @@ def test_malformed_http_and_a_client_gone_mid_body_leave_no_traceback_in_the_log
     time.sleep(0.3)
     log = agent.log.read_text()
     assert "Traceback" not in log and " ERROR " not in log, log
+
+
+def test_a_request_the_agent_refuses_as_bad_is_a_usage_error(agent):
+    # The agent's 400 answers a query built from the user's flags: exit 2 like a bad flag (it was 1).
+    one_sentence(gpuscope("query", "gpu_sm_active_ratio", "--url", f"http://127.0.0.1:{agent.port}", "--agg", "p0"),
+                 2, "answered 400: agg must be one of")
+
+
+def test_diagnose_seconds_reach_the_agent_as_a_duration_it_reads(agent):
+    # --seconds 100000d went out as window=8.64e+09s, which the agent refused as "not a duration"
+    one_sentence(gpuscope("diagnose", "--url", f"http://127.0.0.1:{agent.port}", "--seconds", "100000d"), 2,
+                 "window is longer than the")

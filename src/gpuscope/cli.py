@@ -614,7 +614,8 @@ def _diagnose_from_agent(args: argparse.Namespace) -> dict[str, Any] | None:
 
     url = args.url or default_url()
     try:
-        return get_json(url, "/api/v1/diagnose", {"window": f"{args.seconds:g}s"},
+        # Fixed-point: the agent reads no exponent, and --seconds 100000d is 8.64e+09 with :g
+        return get_json(url, "/api/v1/diagnose", {"window": f"{args.seconds:.3f}s"},
                         find_token(args.token, None), timeout=30.0 if args.url else 2.0, require={"verdicts": list})
     except ClientError as e:
         if args.url is not None or "No gpuscope agent answers" not in str(e):

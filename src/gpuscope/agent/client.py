@@ -76,7 +76,8 @@ def get_json(url: str, path: str, params: dict[str, str], token: str | None, tim
             msg = json.loads(e.read()).get("error", e.reason)
         except (ValueError, AttributeError, RecursionError):
             msg = e.reason
-        raise ClientError(f"The agent at {url} answered {e.code}: {msg}") from None
+        # 400: the request, built from the user's flags, is bad (--agg, --step, a metric): exit 2 like a bad flag
+        raise (BadArgument if e.code == 400 else ClientError)(f"The agent at {url} answered {e.code}: {msg}") from None
     except urllib.error.URLError as e:
         raise ClientError(f"No gpuscope agent answers at {url} ({e.reason}); start one with 'gpuscope agent'.") from None
     except http.client.HTTPException:  # BadStatusLine and kin: something listens there that speaks no HTTP
