@@ -400,3 +400,34 @@ def test_diagnose_seconds_reach_the_agent_as_a_duration_it_reads(agent):
     # --seconds 100000d went out as window=8.64e+09s, which the agent refused as "not a duration"
     one_sentence(gpuscope("diagnose", "--url", f"http://127.0.0.1:{agent.port}", "--seconds", "100000d"), 2,
                  "window is longer than the")
+
+
+# -- an output that is one of the inputs -----------------------------------------------------------------
+
+def test_trace_flame_and_merge_refuse_to_overwrite_their_input(tmp_path):
+    trace = _trace_file(tmp_path / "a.json")
+    before = trace.read_text()
+    one_sentence(gpuscope("trace", "flame", str(trace), "--out", str(trace)), 2, "would overwrite")
+    one_sentence(gpuscope("trace", "merge", str(trace), "--out", str(tmp_path / "." / "a.json")), 2, "would overwrite")
+    assert trace.read_text() == before
+
+
+def test_export_rules_refuses_to_overwrite_a_rule_file(tmp_path):
+    rules = tmp_path / "r.yaml"
+    rules.write_text('rules:\n  - name: x\n    metric: gpu_sm_active_ratio\n    condition: "< 0.5"\n')
+    before = rules.read_text()
+    one_sentence(gpuscope("alerts", "export-rules", str(rules), "-o", str(rules)), 2, "would overwrite")
+    assert rules.read_text() == before
+
+
+def test_export_refuses_to_write_into_the_store(tmp_path):
+    # --out DATA/store/gpuscope.db replaced the store's database with CSV
+    from gpuscope.store import Store
+
+    Store(str(tmp_path / "store")).close()
+    db = sorted((tmp_path / "store").iterdir())
+    sizes = {p.name: p.stat().st_size for p in db}
+    p = gpuscope("export", "--data-dir", str(tmp_path), "--since", "1h", "--format", "csv",
+                 "--out", str(tmp_path / "store" / db[0].name))
+    one_sentence(p, 2, "is inside")
+    assert {p.name: p.stat().st_size for p in sorted((tmp_path / "store").iterdir())} == sizes

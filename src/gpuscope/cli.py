@@ -498,6 +498,10 @@ def _export(args: argparse.Namespace) -> int:
     if fmt is None:
         raise UsageError("Cannot tell the format from the file name; add --format parquet, csv or jsonl.")
     start_ns, end_ns = _time_range(args)
+    from .agent.config import default_data_dir
+
+    data_dir = os.path.expanduser(args.data_dir) if args.data_dir else str(default_data_dir())
+    _check_not_input("--out", args.out, [os.path.join(data_dir, "store")])  # the export would replace the database
     n = _with_store(args.data_dir, lambda store: store.export(start_ns, end_ns, args.out, fmt=fmt,
                                                               metrics=args.metric))
     print(f"wrote {n} rows to {args.out}")
@@ -623,6 +627,18 @@ def _diagnose_from_agent(args: argparse.Namespace) -> dict[str, Any] | None:
         return None
 
 
+def _check_not_input(flag: str, out: str, inputs: Sequence[str]) -> None:
+    """One sentence when `out` is one of the files (or inside one of the directories) being read: writing it
+    would destroy what it was made from (a trace, a rule file, the store's database)."""
+    target = os.path.realpath(out)
+    for given in inputs:
+        src = os.path.realpath(given)
+        if target == src:
+            raise UsageError(f"{flag} {out} would overwrite {given}, which it is made from; name another file.")
+        if os.path.isdir(src) and os.path.commonpath([target, src]) == src:
+            raise UsageError(f"{flag} {out} is inside {given}, which it is made from; name a file elsewhere.")
+
+
 def _check_writable(flag: str, path: str | None) -> None:
     """One sentence now when a report could not be written at `path` later (a directory, no parent)."""
     if not path:
@@ -691,6 +707,8 @@ def _alerts(args: argparse.Namespace) -> int:
         print(f"ok: {len(own)} rule(s) from {', '.join(args.files)}; {len(rules)} rule(s) in all with the built-ins"
               if not args.no_builtins else f"ok: {len(rules)} rule(s) from {', '.join(args.files)}")
         return EXIT_OK
+    if args.out != "-":
+        _check_not_input("--out", args.out, args.files)
     text = to_prometheus(rules, group=args.group, sources=args.files)
     if args.out == "-":
         sys.stdout.write(text)
