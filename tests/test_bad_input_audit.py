@@ -431,3 +431,9 @@ def test_export_refuses_to_write_into_the_store(tmp_path):
                  "--out", str(tmp_path / "store" / db[0].name))
     one_sentence(p, 2, "is inside")
     assert {p.name: p.stat().st_size for p in sorted((tmp_path / "store").iterdir())} == sizes
+
+
+@pytest.mark.parametrize("verb", [["run", "--simulate", "healthy", "--no-html"], ["trace", "run"]], ids=" ".join)
+def test_an_empty_command_name_is_a_usage_error(tmp_path, verb):
+    # `run -- "$UNSET"` read "Command not found: ." and exited 127
+    one_sentence(gpuscope(*verb, "--", "", cwd=tmp_path), 2, "The command to run is an empty string")

@@ -140,11 +140,15 @@ def test_a_command_that_exits_at_once_gets_one_sentence_and_its_code(tmp_path):
 
 
 def test_report_write_failures_are_one_sentence_and_keep_the_exit_code(tmp_path):
-    p = gpuscope("run", "--simulate", "healthy", "--html", str(tmp_path / "no" / "r.html"),
-                 "--json", str(tmp_path / "no" / "r.json"), "--", sys.executable, "-c", "raise SystemExit(4)")
+    # A directory missing at the start is refused before the run (test_bad_input_audit.py); this one goes away
+    # while the command runs.
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    p = gpuscope("run", "--simulate", "healthy", "--html", str(gone / "r.html"), "--json", str(gone / "r.json"),
+                 "--", sys.executable, "-c", f"import os; os.rmdir({str(gone)!r}); raise SystemExit(4)")
     _, err = p.communicate(timeout=30)
     assert p.returncode == 4, err
-    assert "cannot write the HTML report" in err and "cannot write" in err and "Traceback" not in err
+    assert "cannot write the HTML report" in err and "cannot write the JSON report" in err and "Traceback" not in err
 
 
 def test_one_path_for_both_reports_is_refused_before_the_run(tmp_path):

@@ -169,6 +169,9 @@ class Forwarder:
 def _check(cmd: list[str]) -> None:
     if not cmd:
         raise RunError("Nothing to run: give a command after --, e.g. gpuscope run -- python train.py.", 2)
+    if not cmd[0].strip():  # `run -- "$UNSET_VAR"`: which('') is None and the message read "Command not found: ."
+        raise RunError("The command to run is an empty string; give one after --, e.g. gpuscope run -- python "
+                       "train.py.", 2)
     if os.sep not in cmd[0] and shutil.which(cmd[0]) is None:
         raise RunError(f"Command not found: {cmd[0]}.", 127)
     if os.sep in cmd[0] and not os.path.exists(cmd[0]):
