@@ -238,8 +238,11 @@ def test_non_json_bodies_errors_and_methods_are_recorded(plain, tmp_path):
                     out.append((r.status, await r.json()))
                 async with s.post(cap.url + "/die", json={}) as r:
                     out.append((r.status, await r.json()))
+                async with s.post(cap.url + "/echo", data=deep, headers={"Content-Type": "application/json"}) as r:
+                    out.append((r.status, await r.json()))
                 return out
-        (s1, b1), (s2, b2), (s3, b3) = run(go())
+        deep = "[" * 100_000 + "]" * 100_000  # json.loads raises RecursionError on it, not ValueError
+        (s1, b1), (s2, b2), (s3, b3), (s4, b4) = run(go())
     finally:
         rc, err = cap.stop()
     assert (s1, s2, s3) == (200, 404, 502)
@@ -249,6 +252,7 @@ def test_non_json_bodies_errors_and_methods_are_recorded(plain, tmp_path):
     assert lines[0]["body"] == "plain words here" and lines[0]["prompt_chars"] == 16 and lines[0]["method"] == "PUT"
     assert lines[1]["body"] is None and lines[1]["status"] == 404
     assert lines[2]["status"] == 502 and lines[2]["error"].startswith("The upstream")
+    assert s4 == 200 and b4["body"] == deep and lines[3]["body"] == deep  # recorded as text
     assert rc == 0
 
 

@@ -103,6 +103,9 @@ def test_bad_config_is_one_sentence_naming_the_problem(data, words):
     ("empty.yaml", "", "must be a mapping"),
     ("bin.yaml", b"\xff\xfe\x00", "cannot be read"),
     ("unknown.yaml", "classes: [{name: a}]\nbreaker: {fail_max: 5}\n", "Unknown key breaker.fail_max"),
+    # a RecursionError, not a parser error
+    pytest.param("deep.yaml", "[" * 100_000 + "]" * 100_000, "nested too deep", id="deep.yaml"),
+    pytest.param("deep.toml", "a = " + "[" * 100_000 + "]" * 100_000, "nested too deep", id="deep.toml"),
 ])
 def test_bad_files_exit_2_with_one_sentence(tmp_path, capsys, name, text, words):
     p = tmp_path / name

@@ -190,6 +190,17 @@ def test_asgi_middleware_in_starlette_under_uvicorn(starlette_url):
     assert _samples(metrics, "gpuscope_guard_shed")[(("class", "batch"), ("reason", "rate"))] == 1
 
 
+def test_asgi_middleware_passes_a_body_nested_too_deep_to_parse(starlette_url):
+    url, _ = starlette_url  # the model: fallback makes the middleware parse bodies
+    body = b"[" * 100_000 + b"]" * 100_000  # json.loads raises RecursionError, not ValueError
+
+    async def scenario():
+        async with aiohttp.ClientSession() as s, s.post(url + "/v1/length", data=body) as r:
+            return r.status, await r.json()
+
+    assert asyncio.run(scenario()) == (200, {"bytes": len(body), "tail": "]" * 8})
+
+
 def test_asgi_middleware_passes_a_body_larger_than_it_reads(starlette_url):
     url, _ = starlette_url
     body = b"x" * (3 << 20) + b"the-end!"  # over classify.max_body_bytes (1 MiB): not parsed, passed on whole

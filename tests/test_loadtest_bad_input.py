@@ -51,6 +51,7 @@ def test_non_ascii_url_path_is_percent_encoded() -> None:
     (["{url}", "--stage-file", "{binary}"], "is not valid YAML/JSON"),
     (["{url}", "--stage-file", "{huge_rate}", "--workers", "1"], "more than 1 worker(s) can send"),
     (["{url}", "--stage-file", "{inf_ramp}"], "target rate must be above 0"),
+    (["{url}", "--stage-file", "{deep}"], "nested too deep"),
     (["{url}", "--rate", "10000", "--duration", "100000h", "--workers", "1"], "requests"),
     (["{url}", "--openai", "chat", "--prompt-tokens", "100000000", "--requests", "1"], "at most"),
     (["{url}", "--request-file", "{binary}"], "is not UTF-8 text"),
@@ -64,6 +65,7 @@ def test_bad_input_is_one_sentence_and_exit_2(srv, tmp_path: Path, args: list[st
     (tmp_path / "bin.yaml").write_bytes(b"\xff\xfe\x00garbage")
     (tmp_path / "huge.yaml").write_text("- duration: 1s\n  rate: 1e9\n")
     (tmp_path / "inf.yaml").write_text("- duration: 2s\n  rate: 1\n  ramp_to: .inf\n")
+    (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
     rf = {"rf_path": '{"path": "/ x HTTP/1.1\\r\\nEvil: y"}', "rf_method": '{"path": "/", "method": "GET / HTTP/1.1"}',
           "rf_headers": '{"path": "/", "headers": ["X: y"]}',
           "rf_header_crlf": '{"path": "/", "headers": {"X": "a\\r\\nEvil: y"}}'}
@@ -71,6 +73,7 @@ def test_bad_input_is_one_sentence_and_exit_2(srv, tmp_path: Path, args: list[st
         (tmp_path / f"{name}.jsonl").write_text(line + "\n")
     subs = {"url": srv.url("/fast"), "base": srv.url("").rstrip("/"), "binary": str(tmp_path / "bin.yaml"),
             "huge_rate": str(tmp_path / "huge.yaml"), "inf_ramp": str(tmp_path / "inf.yaml"),
+            "deep": str(tmp_path / "deep.json"),
             **{name: str(tmp_path / f"{name}.jsonl") for name in rf}}
     p = _cli(*[a.format(**subs) for a in args], "--no-gpu", "--quiet", "--out", str(tmp_path / "o"), cwd=tmp_path)
     assert p.returncode == 2, p.stderr

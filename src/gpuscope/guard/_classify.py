@@ -57,7 +57,7 @@ def estimate_tokens(body: Any) -> float:
     if isinstance(body, (bytes, bytearray)):
         try:
             body = json.loads(body)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):
             return 1.0
     if not isinstance(body, dict):
         return 1.0

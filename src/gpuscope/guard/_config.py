@@ -171,6 +171,8 @@ def load(path: str | Path) -> GuardConfig:
             data: Any = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
             raise GuardConfigError(f"{p} is not valid TOML: {e}.") from None
+        except RecursionError:  # arrays nested thousands deep: no parser error, a Python one
+            raise GuardConfigError(f"{p} is nested too deep to be a guard config.") from None
     else:
         import yaml  # type: ignore[import-untyped]
 
@@ -180,6 +182,8 @@ def load(path: str | Path) -> GuardConfig:
             where = getattr(e, "problem_mark", None)
             at = f" at line {where.line + 1}" if where is not None else ""
             raise GuardConfigError(f"{p} is not valid YAML{at}: {getattr(e, 'problem', None) or e}.") from None
+        except RecursionError:
+            raise GuardConfigError(f"{p} is nested too deep to be a guard config.") from None
     try:
         return parse(data)
     except GuardConfigError as e:

@@ -35,7 +35,7 @@ def refusal(d: Decision) -> tuple[int, dict[str, str], bytes]:
 def parse_json(body: bytes) -> Any:
     try:
         return json.loads(body) if body else None
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: '[' nested thousands deep
         return None
 
 

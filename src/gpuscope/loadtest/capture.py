@@ -150,7 +150,7 @@ class UsageScanner:
     def _take(self, data: bytes) -> None:
         try:
             usage = json.loads(data).get("usage")
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, RecursionError):
             return
         if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
             self.output_tokens = usage["completion_tokens"]
@@ -194,7 +194,7 @@ class Recorder:
         if "json" in content_type or text.lstrip()[:1] in ("{", "["):
             try:
                 body = json.loads(text)
-            except ValueError:
+            except (ValueError, RecursionError):  # kept as text, as any body that is not JSON
                 pass
         return body
 

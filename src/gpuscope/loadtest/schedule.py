@@ -180,6 +180,8 @@ def load_stage_file(path: str | Path, *, default_arrival: str = "poisson", burst
         data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
     except (ValueError, yaml.YAMLError) as e:
         raise ScheduleError(f"The stage file {path} is not valid YAML/JSON ({str(e).splitlines()[0]}).") from None
+    except RecursionError:  # '[' nested thousands deep: no parser error, a Python one
+        raise ScheduleError(f"The stage file {path} is nested too deep to be a list of stages.") from None
     if isinstance(data, dict) and "stages" in data:
         data = data["stages"]
     if not isinstance(data, list) or not data:
