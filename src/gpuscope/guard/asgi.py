@@ -13,8 +13,9 @@ the last good answer for the same method, path and model is replayed; with `mode
 field is rewritten. The guard's metrics are served at `metrics_path`. Latency is measured to the last
 body byte, TTFT to the first; an exception in the app releases the slot as a 500 and goes on up. A client
 that stops reading (one body write waits `breaker.client_stall_s`) gives its slot back as a 499: the app's
-send raises ClientStalled (an OSError, which Starlette takes for a disconnect) and the server closes the
-connection.
+send raises ClientStalled (an OSError, which Starlette takes for a disconnect). The connection itself is
+the server's: uvicorn closes it once its buffered answer is sent, which a client that never reads may
+hold off (ASGI gives the middleware no way to abort it; the proxy does abort it).
 """
 
 from __future__ import annotations
@@ -92,40 +93,69 @@ class GuardMiddleware:
         keep = d.degrade == "" and self.guard.cfg.breaker.fallback == "cached"
         cache_bytes = self.guard.cfg.breaker.cache_bytes
         stall_s = self.guard.cfg.breaker.client_stall_s
+        # A client that stops reading blocks a body write in the server's flow control. One watchdog timer per
+        # request (not an asyncio.timeout per chunk: 4.5 us each) cancels a write pending for stall_s.
+        loop = asyncio.get_running_loop()
+        clock = loop.time
+        since = 0.0  # when the pending body write began (0.0: none pending)
+        writer: asyncio.Task | None = None  # the task that writes
+        stalled = False
+        timer: asyncio.TimerHandle | None = None
+
+        def watchdog() -> None:
+            nonlocal stalled, timer
+            now = clock()
+            if since and now - since >= stall_s and writer is not None:
+                stalled = True
+                writer.cancel()
+                return
+            timer = loop.call_at((since or now) + stall_s, watchdog)
 
         async def watched_send(message: Message) -> None:
+            nonlocal since, writer, timer
+            if message["type"] == "http.response.body":
+                chunk = message.get("body", b"")
+                if state["ttft"] is None and chunk:
+                    state["ttft"] = time.monotonic() - t0
+                    writer = asyncio.current_task()
+                    timer = loop.call_later(stall_s, watchdog)
+                if keep and state["size"] <= cache_bytes:
+                    state["chunks"].append(chunk)
+                    state["size"] += len(chunk)
+                if stalled:
+                    raise ClientStalled("the client stopped reading")
+                since = clock()
+                try:
+                    await send(message)
+                except asyncio.CancelledError:
+                    if stalled and writer is not None:  # the watchdog's cancel: the app sees an OSError
+                        writer.uncancel()
+                        raise ClientStalled(f"the client read nothing for {stall_s:g} s") from None
+                    raise
+                finally:
+                    since = 0.0
+                return
             if message["type"] == "http.response.start":
                 state["status"] = message["status"]
                 for k, v in message.get("headers", []):
                     if k.lower() == b"content-type":
                         state["ctype"] = v.decode("latin-1")
-            elif message["type"] == "http.response.body":
-                chunk = message.get("body", b"")
-                if state["ttft"] is None and chunk:
-                    state["ttft"] = time.monotonic() - t0
-                if keep and state["size"] <= cache_bytes:
-                    state["chunks"].append(chunk)
-                    state["size"] += len(chunk)
-                if state.get("stalled"):
-                    raise ClientStalled("the client stopped reading")
-                try:
-                    async with asyncio.timeout(stall_s):  # the server's flow control blocks a body write
-                        await send(message)
-                except TimeoutError:
-                    state["stalled"] = True
-                    raise ClientStalled(f"the client read nothing for {stall_s:g} s") from None
-                return
             await send(message)
 
         try:
             await self.app(scope, receive, watched_send)
         except BaseException:
-            if state.get("stalled"):  # the app gave up on the client: the slot is free, the server closes
+            if stalled:  # the app gave up on the client: the slot is free
                 self.guard.release(d, 499, time.monotonic() - t0, ttft_s=state["ttft"])
                 return
             self.guard.release(d, 500, time.monotonic() - t0, ttft_s=state["ttft"])
             raise
-        self.guard.release(d, state["status"], time.monotonic() - t0, ttft_s=state["ttft"])
+        finally:
+            if timer is not None:
+                timer.cancel()
+        # An app that caught ClientStalled and returned: still the client's doing, not a 200 of 30 s
+        status = 499 if stalled else state["status"]
+        self.guard.release(d, status, time.monotonic() - t0, ttft_s=state["ttft"])
         if keep and state["status"] == 200 and state["size"] <= cache_bytes:
             self.guard.cache_put(key, b"".join(state["chunks"]), state["ctype"] or "application/json")
 

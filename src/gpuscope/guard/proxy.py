@@ -169,7 +169,10 @@ class _Proxy:
                         if self._keep and size <= br.cache_bytes:
                             kept.append(chunk)
                             size += len(chunk)
+                    deadline.reschedule(loop.time() + br.client_stall_s)  # write_eof drains to the client too
+                    writing = True
                     await resp.write_eof()
+                    writing = False
             if self._keep and status == 200 and size <= br.cache_bytes and d.degrade == "":
                 g.cache_put(key, b"".join(kept), r.headers.get("Content-Type", "application/json"))
             return resp
@@ -178,7 +181,10 @@ class _Proxy:
                 status = 499  # the client stopped reading: its slot is freed, and the upstream is not to blame
                 log.warning("gpuscope guard: a client read nothing for %g s; cut off %s %s and freed its slot",
                             br.client_stall_s, request.method, request.path)
-                return _cut(request, resp) if resp is not None else _error(499, "The client stopped reading.")
+                # abort, not close: close() waits to flush what the client will never read
+                if request.transport is not None:
+                    request.transport.abort()
+                return resp if resp is not None else _error(499, "The client stopped reading.")
             status, timed_out = 504, True
             if resp is None:
                 return _error(504, f"The upstream {upstream} did not answer within {br.timeout_s:g} s.")
