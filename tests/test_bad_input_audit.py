@@ -83,7 +83,8 @@ def not_http() -> Iterator[str]:
 def json_server() -> Iterator[str]:
     """Answers GET and POST (the dashboard POSTs its PromQL) to /list/... with a JSON list, /empty/... with {},
     /deep/... with JSON nested DEEP levels."""
-    bodies = {"list": b"[1, 2]", "empty": b"{}", "deep": b"[" * DEEP + b"]" * DEEP}
+    bodies = {"list": b"[1, 2]", "empty": b"{}", "deep": b"[" * DEEP + b"]" * DEEP,
+              "oddalerts": b'{"firing": [{"state": "x"}]}', "alertsnotalist": b'{"firing": 5}'}
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - http.server's name
@@ -130,6 +131,12 @@ def test_json_that_is_not_the_agents_is_one_sentence(json_server, args, endpoint
     one_sentence(gpuscope(*args, "--url", f"{json_server}/{kind}"), 1,
                  f"answered {endpoint} with JSON that is not an object" if kind == "list"
                  else f"answered {endpoint} without a usable")
+
+
+@pytest.mark.parametrize("kind", ["oddalerts", "alertsnotalist"])
+def test_alerts_the_list_cannot_read_are_one_sentence(json_server, kind):
+    one_sentence(gpuscope("alerts", "list", "--url", f"{json_server}/{kind}"), 1,
+                 "answered /api/v1/alerts with alerts this version cannot read")
 
 
 def test_json_nested_too_deep_is_one_sentence(json_server):

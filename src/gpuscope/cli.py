@@ -735,15 +735,23 @@ def _alerts_list(args: argparse.Namespace) -> int:
         return EXIT_OK
     if data.get("simulated"):
         print(f"SIMULATED node — scenario '{data['simulated']}'")
-    active = data.get("firing", []) + data.get("pending", [])
-    if not active:
-        print(f"no alert firing or pending ({len(data.get('rules', []))} rule(s) evaluated)")
-    for a in active:
-        lab = a["labels"]
-        where = " ".join(f"{k}={lab[k]}" for k in ("gpu", "xid") if lab.get(k))
-        since = time.strftime("%H:%M:%S", time.localtime(a["active_at"]))
-        print(f"{a['state']:<8} {lab.get('severity', ''):<8} {a['rule']:<22} {where:<10} since {since}  "
-              f"{a['annotations'].get('summary', '')}")
+    lines = []
+    try:  # what another server (or another version) answered must end in one sentence, not a KeyError
+        active = list(data.get("firing") or []) + list(data.get("pending") or [])
+        if not active:
+            lines.append(f"no alert firing or pending ({len(data.get('rules') or [])} rule(s) evaluated)")
+        for a in active:
+            lab = a["labels"]
+            where = " ".join(f"{k}={lab[k]}" for k in ("gpu", "xid") if lab.get(k))
+            since = time.strftime("%H:%M:%S", time.localtime(a["active_at"]))
+            lines.append(f"{a['state']:<8} {lab.get('severity', ''):<8} {a['rule']:<22} {where:<10} since {since}  "
+                         f"{a['annotations'].get('summary', '')}")
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError, OSError):
+        from .agent.client import ClientError
+
+        raise ClientError(f"{url} answered /api/v1/alerts with alerts this version cannot read; is it a gpuscope "
+                          "agent?") from None
+    print("\n".join(lines))
     return EXIT_OK
 
 
