@@ -527,6 +527,7 @@ def test_on_demand_requests_are_answered_through_cupti(fake, tmp_path):
     from gpuscope.trace import ondemand as od
 
     agent = tmp_path / "agent"
+    agent.mkdir()  # the agent's data dir, which the agent makes (a missing one is a usage error)
     stop = tmp_path / "stop"
     e = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "PYTHONPATH")}
     e.update(PYTHONPATH=str(fake / "site-packages"), STOP_FILE=str(stop), GPUSCOPE_TRACE_MAX_DUTY="0.5")
