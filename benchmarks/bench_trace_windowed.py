@@ -141,6 +141,7 @@ def main() -> int:
     asked = 0
     with tempfile.TemporaryDirectory() as tmp:
         win_dir, agent_dir = Path(tmp) / "windowed", Path(tmp) / "agent"
+        agent_dir.mkdir()  # as the agent makes its data dir (trace --on-demand refuses a missing one)
         def windowed_cmd(r: int) -> list[str]:
             return [py, "-m", "gpuscope.cli", "trace", "--out", str(win_dir / f"r{r}"), "--delay", f"{a.delay:g}s",
                     "--duration", f"{a.duration:g}s", "--every", f"{a.every:g}s", "--", *work]
