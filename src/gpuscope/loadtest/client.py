@@ -13,7 +13,10 @@ loop timer per client is armed for the earliest deadline, so a timeout fires wit
 of the closed-loop throughput, mostly in garbage collection): when the timer fires, the deadlines of the
 requests then in flight are sorted once into a list that later firings walk; a request started after
 that only lowers `_new_min`, the earliest deadline not in the list, and the list is taken again when that
-comes due. With fast answers that is one sort of the requests in flight per timeout period.
+comes due. With fast answers that is one sort of the requests in flight per timeout period. Requests
+waiting for a connection (`max_connections`) are in send order, which is deadline order, so the timer
+fails the expired ones from the head of the queue; none of them takes a connection, and a connection
+being opened gets only the time left to its request's deadline.
 
     client = Client("http://127.0.0.1:8000", timeout_s=30.0, t0=time.perf_counter())
     client.send(record, payload_bytes, on_done=lambda rec: ..., on_chunk=None)
@@ -40,6 +43,10 @@ perf_counter = time.perf_counter
 # Connections being opened at once: beyond this, requests wait for the first connection to come free or
 # open, so that a burst cannot turn into thousands of simultaneous handshakes (the lateness is recorded).
 MAX_OPENING = 64
+
+# The loop's timers may fire up to a millisecond early (uvloop counts whole ms): a connection attempt is
+# given this much beyond its request's deadline, so that it never fails before the deadline.
+_TIMER_TICK_S = 0.001
 
 OnDone = Callable[[RequestRecord], None]
 OnChunk = Callable[[bytes, float], "str | None"]   # returns an error class to abort, else None
@@ -180,8 +187,7 @@ class _Conn(asyncio.Protocol):
         deadline = self.deadline = rec.t_intended + client.timeout_s
         if rec.t_sent >= deadline:
             # It waited in the client (--max-connections) past its deadline: not sent, the connection kept.
-            rec.error, rec.error_detail = "timeout", f"not sent within {client.timeout_s:g} s of its intended send"
-            rec.t_failed = rec.t_sent
+            _unsent_timeout(rec, client.timeout_s, rec.t_sent)
             self._finish(reuse=True)
             return
         rec.bytes_out = len(payload)
@@ -232,6 +238,7 @@ class Client:
         self._all: set[_Conn] = set()
         self._opening = 0
         self._waiting: deque[tuple[RequestRecord, bytes, OnDone, OnChunk | None]] = deque()
+        self._draining = False
         self._ssl: ssl.SSLContext | None = None
         if self.target.scheme == "https":
             self._ssl = ssl.create_default_context()
@@ -257,6 +264,9 @@ class Client:
         elif (self.max_connections and len(self._all) + self._opening >= self.max_connections) \
                 or self._opening >= MAX_OPENING:
             self._waiting.append((rec, payload, on_done, on_chunk))
+            deadline = rec.t_intended + self.timeout_s
+            if deadline < self._timer_at:
+                self._arm(deadline)
         else:
             self._opening += 1
             asyncio.get_running_loop().create_task(self._open_and_send(rec, payload, on_done, on_chunk))
@@ -265,10 +275,18 @@ class Client:
                              on_chunk: OnChunk | None) -> None:
         loop = asyncio.get_running_loop()
         t = self.target
+        now = perf_counter() - self.t0
+        left_s = connect_budget_s(rec, self.timeout_s, now)
+        if left_s <= 0.0:   # it waited in the client past its deadline: not sent, no connection opened
+            self._opening -= 1
+            _unsent_timeout(rec, self.timeout_s, now)
+            on_done(rec)
+            self._drain_waiting()
+            return
         try:
             _, conn = await asyncio.wait_for(loop.create_connection(
                 lambda: _Conn(self), t.host, t.port, ssl=self._ssl,
-                server_hostname=t.host if self._ssl else None), self.timeout_s)
+                server_hostname=t.host if self._ssl else None), left_s + _TIMER_TICK_S)
         except Exception as e:  # every failure to connect is the server's side of the story: classify it
             self._opening -= 1
             rec.t_sent = rec.t_failed = perf_counter() - self.t0
@@ -298,9 +316,30 @@ class Client:
         self._drain_waiting()
 
     def _drain_waiting(self) -> None:
-        while self._waiting and (self._idle or (self._opening < MAX_OPENING and (
-                not self.max_connections or len(self._all) + self._opening < self.max_connections))):
-            self.send(*self._waiting.popleft())
+        """Send waiting requests while connections are free; fail those past their deadline unsent.
+
+        A loop, never a recursion: sending or failing one may end another request (and call back here),
+        and thousands of expired requests in a row once overflowed the stack and lost their records."""
+        if self._draining:   # an outer call is looping: it sees what this one would have
+            return
+        self._draining = True
+        try:
+            waiting = self._waiting
+            while waiting:
+                rec, payload, on_done, on_chunk = waiting[0]
+                now = perf_counter() - self.t0
+                if now >= rec.t_intended + self.timeout_s:
+                    waiting.popleft()
+                    _unsent_timeout(rec, self.timeout_s, now)
+                    on_done(rec)
+                elif self._idle or (self._opening < MAX_OPENING and (
+                        not self.max_connections or len(self._all) + self._opening < self.max_connections)):
+                    waiting.popleft()
+                    self.send(rec, payload, on_done, on_chunk)
+                else:
+                    break
+        finally:
+            self._draining = False
 
     def _arm(self, deadline: float) -> None:
         if self._timer is not None:
@@ -331,9 +370,12 @@ class Client:
         if k >= len(due):
             self._due, k = [], 0
         self._due_next = k
+        if self._waiting:
+            self._drain_waiting()   # fails the expired ones at the head of the queue
         # The loop's timers may fire a fraction of a millisecond early (uvloop counts whole ms): what is not
         # due yet gets the timer again, never failed early.
-        nxt = min(self._due[k][0] if self._due else float("inf"), self._new_min)
+        nxt = min(self._due[k][0] if self._due else float("inf"), self._new_min,
+                  self._waiting[0][0].t_intended + self.timeout_s if self._waiting else float("inf"))
         if nxt < self._timer_at and nxt != float("inf"):
             self._arm(nxt)
 
@@ -343,6 +385,21 @@ class Client:
             self._timer = None
         for conn in list(self._all):
             conn._close()
+
+
+def connect_budget_s(rec: RequestRecord, timeout_s: float, now_s: float) -> float:
+    """Seconds a connection for `rec` may take to open at `now_s`: what is left to its deadline (intended
+    send plus the timeout), so that time spent waiting for a connection counts against the timeout.
+
+    >>> connect_budget_s(RequestRecord(i=0, stage=0, worker=0, t_intended=1.0, t_sent=0.0), 0.5, 1.25)
+    0.25
+    """
+    return max(rec.t_intended + timeout_s - now_s, 0.0)
+
+
+def _unsent_timeout(rec: RequestRecord, timeout_s: float, now_s: float) -> None:
+    rec.error, rec.error_detail = "timeout", f"not sent within {timeout_s:g} s of its intended send"
+    rec.t_sent = rec.t_failed = now_s
 
 
 def classify_connect_error(e: BaseException) -> tuple[str, str]:
