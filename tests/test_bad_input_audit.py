@@ -9,20 +9,17 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from servers import free_port
+from servers import _Process, http_get
 
 ROOT = Path(__file__).resolve().parents[1]
 DEEP = 100_000  # '[' nested this deep: json, PyYAML and tomllib raise RecursionError, not their parse error
@@ -297,34 +294,26 @@ def test_a_baselines_file_nested_too_deep_is_reported_as_damaged(tmp_path):
 
 # -- the agent's HTTP API -------------------------------------------------------------------------------
 
-class Agent:
+class Agent(_Process):
+    """The agent on a simulated node, started and stopped by the tests' shared server harness."""
+
+    name = "agent"
+    ready_path = "/api/v1/status"
+
     def __init__(self, tmp: Path) -> None:
-        self.port = free_port()
+        super().__init__()
         self.data = tmp / "data"
-        self.log = tmp / "agent.log"
-        env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "gpuscope", "agent", "--simulate", "healthy", "--port", str(self.port),
-                 "--data-dir", str(self.data), "--interval", "50ms"],
-                env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.log.read_text()
-            try:
-                if self.get("/api/v1/status")[0] == 200:
-                    break
-            except OSError:
-                pass
-            time.sleep(0.1)
+        self.start(tmp)
+        assert self.log_path is not None
+        self.log = self.log_path
         self.token = (self.data / "token").read_text().strip()
 
+    def _command(self) -> list[str]:
+        return [sys.executable, "-m", "gpuscope", "agent", "--simulate", "healthy", "--port", str(self.port),
+                "--data-dir", str(self.data), "--interval", "50ms"]
+
     def get(self, path: str) -> tuple[int, bytes]:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=10) as r:
-                return r.status, r.read()
-        except urllib.error.HTTPError as e:
-            return e.code, e.read()
+        return http_get(self.url + path, timeout=10.0)
 
     def raw(self, head: bytes, *parts: bytes, pause_s: float = 0.0) -> bytes:
         """Sends the request in pieces, `pause_s` apart, and returns the whole answer."""
@@ -346,15 +335,6 @@ class Agent:
         answer = self.raw(head, body[:half], body[half:], pause_s=pause_s)
         status = int(answer.split(b" ", 2)[1])
         return status, json.loads(answer.split(b"\r\n\r\n", 1)[1])
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
 
 
 @pytest.fixture(scope="module")
