@@ -72,27 +72,13 @@ def rerender(out_dir: str | Path, gpus: Sequence[str] | None = None) -> Path:
 
 
 def _records(path: Path) -> Iterator[RequestRecord]:
-    """records.jsonl as a stream (a long run's records need not fit in memory); [] when the run wrote none."""
+    """records.jsonl as a stream (a long run's records need not fit in memory); none when the run wrote none."""
     if not path.exists():
         return
-    try:
-        with open(path, "rb") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = orjson.loads(line)
-                except orjson.JSONDecodeError:
-                    try:
-                        line.decode("utf-8")
-                    except UnicodeDecodeError:
-                        raise RerenderError(f"The file {path} is not UTF-8 text.") from None
-                    raise RerenderError(f"Line {n} of the file {path} is not valid JSON.") from None
-                if not isinstance(obj, dict):
-                    raise RerenderError(f"Line {n} of {path} is not a JSON object.")
-                try:
-                    yield RequestRecord.from_json(obj)
-                except TypeError as e:
-                    raise RerenderError(f"Line {n} of {path} holds a record of another shape ({e}).") from None
-    except OSError as e:
-        raise RerenderError(f"Cannot read the file {path}: {e.strerror or e}.") from None
+    for n, obj in json_lines(path, f"the file {path}", RerenderError):
+        if not isinstance(obj, dict):
+            raise RerenderError(f"Line {n} of {path} is not a JSON object.")
+        try:
+            yield RequestRecord.from_json(obj)
+        except TypeError as e:
+            raise RerenderError(f"Line {n} of {path} holds a record of another shape ({e}).") from None

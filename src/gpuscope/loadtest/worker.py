@@ -116,12 +116,15 @@ class Worker:
         while fired and id(fired[0]) in ended:
             ended.discard(id(fired[0]))
             out.append(fired.popleft())
+        self._emit(out)
+        if len(self._buffer) >= 4096:
+            self._flush()
+
+    def _emit(self, recs: list[RequestRecord]) -> None:
         if self.cfg.keep_records:
-            self.records.extend(out)
+            self.records.extend(recs)
         if self._file is not None:
-            self._buffer.extend(orjson.dumps(r.to_json()) for r in out)
-            if len(self._buffer) >= 4096:
-                self._flush()
+            self._buffer.extend(orjson.dumps(r.to_json()) for r in recs)
 
     def _flush(self) -> None:
         if self._file is not None and self._buffer:
@@ -232,10 +235,7 @@ class Worker:
         rest = [r for r in self._fired if id(r) in self._ended]
         self._fired.clear()
         self._ended.clear()
-        if self.cfg.keep_records:
-            self.records.extend(rest)
-        if self._file is not None:
-            self._buffer.extend(orjson.dumps(r.to_json()) for r in rest)
+        self._emit(rest)
         self._flush()
         if self._file is not None:
             self._file.close()
