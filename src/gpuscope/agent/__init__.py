@@ -55,27 +55,6 @@ def setup_logging(fmt: str, level: str) -> None:
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
-    server_log = logging.getLogger("aiohttp.server")
-    if not any(isinstance(f, _MalformedRequests) for f in server_log.filters):
-        server_log.addFilter(_MalformedRequests())
-
-
-class _MalformedRequests(logging.Filter):
-    """aiohttp answers a malformed request (no Host, a 10 kB header, a bad Content-Length) with 400 and
-    logs it as an ERROR with a traceback: anyone who can connect could fill the agent's log with them.
-    They become one DEBUG line; the client has its 400 already."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        from aiohttp.http_exceptions import HttpProcessingError
-
-        exc = record.exc_info[1] if record.exc_info else None
-        if not isinstance(exc, HttpProcessingError):
-            return True
-        reason = (exc.message or type(exc).__name__).strip().splitlines()[0][:200]
-        record.msg, record.args = "refused a malformed request from %s: %s", (*record.args[:1], reason)
-        record.exc_info = record.exc_text = None
-        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
-        return logging.getLogger().isEnabledFor(logging.DEBUG)
 
 
 def load_or_create_token(path: Path) -> str:
@@ -290,6 +269,7 @@ class Agent:
     async def _serve(self) -> int:
         from aiohttp import web
 
+        from .._serverlog import server_logger
         from .server import make_app
 
         self._stop = asyncio.Event()
@@ -300,7 +280,8 @@ class Agent:
             except (NotImplementedError, RuntimeError):  # pragma: no cover - not the main thread
                 pass
         app = make_app(self, self.cfg.agent.max_request_bytes)
-        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        # a malformed request is one rate-limited line, not an ERROR with a traceback each (anyone can send them)
+        runner = web.AppRunner(app, access_log=None, handle_signals=False, logger=server_logger())
         await runner.setup()
         site = web.TCPSite(runner, self.cfg.agent.bind, self.cfg.agent.port, reuse_address=True)
         try:

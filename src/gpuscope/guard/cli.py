@@ -81,8 +81,8 @@ def run(args: argparse.Namespace) -> int:
     upstream = _upstream(args.upstream)
     from aiohttp import web
 
+    from .._serverlog import server_logger
     from ._core import Guard
-    from ._serverlog import server_logger
     from .proxy import make_app
 
     app = make_app(Guard.from_config(cfg), upstream)

@@ -1,4 +1,5 @@
-"""A logger for aiohttp's HTTP server that turns a malformed request into one short line, rate-limited.
+"""A logger for aiohttp's HTTP servers (the agent, the guard's proxy) that turns a malformed request into
+one short line, rate-limited.
 
 aiohttp logs every request it cannot parse (`GET @host/`, a bad header, a line too long) at ERROR with a
 full traceback, so any client can fill the log. It still answers 400; only the log changes:
@@ -48,7 +49,7 @@ class _BadRequestLines(logging.Filter):
 
 def server_logger(interval_s: float = 10.0) -> logging.Logger:
     """A child of aiohttp's `aiohttp.server` logger (same handlers) with the malformed-request filter."""
-    log = logging.getLogger("aiohttp.server.gpuscope_guard")
+    log = logging.getLogger("aiohttp.server.gpuscope")
     if not any(isinstance(f, _BadRequestLines) for f in log.filters):
         log.addFilter(_BadRequestLines(interval_s))
     return log
