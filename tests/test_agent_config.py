@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gpuscope.agent import config
-from gpuscope.agent.timeparse import TimeError, parse_duration, parse_time
+from gpuscope.timeparse import TimeError, parse_duration, parse_time
 
 
 def write(tmp_path, text: str):

@@ -18,6 +18,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import Unavailable as _UserUnavailable
+
 log = logging.getLogger("gpuscope.nvml")
 
 # NVML return codes (stable C ABI values; named here so the fake and the real module agree).
@@ -62,7 +64,7 @@ _CACHED = {code: Unavailable(code, reason) for code, reason in _REASONS.items()}
 MISSING_IN_BINDING = Unavailable(-1, "the installed nvidia-ml-py is too old for this call")
 
 
-class NvmlUnavailable(RuntimeError):
+class NvmlUnavailable(_UserUnavailable, RuntimeError):
     """NVML cannot be used on this machine at all. The message is one sentence for the user."""
 
 

@@ -19,40 +19,15 @@ from dataclasses import asdict, fields
 from typing import Any
 
 from . import __version__
-from ._nvml import NvmlUnavailable
-from .agent.client import BadArgument, ClientError
-from .sampler import ConfigError, Sampler, SamplerConfig
-
-EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE = 0, 1, 2
-
-
-class UsageError(Exception):
-    pass
-
-
-class Unavailable(Exception):
-    """What was asked for is not there (no store, no data in the range): exit 1, one sentence."""
-
-
-def _time_range(args: argparse.Namespace) -> tuple[int, int]:
-    """--start (or --since back from now) and --end, in ns; one sentence when they make no range."""
-    from .agent.timeparse import TimeError, parse_duration, parse_time
-
-    try:
-        now = time.time()
-        if args.start:
-            start_ns = parse_time(args.start, now, "--start")
-        else:  # a duration back from now; its errors quote what the user typed, not '-' + it
-            back_s = parse_duration(args.since, "--since")
-            if back_s > now:
-                raise UsageError(f"--since {args.since!r} reaches back before 1970.")
-            start_ns = int((now - back_s) * 1e9)
-        end_ns = parse_time(args.end, now, "--end")
-    except TimeError as e:
-        raise UsageError(str(e)) from None
-    if end_ns <= start_ns:
-        raise UsageError("--end must be after --start.")
-    return start_ns, end_ns
+from ._args import Parser as _Parser
+from ._args import add_source_args as _add_source_args
+from ._args import check_not_input as _check_not_input
+from ._args import check_sim as _check_sim
+from ._args import check_writable as _check_writable
+from ._args import interval as _interval
+from ._args import time_range as _time_range
+from .errors import EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, Unavailable, UsageError, UserError
+from .sampler import Sampler, SamplerConfig
 
 
 def _with_store(data_dir: str | None, use: Callable[[Any], Any], elsewhere: str = "") -> Any:
@@ -71,34 +46,6 @@ def _with_store(data_dir: str | None, use: Callable[[Any], Any], elsewhere: str 
             store.close()
     except StoreError as e:
         raise UsageError(str(e)) from None
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one sentence, exit 2, no usage dump
-        message = message.rstrip(".")
-        where = " ".join(["gpuscope", *self.prog.split()[1:], "--help"])  # 'gpuscope alerts check --help'
-        raise UsageError(f"{message[0].upper()}{message[1:]} (see '{where}').")
-
-
-def _interval(text: str) -> float:
-    """Seconds, or a duration with a unit: 100ms, 0.5s, 2s, 1m."""
-    from .agent.timeparse import TimeError, parse_duration
-
-    try:
-        return parse_duration(text, "the duration")
-    except TimeError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _add_source_args(p: argparse.ArgumentParser, processes: bool = False) -> None:
-    from .sim import SCENARIOS
-
-    p.add_argument("--simulate", metavar="SCENARIO",
-                   help=f"use a simulated node instead of the real GPUs; one of: {', '.join(SCENARIOS)}")
-    p.add_argument("--gpus", type=int, metavar="N", help="number of simulated GPUs (with --simulate)")
-    if processes:
-        p.add_argument("--processes", type=int, metavar="N",
-                       help="number of simulated processes, dealt over the GPUs (with --simulate; default one per GPU)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -284,36 +231,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     try:
         return _VERBS[args.verb](args)
-    except UsageError as e:
+    except UserError as e:  # every one-sentence error: UsageError, ConfigError, ClientError, ...
         print(f"gpuscope: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except (ConfigError, BadArgument) as e:
-        print(f"gpuscope: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except (NvmlUnavailable, ClientError, Unavailable) as e:
-        print(f"gpuscope: {e}", file=sys.stderr)
-        return EXIT_UNAVAILABLE
+        return e.exit_code
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
         return EXIT_OK
-
-
-def _check_sim(args: argparse.Namespace) -> None:
-    from .sim import SCENARIOS, UnknownScenario
-
-    if args.gpus is not None and args.simulate is None:
-        raise UsageError("--gpus only applies to a simulated node; add --simulate SCENARIO.")
-    if args.simulate is not None and args.simulate.replace("-", "_") not in SCENARIOS:
-        raise UsageError(str(UnknownScenario(
-            f"Unknown scenario '{args.simulate}'; choose one of: {', '.join(SCENARIOS)}.")))
-    if args.gpus is not None and not 1 <= args.gpus <= 64:
-        raise UsageError(f"--gpus must be between 1 and 64, not {args.gpus}.")
-    processes = getattr(args, "processes", None)
-    if processes is not None and args.simulate is None:
-        raise UsageError("--processes only applies to a simulated node; add --simulate SCENARIO.")
-    if processes is not None and not 1 <= processes <= 4096:
-        raise UsageError(f"--processes must be between 1 and 4096, not {processes}.")
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -459,8 +383,8 @@ def _agent(args: argparse.Namespace) -> int:
 
 
 def _query(args: argparse.Namespace) -> int:
-    from .agent.client import ClientError, default_url, find_token, format_range, get_json
-    from .agent.timeparse import TimeError, parse_duration
+    from .agent.client import default_url, find_token, format_range, get_json
+    from .timeparse import TimeError, parse_duration
 
     start_ns, end_ns = _time_range(args)
     step = args.step or f"{max(1.0, (end_ns - start_ns) / 1e9 / 60):.3f}s"
@@ -478,14 +402,8 @@ def _query(args: argparse.Namespace) -> int:
             raise UsageError(f"--label takes K=V, not {kv!r}.")
         params[k] = v
     url = args.url or default_url()
-    try:
-        data = get_json(url, "/api/v1/query_range", params, find_token(args.token, args.data_dir),
-                        require={"metric": str, "series": list})
-    except BadArgument:
-        raise
-    except ClientError as e:
-        print(f"gpuscope: {e}", file=sys.stderr)
-        return EXIT_UNAVAILABLE
+    data = get_json(url, "/api/v1/query_range", params, find_token(args.token, args.data_dir),
+                    require={"metric": str, "series": list})
     if data.get("simulated") and args.format == "table":
         print(f"(SIMULATED node, scenario '{data['simulated']}')")
     print(format_range(data, args.format))
@@ -625,31 +543,6 @@ def _diagnose_from_agent(args: argparse.Namespace) -> dict[str, Any] | None:
         if args.url is not None or "No gpuscope agent answers" not in str(e):
             raise
         return None
-
-
-def _check_not_input(flag: str, out: str, inputs: Sequence[str]) -> None:
-    """One sentence when `out` is one of the files (or inside one of the directories) being read: writing it
-    would destroy what it was made from (a trace, a rule file, the store's database)."""
-    target = os.path.realpath(out)
-    for given in inputs:
-        src = os.path.realpath(given)
-        if target == src:
-            raise UsageError(f"{flag} {out} would overwrite {given}, which it is made from; name another file.")
-        if os.path.isdir(src) and os.path.commonpath([target, src]) == src:
-            raise UsageError(f"{flag} {out} is inside {given}, which it is made from; name a file elsewhere.")
-
-
-def _check_writable(flag: str, path: str | None) -> None:
-    """One sentence now when a report could not be written at `path` later (a directory, no parent)."""
-    if not path:
-        return
-    parent = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise UsageError(f"{flag} {path} is a directory; name a file in it.")
-    if not os.path.isdir(parent):
-        raise UsageError(f"{flag} {path}: {parent} is not an existing directory.")
-    if not os.access(parent, os.W_OK):
-        raise UsageError(f"{flag} {path}: the directory {parent} is not writable.")
 
 
 def _run(args: argparse.Namespace) -> int:

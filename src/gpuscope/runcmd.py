@@ -37,6 +37,7 @@ import psutil
 from ._redact import redact_cmdline
 from .diagnose import Profiler, Verdict, diagnose, windows_from_snapshots
 from .diagnose.thresholds import DEFAULT
+from .errors import UserError
 from .report.processes import RunProcesses
 from .report.timeline import GpuTimeline, gpu_order
 from .sampler import Sampler, SamplerConfig
@@ -53,12 +54,12 @@ TRACE_TIMEOUT_S = 30.0  # no answer this long after the request: no trace will c
 TRACE_WAITING = f"tracing {TRACE_WINDOW_S:.0f} s to tell launch- from sync-bound…"
 
 
-class RunError(RuntimeError):
+class RunError(UserError, RuntimeError):
     """One sentence for the user (the command could not be started). `code` is the exit code."""
 
     def __init__(self, message: str, code: int = 127) -> None:
         super().__init__(message)
-        self.code = code
+        self.code = self.exit_code = code
 
 
 @dataclass

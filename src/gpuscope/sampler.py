@@ -27,6 +27,7 @@ from typing import Any
 from ._nvml import GpuLost, Nvml
 from ._records import Capability, Event, GpuRecord, HostRecord, ProcessRecord, Snapshot
 from .catalog import CATALOG, decode_clock_event_reasons
+from .errors import UsageError
 from .sources import DeviceSource
 from .sources.device import Device, discover, mark_lost
 from .sources.events import EventSource
@@ -38,7 +39,7 @@ log = logging.getLogger("gpuscope.sampler")
 MIN_INTERVAL_S = 0.005  # 200 Hz: below this the NVML calls themselves no longer fit in a tick
 
 
-class ConfigError(ValueError):
+class ConfigError(UsageError, ValueError):
     """A sampler setting a user gave is out of range. The message is one sentence."""
 
 

@@ -21,6 +21,7 @@ import pynvml as _nv
 
 from ._hostproc import HostProcInfo
 from .catalog import series_key
+from .errors import UsageError
 from .testing import FakeGPU, FakeNVML, FakeProcess
 
 MIB = 1 << 20
@@ -87,8 +88,8 @@ _MIXED = ["healthy", "compute_bound", "memory_bound", "launch_bound", "input_sta
 _BASE_PID = 4_000_000  # above Linux's default pid_max: never a real process
 
 
-class UnknownScenario(ValueError):
-    pass
+class UnknownScenario(UsageError, ValueError):
+    """A --simulate scenario that does not exist: one sentence naming the ones that do."""
 
 
 def _pct(rng: random.Random, v: float, rel: float = 0.03) -> float:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import __version__
+from ..errors import Unavailable
 from ..sampler import Sampler, SamplerConfig
 from .config import Config, ConfigError
 
@@ -29,7 +30,7 @@ log = logging.getLogger("gpuscope.agent")
 __all__ = ["Agent", "AgentError", "Config", "ConfigError"]
 
 
-class AgentError(RuntimeError):
+class AgentError(Unavailable, RuntimeError):
     """The agent cannot start; the message is one sentence for the user."""
 
 

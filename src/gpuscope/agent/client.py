@@ -14,16 +14,19 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from ..errors import EXIT_USAGE, Unavailable
 from .config import DEFAULT_PORT, default_data_dir
 
 
-class ClientError(RuntimeError):
+class ClientError(Unavailable, RuntimeError):
     """One sentence for the user."""
 
 
 class BadArgument(ClientError):
     """The URL or the token itself is unusable (no scheme, bad port, a line break): the user's typing, not a
     missing agent."""
+
+    exit_code = EXIT_USAGE
 
 
 def default_url() -> str:

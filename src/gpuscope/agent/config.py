@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from .._redact import redact_url
+from ..errors import UsageError
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -67,7 +68,7 @@ else:  # pragma: no cover
 DEFAULT_PORT = 9471
 
 
-class ConfigError(ValueError):
+class ConfigError(UsageError, ValueError):
     """One sentence saying what is wrong and where."""
 
 
@@ -78,8 +79,8 @@ _SIZE_UNITS = {None: 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10*
 
 def parse_duration(v: Any, where: str) -> float:
     """A number of seconds or a duration string (the same forms the command line takes)."""
-    from .timeparse import TimeError
-    from .timeparse import parse_duration as parse_text
+    from ..timeparse import TimeError
+    from ..timeparse import parse_duration as parse_text
 
     if isinstance(v, int | float) and not isinstance(v, bool):
         s = float(v)

@@ -20,8 +20,8 @@ from typing import Any
 from aiohttp import web
 
 from .. import __version__
+from ..timeparse import TimeError, parse_duration, parse_time
 from ..web import api as ui
-from .timeparse import TimeError, parse_duration, parse_time
 
 log = logging.getLogger("gpuscope.agent.http")
 

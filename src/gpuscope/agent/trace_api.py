@@ -32,9 +32,9 @@ from typing import Any
 
 from aiohttp import web
 
+from ..timeparse import TimeError, parse_duration
 from ..trace import ondemand as od
 from ..web.api import error_response, json_response
-from .timeparse import TimeError, parse_duration
 
 log = logging.getLogger("gpuscope.agent.traces")
 

@@ -40,8 +40,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..agent.timeparse import TimeError, parse_duration
 from ..catalog import CATALOG, Kind
+from ..errors import UsageError
+from ..timeparse import TimeError, parse_duration
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -51,7 +52,7 @@ else:  # pragma: no cover
 __all__ = ["AGGS", "BUILTIN_RULES", "OPS", "VERDICT_KINDS", "Rule", "RuleError", "load_rules", "parse_rules"]
 
 
-class RuleError(ValueError):
+class RuleError(UsageError, ValueError):
     """One sentence saying what is wrong with a rule file, naming the file, the rule and the key."""
 
 

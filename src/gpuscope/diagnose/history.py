@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..catalog import CLOCK_EVENT_REASONS
+from ..errors import Unavailable
 from . import SERIES, GpuWindow, ProcessView, Verdict, diagnose
 from .thresholds import DEFAULT, Thresholds
 
@@ -27,7 +28,7 @@ _REASON_BIT = {name: bit for bit, name in CLOCK_EVENT_REASONS.items()}
 _LAST = ("gpu_ecc_uncorrected_errors_total", "gpu_row_remap_pending", "gpu_row_remap_failure")
 
 
-class NoData(LookupError):
+class NoData(Unavailable, LookupError):
     """The range holds no GPU samples; the message is one sentence."""
 
 

@@ -17,11 +17,13 @@ from typing import Any
 
 import tomllib
 
+from ..errors import UsageError
+
 __all__ = ["BreakerConfig", "ClassConfig", "ClassifyConfig", "ControllerConfig", "GuardConfig", "GuardConfigError",
            "RedisConfig", "SignalsConfig", "load", "parse", "redact_url"]
 
 
-class GuardConfigError(ValueError):
+class GuardConfigError(UsageError, ValueError):
     """One sentence for the user about a bad guard configuration."""
 
 

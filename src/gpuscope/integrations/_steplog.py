@@ -8,6 +8,8 @@ import os
 from pathlib import Path
 from typing import Any, Protocol
 
+from ..errors import UsageError
+
 #: The step record's fields, in order (see README, "Training loops").
 FIELDS: tuple[str, ...] = (
     "step", "start_time", "duration_s", "gpu_busy_ratio", "tensor_active_ratio", "dram_active_ratio",
@@ -16,7 +18,7 @@ FIELDS: tuple[str, ...] = (
 )
 
 
-class LogError(ValueError):
+class LogError(UsageError, ValueError):
     """The step log cannot be written where the user asked. One sentence."""
 
 

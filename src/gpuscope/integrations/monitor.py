@@ -31,6 +31,7 @@ from contextlib import contextmanager
 from numbers import Integral
 from typing import Any
 
+from ..errors import UsageError
 from ._joiner import Joiner, SamplerSource
 from ._report import StepReport
 from ._steplog import LogError, StepLog, open_log
@@ -40,7 +41,7 @@ log = logging.getLogger("gpuscope.monitor")
 _now = time.monotonic_ns
 
 
-class MonitorError(ValueError):
+class MonitorError(UsageError, ValueError):
     """A monitor() argument cannot work. The message is one sentence."""
 
 

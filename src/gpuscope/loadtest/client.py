@@ -36,6 +36,7 @@ from operator import itemgetter
 
 import httptools
 
+from ..errors import UsageError
 from .records import RequestRecord
 
 perf_counter = time.perf_counter
@@ -56,7 +57,7 @@ OnChunk = Callable[[bytes, float], "str | None"]   # returns an error class to a
 _URL_SAFE = "/:@!$&'()*+,;=?%[]~"
 
 
-class UrlError(ValueError):
+class UrlError(UsageError, ValueError):
     """A URL the client cannot use; the message is one sentence."""
 
 

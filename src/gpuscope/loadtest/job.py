@@ -19,6 +19,7 @@ from typing import Any
 
 import orjson
 
+from ..errors import UsageError
 from . import schedule as S
 from .client import Client, Target, UrlError, classify_connect_error, shown_url
 from .openai import load_prompts
@@ -33,7 +34,7 @@ from .worker import WorkerConfig, new_loop
 DEFAULT_AGENT = "http://127.0.0.1:9471"
 
 
-class SetupError(ValueError):
+class SetupError(UsageError, ValueError):
     """A flag, file or URL that stops the run before it starts; one sentence."""
 
 

@@ -24,14 +24,15 @@ from pathlib import Path
 import numpy as np
 import orjson
 
+from ..errors import UsageError
 from . import openai
 from .client import Target, encode_request
 from .jsonl import json_lines
 from .templates import Template
 
 
-class ReplayError(ValueError):
-    pass
+class ReplayError(UsageError, ValueError):
+    """A replay file that cannot be replayed: one sentence."""
 
 
 # Length keys of OpenAI-compatible bodies: completions and chat's max_tokens, chat's newer name for it.

@@ -13,11 +13,12 @@ from typing import Any
 
 import orjson
 
+from ..errors import UsageError
 from .jsonl import json_lines
 from .records import GpuReading, RequestRecord
 
 
-class RerenderError(Exception):
+class RerenderError(UsageError):
     """A directory that is not a load test's output: one sentence."""
 
 

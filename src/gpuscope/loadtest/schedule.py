@@ -16,18 +16,20 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from .. import timeparse
+from ..errors import UsageError
+
 ARRIVALS = ("constant", "poisson", "gamma")
 RAMPS = ("linear", "exp")
 
 
-class ScheduleError(ValueError):
+class ScheduleError(UsageError, ValueError):
     """A stage or stage file that cannot be run; the message is one sentence for the user."""
 
 
@@ -101,14 +103,14 @@ class Stage:
 
 
 def parse_duration(text: str | float | int) -> float:
-    """'30s', '2m', '500ms', '1h' or a number of seconds -> seconds."""
-    if isinstance(text, (int, float)):
+    """'30s', '2m', '500ms', '1h', '1d' or a number of seconds -> seconds: the grammar of every verb
+    (gpuscope.timeparse); 0 is allowed here, and a stage then refuses it with its own sentence."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
         return float(text)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|h)?\s*", str(text))
-    if not m:
-        raise ScheduleError(f"'{text}' is not a duration (examples: 30s, 2m, 500ms).")
-    scale = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}[m.group(2)]
-    return float(m.group(1)) * scale
+    try:
+        return timeparse.parse_duration(str(text), allow_zero=True)
+    except timeparse.TimeError:
+        raise ScheduleError(f"'{text}' is not a duration (examples: 30s, 2m, 500ms, 1h, 1d).") from None
 
 
 def ladder(values: list[float], duration_s: float, *, closed_loop: bool = False, arrival: str = "poisson",

@@ -21,13 +21,14 @@ from pathlib import Path
 
 import orjson
 
+from ..errors import UsageError
 from .jsonl import json_lines
 
 _VAR = re.compile(r"\{(seq|uuid|rand_int:-?\d+:-?\d+|rand_float:-?[\d.]+:-?[\d.]+|choice:[^{}]*)\}")
 
 
-class TemplateError(ValueError):
-    pass
+class TemplateError(UsageError, ValueError):
+    """A request template that cannot be filled: one sentence."""
 
 
 class Template:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from ..errors import UsageError
 
-class StoreError(Exception):
+
+class StoreError(UsageError):
     """Base class of every error the store raises on purpose."""
 
 

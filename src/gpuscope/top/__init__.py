@@ -15,6 +15,7 @@ from typing import Any
 
 from .._nvml import NvmlUnavailable
 from ..agent.client import BadArgument, ClientError
+from ..errors import Unavailable
 from ..sampler import Sampler, SamplerConfig
 from .feed import AgentFeed, Feed, LocalFeed, StaticFeed
 from .model import plain
@@ -24,7 +25,7 @@ __all__ = ["AgentFeed", "Feed", "LocalFeed", "StaticFeed", "open_feed", "run"]
 SAMPLER_INTERVAL_S = 0.1
 
 
-class NoSource(Exception):
+class NoSource(Unavailable):
     """Neither an agent nor a GPU nor --simulate: one sentence."""
 
 

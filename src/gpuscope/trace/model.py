@@ -39,8 +39,10 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import UsageError
 
-class TraceError(Exception):
+
+class TraceError(UsageError):
     """A trace that cannot be read: one sentence naming the file and what is wrong with it."""
 
 

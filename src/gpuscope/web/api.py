@@ -30,7 +30,7 @@ from urllib.parse import urlencode
 
 from aiohttp import web
 
-from ..agent.timeparse import TimeError, parse_duration, parse_time
+from ..timeparse import TimeError, parse_duration, parse_time
 from .backend import Backend, BackendError, RangeQuery
 
 log = logging.getLogger("gpuscope.web")

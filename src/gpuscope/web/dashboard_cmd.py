@@ -21,17 +21,19 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
+from ..errors import UserError
+
 DEFAULT_PORT = 9472
 TOKEN_NAME = "dashboard-token"
 
 
-class DashboardError(Exception):
+class DashboardError(UserError):
     """What stops the dashboard from starting: one sentence, and the exit code (2 a usage mistake,
     1 Prometheus or the port is not there)."""
 
     def __init__(self, message: str, code: int = 1) -> None:
         super().__init__(message)
-        self.code = code
+        self.code = self.exit_code = code
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

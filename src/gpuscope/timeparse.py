@@ -1,4 +1,12 @@
-"""Times and durations as users write them: 'now', '-1h', 'now-15m', unix seconds, RFC 3339."""
+"""Times and durations as users write them: 'now', '-1h', 'now-15m', unix seconds, RFC 3339.
+
+The one grammar for every verb, config and rule file (standard library only):
+
+>>> parse_duration("250ms"), parse_duration("1d"), parse_duration("90")
+(0.25, 86400.0, 90.0)
+>>> parse_time("-1h", now_s=7200.0)
+3600000000000
+"""
 
 from __future__ import annotations
 
@@ -7,13 +15,15 @@ import re
 import time
 from datetime import datetime, timezone
 
+from .errors import UsageError
+
 _REL = re.compile(r"^\s*(?:now)?\s*-\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|h|d|w)\s*$")
 _DUR = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|h|d|w)?\s*$")
 _UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0, None: 1.0}
 
 
-class TimeError(ValueError):
-    pass
+class TimeError(UsageError, ValueError):
+    """A time or duration that is not one: one sentence quoting what was typed."""
 
 
 def parse_duration(text: str, what: str = "duration", *, allow_zero: bool = False) -> float:
