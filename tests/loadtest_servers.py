@@ -7,7 +7,8 @@ prints "ready PORT RAWPORT" and serves until killed:
   delay each answer actually had (handler start to answer written) is kept: GET /_applied lists them.
 - POST /v1/completions, /v1/chat/completions: scripted SSE — content chunks at 100, 120, 140, 160, 180 ms
   after the request, a usage chunk (prompt_tokens 7, completion_tokens 9) at 190 ms, then [DONE]. Each
-  request's server-side chunk offsets go to GET /_sse_applied. ?no_usage=1 leaves usage out.
+  request's [arrival, start of each chunk's write..., start of the last write] (time.perf_counter(), seconds)
+  goes to GET /_sse_applied. ?no_usage=1 leaves usage out.
 - /status/N: answers status N. /sleep?s=X: answers after X s. /malformed_sse: a 200 stream with bad JSON.
 - /error_sse: a 200 stream whose second event is an error object (code 500), as vLLM sends mid-stream.
 - /fast: answers "ok" at once (for added-latency measurements: the server's own time is near zero).
@@ -132,15 +133,15 @@ def main() -> None:
         for n, at in enumerate(SSE_CHUNKS_S):
             await asyncio.sleep(t0 + at - time.perf_counter())
             choice = {"index": 0, "delta": {"content": f"w{n}"}} if chat else {"index": 0, "text": f"w{n}"}
+            sent.append(time.perf_counter())   # before the write: no byte of it can be read earlier
             await resp.write(b"data: " + json.dumps({"choices": [choice]}).encode() + b"\n\n")
-            sent.append(time.perf_counter() - t0)
         await asyncio.sleep(t0 + SSE_USAGE_S - time.perf_counter())
+        sent.append(time.perf_counter())
         if not request.query.get("no_usage"):
             await resp.write(b"data: " + json.dumps({"choices": [], "usage": SSE_TOKENS}).encode() + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
-        sent.append(time.perf_counter() - t0)
-        sse_applied.append(sent)
+        sse_applied.append([t0, *sent])
         return resp
 
     async def status(request: web.Request) -> web.Response:
