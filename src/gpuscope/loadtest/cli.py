@@ -125,7 +125,7 @@ def _gpu_ids(text: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..cli import UsageError
+    from ..errors import UsageError
     from . import job
 
     if args.report_from:

@@ -22,7 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """A bad file raises TraceError for the caller to report as a usage error."""
-    from ..cli import UsageError
+    from ..errors import UsageError
     from .analyze import analyze, stragglers
     from .kineto import load
     from .rules import as_dicts, findings

@@ -16,13 +16,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """A bad trace raises TraceError for the caller to report; a bad --out is a usage error."""
-    from ..cli import UsageError, _check_not_input
+    from .._args import check_not_input
+    from ..errors import UsageError
     from .flame import write_speedscope, write_svg
     from .kineto import load
 
     if not args.out.endswith((".svg", ".json")):
         raise UsageError(f"--out must end in .svg (an SVG flame graph) or .json (speedscope), not {args.out!r}.")
-    _check_not_input("--out", args.out, [args.file])  # a .json --out would replace the trace with speedscope's
+    check_not_input("--out", args.out, [args.file])  # a .json --out would replace the trace with speedscope's
     trace = load(args.file)
     try:
         (write_svg if args.out.endswith(".svg") else write_speedscope)(trace, args.out)

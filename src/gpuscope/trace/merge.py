@@ -123,10 +123,11 @@ def add_arguments(p: Any) -> None:
 
 def run(args: Any) -> int:
     """A bad file raises TraceError for the caller to report as one sentence; so does a bad --out."""
-    from ..cli import UsageError, _check_not_input, _check_writable
+    from .._args import check_not_input, check_writable
+    from ..errors import UsageError
 
-    _check_writable("--out", args.out)  # before reading every rank's trace
-    _check_not_input("--out", args.out, args.files)
+    check_writable("--out", args.out)  # before reading every rank's trace
+    check_not_input("--out", args.out, args.files)
     try:
         done = merge(args.files, args.out)
     except OSError as e:  # the reads turn theirs into TraceError: this is the write

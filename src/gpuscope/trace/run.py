@@ -219,10 +219,11 @@ DEFAULT_OUT, DEFAULT_DELAY_S, DEFAULT_DURATION_S = "gpuscope-traces", 5.0, 10.0
 
 def run(args: Any) -> int:
     """The `gpuscope trace [run]` handler (cli.py parses; the exit code is CMD's)."""
-    from ..cli import UsageError, _check_sim
+    from .._args import check_sim
+    from ..errors import UsageError
 
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
-    _check_sim(args)  # an unknown --simulate scenario is a typo, not a request for no samples
+    check_sim(args)  # an unknown --simulate scenario is a typo, not a request for no samples
     if args.agent_dir and not args.on_demand:
         print("gpuscope: --agent-dir only applies with --on-demand.", file=sys.stderr)
         return 2
@@ -256,8 +257,7 @@ def run(args: Any) -> int:
 
 def add_arguments(p: Any) -> None:
     """The options of `gpuscope trace [run]`."""
-    from ..cli import _add_source_args
-    from ..cli import _interval as interval
+    from .._args import add_source_args, interval
 
     # Defaults of None, filled in by run(): --on-demand must tell a flag given from one left out.
     p.add_argument("--out", default=None, metavar="DIR",
@@ -301,7 +301,7 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--samples", action="store_true",
                    help="sample the GPUs at 10 Hz meanwhile and also write each trace as <name>.perfetto.json.gz "
                         "with SM, tensor, DRAM, NVML utilization, power, memory and PCIe as counter tracks")
-    _add_source_args(p)  # --simulate/--gpus: the --samples counters without a GPU
+    add_source_args(p)  # --simulate/--gpus: the --samples counters without a GPU
     p.add_argument("cmd", nargs="...", help="-- CMD [ARGS...]")
 
 

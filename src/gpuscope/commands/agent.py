@@ -1,0 +1,37 @@
+"""`gpuscope agent`: run the agent: sampler, on-disk history, /metrics and the query API."""
+
+from __future__ import annotations
+
+import argparse
+
+from .._args import add_source_args, check_sim, interval
+
+HELP = 'run the agent: sampler, on-disk history, /metrics and the query API'
+DESCRIPTION = 'The main job on a GPU node: samples every GPU, keeps the history on disk (no database needed), serves Prometheus /metrics and a JSON query API. Binds to 127.0.0.1 unless told otherwise. SIGTERM or Ctrl-C stops it cleanly.'
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="TOML config file (see the README for every key)")
+    p.add_argument("--port", type=int, help="TCP port (default 9471)")
+    p.add_argument("--bind", help="address to listen on (default 127.0.0.1; anything else requires the token)")
+    p.add_argument("--data-dir", help="where the history and the token live")
+    p.add_argument("--interval", type=interval, help="sampling interval (default 100ms)")
+    p.add_argument("--naming", choices=("canonical", "dcgm"), help="metric names on /metrics")
+    p.add_argument("--log-format", choices=("text", "json"), help="log lines as text or JSON")
+    add_source_args(p, processes=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..agent import Agent, setup_logging
+    from ..agent import config as agent_config
+
+    check_sim(args)
+    cfg = agent_config.load(args.config)  # a ConfigError is a UsageError: exit 2
+    for flag, section, key in (("port", "agent", "port"), ("bind", "agent", "bind"),
+                               ("data_dir", "agent", "data_dir"), ("interval", "sampler", "interval"),
+                               ("naming", "prometheus", "naming"), ("log_format", "agent", "log_format")):
+        if getattr(args, flag) is not None:  # a flag overrides the file
+            setattr(getattr(cfg, section), key, getattr(args, flag))
+    agent_config.validate(cfg)
+    setup_logging(cfg.agent.log_format, "debug" if args.verbose else cfg.agent.log_level)
+    return Agent(cfg, simulate=args.simulate, gpus=args.gpus, processes=args.processes).run()  # AgentError: exit 1
