@@ -2,11 +2,10 @@
 
 from ._nvml import NvmlUnavailable
 from ._records import Capability, Event, GpuIdentity, GpuRecord, HostRecord, ProcessRecord, Snapshot
+from ._version import __version__
 from .catalog import CATALOG, Metric
 from .integrations import Monitor, MonitorError, StepReport, monitor
 from .sampler import ConfigError, Sampler, SamplerConfig
-
-__version__ = "0.1.0"
 
 __all__ = [
     "CATALOG",

@@ -15,7 +15,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from . import __version__
+from ._version import __version__
 from ._args import Parser
 from .errors import EXIT_OK, EXIT_USAGE, UsageError, UserError
 

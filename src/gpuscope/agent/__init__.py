@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import __version__
+from .._version import __version__
 from ..errors import Unavailable
 from ..sampler import Sampler, SamplerConfig
 from .config import Config, ConfigError

@@ -51,19 +51,15 @@ import ipaddress
 import math
 import os
 import re
-import sys
 import urllib.parse
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from .._files import load_toml
+from .._paths import default_data_dir  # re-exported: gpuscope.agent.config.default_data_dir
 from .._redact import redact_url
 from ..errors import UsageError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 DEFAULT_PORT = 9471
 
@@ -125,13 +121,6 @@ def is_loopback_host(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-def default_data_dir() -> Path:
-    if hasattr(os, "geteuid") and os.geteuid() == 0:
-        return Path("/var/lib/gpuscope")
-    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
-    return Path(base) / "gpuscope"
 
 
 @dataclass
@@ -274,20 +263,7 @@ def load(path: str | os.PathLike[str] | None) -> Config:
     if path is None:
         return Config()
     p = Path(path)
-    try:
-        text = p.read_bytes()
-    except FileNotFoundError:
-        raise ConfigError(f"The config file {p} does not exist.") from None
-    except OSError as e:
-        raise ConfigError(f"The config file {p} cannot be read: {e.strerror}.") from None
-    try:
-        data = tomllib.loads(text.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise ConfigError(f"The config file {p} is not UTF-8 text.") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"The config file {p} is not valid TOML: {e}.") from None
-    except RecursionError:  # arrays nested thousands deep: no parser error, a Python one
-        raise ConfigError(f"The config file {p} nests arrays or tables too deep to be a config file.") from None
+    data = load_toml(p, f"the config file {p}", error=ConfigError)
     alerts = data.get("alerts")
     if isinstance(alerts, dict) and isinstance(alerts.get("rule_files"), list | str):
         # Rule files are found relative to the config file, as Prometheus does.

@@ -19,7 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
-from .. import __version__
+from .._version import __version__
 from ..timeparse import TimeError, parse_duration, parse_time
 from ..web import api as ui
 

@@ -13,7 +13,7 @@ def with_store(data_dir: str | None, use: Callable[[Any], Any], elsewhere: str =
     """`use(store)` on the agent's store, opened read-only (the agent may be writing meanwhile).
 
     A store error (corrupt, locked, unknown metric) is a `StoreError`, itself a `UsageError`."""
-    from ..agent.config import default_data_dir
+    from .._paths import default_data_dir
     from ..store import Store
 
     path = os.path.join(os.path.expanduser(data_dir) if data_dir else str(default_data_dir()), "store")

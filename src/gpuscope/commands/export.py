@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     if fmt is None:
         raise UsageError("Cannot tell the format from the file name; add --format parquet, csv or jsonl.")
     start_ns, end_ns = time_range(args)
-    from ..agent.config import default_data_dir
+    from .._paths import default_data_dir
 
     data_dir = os.path.expanduser(args.data_dir) if args.data_dir else str(default_data_dir())
     check_not_input("--out", args.out, [os.path.join(data_dir, "store")])  # the export would replace the database

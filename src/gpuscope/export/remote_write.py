@@ -42,7 +42,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlparse
 
-from .. import __version__
+from .._version import __version__
 from .._records import Snapshot
 from ._model import CANONICAL, Ctx, Family, Labels, Model, sorted_labels
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import __version__
+from .._version import __version__
 from ..report.htmlpage import write_atomic
 from .progress import offered_text
 from .records import ERROR_CLASSES, GpuReading, RequestRecord

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from html import escape
 from typing import Any
 
-from .. import __version__
+from .._version import __version__
 from ..catalog import CLOCK_EVENT_REASONS
 from ..diagnose.thresholds import DEFAULT
 from .svg import Axis, Band, Line, fmt_time, panel

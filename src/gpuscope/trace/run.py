@@ -235,7 +235,7 @@ def run(args: Any) -> int:
                          f"{', '.join(window_flags)} {'does' if len(window_flags) == 1 else 'do'} not apply with it.")
     out, requests_dir = args.out or DEFAULT_OUT, None
     if args.on_demand:
-        from ..agent.config import default_data_dir
+        from .._paths import default_data_dir
 
         if args.agent_dir and not os.path.isdir(args.agent_dir):  # the agent made it; a typo would trace into a void
             raise UsageError(f"--agent-dir {args.agent_dir} is not a directory; name the agent's --data-dir.")

@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Any
 
-from .. import __version__
+from .._version import __version__
 from ..viewmodel import GPU_METRICS, from_snapshot, gpu_key
 from .backend import BackendError, RangeQuery
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import aiohttp
 
-from .. import __version__
+from .._version import __version__
 from .._redact import redact_url
 from ..catalog import decode_clock_event_reasons
 from ..viewmodel import _BENIGN_REASONS, GPU_METRICS, gpu_key, merge
