@@ -78,7 +78,7 @@ def kernel_table(path: str, visible: str | None) -> list[dict[str, Any]]:
     """Per GPU and kernel name: count, total/p50/p99 time and launch delay p50 (seconds), longest first."""
     import numpy as np
 
-    from ..trace.analyze import _launcher_rows, kernel_stats
+    from ..trace.analyze import kernel_stats, launcher_rows
     from ..trace.kineto import load
     from ..trace.model import EventKind
 
@@ -90,7 +90,7 @@ def kernel_table(path: str, visible: str | None) -> list[dict[str, Any]]:
     for device in np.unique(ev["device"][kernels]):
         rows = kernels[ev["device"][kernels] == device]
         gpu = labels.get(int(device), str(int(device)))
-        for k in kernel_stats(trace, rows, _launcher_rows(trace, rows))[:CACHED_KERNELS]:
+        for k in kernel_stats(trace, rows, launcher_rows(trace, rows))[:CACHED_KERNELS]:
             out.append({"gpu": gpu, "name": k.name, "short_name": short_name(k.name), "count": k.count,
                         "total_s": k.total_ns / 1e9, "p50_s": k.p50_ns / 1e9, "p99_s": k.p99_ns / 1e9,
                         "launch_delay_p50_s": None if k.launch_delay_p50_ns is None else k.launch_delay_p50_ns / 1e9})

@@ -244,7 +244,7 @@ class Tracker:
 
     def step(self) -> list[Finding]:
         """One window: the last `every_s` of the sampler's history."""
-        from . import windows_from_snapshots  # the package imports this module
+        from .windows import windows_from_snapshots
 
         cutoff = time.time_ns() - int(self.every_s * 1e9)
         snaps = [s for s in list(self.sampler.history) if s.time_ns >= cutoff]

@@ -150,7 +150,7 @@ def analyze(trace: Trace) -> Report:
     ev = trace.events
     kind = ev["kind"]
     gpu = np.flatnonzero(np.isin(kind, _GPU_OPS))
-    launcher = _launcher_rows(trace, gpu)
+    launcher = launcher_rows(trace, gpu)
     has = launcher >= 0
     launch_end = ev["ts_ns"][launcher[has]] + ev["dur_ns"][launcher[has]]
     delay = np.maximum(0, ev["ts_ns"][gpu[has]] - launch_end)
@@ -186,7 +186,7 @@ def kernel_stats(trace: Trace, gpu: np.ndarray | None = None, launcher: np.ndarr
     ev = trace.events
     if gpu is None or launcher is None:
         gpu = np.flatnonzero(np.isin(ev["kind"], _GPU_OPS))
-        launcher = _launcher_rows(trace, gpu)
+        launcher = launcher_rows(trace, gpu)
     is_kernel = ev["kind"][gpu] == EventKind.KERNEL
     rows, launched_by = gpu[is_kernel], launcher[is_kernel]
     stats = _grouped(trace, ev["name"][rows], ev["dur_ns"][rows])
@@ -258,7 +258,7 @@ def idle_breakdown(trace: Trace, consecutive_kernel_delay_ns: int = CONSECUTIVE_
     under `consecutive_kernel_delay_ns`, else other."""
     ev = trace.events
     gpu = np.flatnonzero(np.isin(ev["kind"], _GPU_OPS))
-    launcher = _launcher_rows(trace, gpu)
+    launcher = launcher_rows(trace, gpu)
     launch_ts = np.where(launcher >= 0, ev["ts_ns"][launcher], np.iinfo(np.int64).min)
     dev, stream = ev["device"][gpu], ev["stream"][gpu]
     order = np.lexsort((ev["ts_ns"][gpu], stream, dev))   # rows already sort by ts; keep that within a stream
@@ -330,7 +330,7 @@ def _ratio(part: float, whole: float) -> float:
     return part / whole if whole else 0.0
 
 
-def _launcher_rows(trace: Trace, gpu: np.ndarray) -> np.ndarray:
+def launcher_rows(trace: Trace, gpu: np.ndarray) -> np.ndarray:
     """For each GPU op row, the row of the runtime/driver call that launched it (same correlation), else -1."""
     ev = trace.events
     host = np.flatnonzero(np.isin(ev["kind"], _LAUNCHERS) & (ev["correlation"] >= 0))

@@ -1,0 +1,91 @@
+"""What the verdict rules read and what they give: per-GPU windows of aligned series (built from the
+sampler's snapshots) and the verdicts. A module of its own so that the rules and the baselines can use
+them without importing the package that imports them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._records import Event, Snapshot
+from .stacks import HostProfile
+
+#: The series the rules read.
+SERIES = ("gpu_utilization_ratio", "gpu_sm_active_ratio", "gpu_sm_occupancy_ratio", "gpu_tensor_active_ratio",
+          "gpu_fp32_active_ratio", "gpu_fp16_active_ratio", "gpu_fp64_active_ratio", "gpu_dram_active_ratio",
+          "gpu_pcie_rx_bytes_per_second", "gpu_pcie_tx_bytes_per_second", "gpu_power_watts",
+          "gpu_memory_used_bytes", "gpu_clock_event_reasons", "gpu_sm_clock_hertz",
+          "gpu_ecc_uncorrected_errors_total", "gpu_row_remap_pending", "gpu_row_remap_failure",
+          "gpu_temperature_celsius")
+
+
+@dataclass
+class ProcessView:
+    pid: int
+    name: str = ""
+    cmdline: str = ""
+    cpu_cores: float | None = None
+    thread_cpu_max_ratio: float | None = None
+    gpu_memory_bytes: float | None = None
+    profile: HostProfile | None = None  # its busy threads' stacks, when sampled (stacks.py)
+    profile_error: str | None = None  # why they could not be sampled
+
+
+@dataclass
+class GpuWindow:
+    """One GPU over a time window: aligned series, the latest processes, the events in the window."""
+
+    gpu: str
+    times: list[float]  # seconds (any origin)
+    series: dict[str, list[float | None]]
+    memory_total_bytes: float | None = None
+    sm_clock_max_hertz: float | None = None
+    healthy: bool = True
+    processes: list[ProcessView] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+    name: str = ""
+
+
+@dataclass
+class Verdict:
+    gpu: str
+    kind: str
+    severity: str  # 'info', 'warning' or 'critical'
+    confidence: float  # 0..1
+    summary: str
+    evidence: dict[str, Any]
+    recommendations: list[str]
+    start_s: float = 0.0
+    end_s: float = 0.0
+    primary: bool = True
+
+
+def windows_from_snapshots(snaps: Sequence[Snapshot]) -> list[GpuWindow]:
+    """Per GPU, the snapshots' values as aligned series (missing values are None)."""
+    if not snaps:
+        return []
+    out: dict[str, GpuWindow] = {}
+    for snap in snaps:
+        t = snap.time_ns / 1e9
+        for g in snap.gpus:
+            label = g.identity.label
+            w = out.get(label)
+            if w is None:
+                w = out[label] = GpuWindow(label, [], {k: [] for k in SERIES},
+                                           memory_total_bytes=float(g.identity.memory_total_bytes) or None,
+                                           sm_clock_max_hertz=g.identity.sm_clock_max_hertz, name=g.identity.name)
+            w.times.append(t)
+            for k in SERIES:
+                w.series[k].append(g.values.get(k))
+            w.healthy = g.healthy
+        for e in snap.events:
+            if e.gpu in out:
+                out[e.gpu].events.append(e)
+    last = snaps[-1]
+    for p in last.processes:
+        w = out.get(p.gpu)
+        if w is not None:
+            w.processes.append(ProcessView(p.pid, p.name, p.cmdline, p.cpu_cores, p.thread_cpu_max_ratio,
+                                           p.gpu_memory_bytes))
+    return list(out.values())
