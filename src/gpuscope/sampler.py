@@ -1,9 +1,14 @@
 """The sampler: one thread per node reading every source at a cadence that fits each field's cost.
 
+    >>> import time
     >>> from gpuscope import Sampler
     >>> with Sampler(simulate="compute_bound") as s:   # or Sampler() on a GPU machine
+    ...     first = s.sample_once()
+    ...     time.sleep(s.config.gpm_window)            # GPM rates need two samples a window apart
     ...     snap = s.sample_once()
-    >>> round(snap.gpus[0].sm_active_ratio, 1) > 0.5
+    >>> first.gpus[0].sm_active_ratio is None         # not a zero: no rate yet
+    True
+    >>> snap.gpus[0].sm_active_ratio > 0.5
     True
 
 Schedule: tick k runs at t0 + k * interval (no drift); a tick that starts more than one interval late

@@ -1,7 +1,10 @@
 """Traces of what a process did on the CPU and the GPUs: load one (Kineto JSON), analyse it.
 
-    >>> from gpuscope.trace import load, analyze
-    >>> report = analyze(load("rank0.pt.trace.json.gz"))  # doctest: +SKIP
+    >>> from gpuscope.trace import load
+    >>> from gpuscope.trace.analyze import analyze
+    >>> report = analyze(load("tests/fixtures/traces/launch_bound.pt.trace.json.gz"))
+    >>> round(report.temporal[0].idle_ratio, 2)
+    0.89
 """
 
 from .kineto import load

@@ -15,8 +15,8 @@ a `[sampled launcher]` frame just above the stack, so that inferred time reads a
 kernel name never sampled stays unattributed.
 
     >>> from gpuscope.trace.kineto import load
-    >>> trace = load("tests/fixtures/traces/launch_bound.pt.trace.json.gz")  # doctest: +SKIP
-    >>> write_svg(trace, "launch_bound.svg"); write_speedscope(trace, "launch_bound.speedscope.json")  # doctest: +SKIP
+    >>> trace = load("tests/fixtures/traces/launch_bound.pt.trace.json.gz")
+    >>> write_svg(trace, "launch_bound.svg"); write_speedscope(trace, "launch_bound.speedscope.json")
 """
 
 from __future__ import annotations

@@ -5,8 +5,11 @@ GPU gaps) plus what a PyTorch trace shows that Nsight's do not: syncs repeated f
 tiny launch-bound kernels, low-occupancy hot kernels. Thresholds: `gpuscope.trace.rule_thresholds`.
 
     >>> from gpuscope.trace.kineto import load
-    >>> for f in findings(load("tests/fixtures/traces/sync_heavy.pt.trace.json.gz")):  # doctest: +SKIP
-    ...     print(f.rule, f.summary)
+    >>> for f in findings(load("tests/fixtures/traces/sync_heavy.pt.trace.json.gz")):
+    ...     print(f.rule)
+    sync_in_loop
+    gpu_gaps
+    low_occupancy
 """
 
 from __future__ import annotations

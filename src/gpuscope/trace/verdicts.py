@@ -7,8 +7,9 @@ host-bound kinds (sync-bound, launch-bound, input-starved, host-bound) and trans
 certain here, while compute- versus memory-bound stays the metrics' call (a trace has no counters).
 
     >>> from gpuscope.trace import load
-    >>> for v in verdicts(load("tests/fixtures/traces/sync_heavy.pt.trace.json.gz")):  # doctest: +SKIP
-    ...     print(v.gpu, v.kind, v.confidence, v.summary)
+    >>> for v in verdicts(load("tests/fixtures/traces/sync_heavy.pt.trace.json.gz")):
+    ...     print(v.gpu, v.kind, v.confidence)
+    0 sync_bound 0.95
 
 `refine(metric_verdicts, trace_verdicts)` puts them into a metrics diagnosis (`gpuscope diagnose
 --trace`). Thresholds: `gpuscope.trace.rule_thresholds` (the verdicts section).
