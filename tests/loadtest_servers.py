@@ -3,8 +3,9 @@
 `python tests/loadtest_servers.py --port 0 [--seed 1] [--stall-every 5 --stall-s 1] [--tls CERT KEY]`
 prints "ready PORT RAWPORT" and serves until killed:
 - GET|POST /latency: answers after 50 ms ± uniform(5 ms) jitter drawn from a seeded RNG; an answer due
-  inside a stall window (every --stall-every s from the start, --stall-s long) waits for its end. The
-  delay each answer actually had (handler start to answer written) is kept: GET /_applied lists them.
+  inside a stall window (every --stall-every s from the start, --stall-s long) waits for its end. Each
+  answer's [handler start, start of the answer's write, request body] (time.perf_counter(), seconds) is kept:
+  GET /_applied lists them (a body of "{seq}" names the load tester's request).
 - POST /v1/completions, /v1/chat/completions: scripted SSE — content chunks at 100, 120, 140, 160, 180 ms
   after the request, a usage chunk (prompt_tokens 7, completion_tokens 9) at 190 ms, then [DONE]. Each
   request's [arrival, start of each chunk's write..., start of the last write] (time.perf_counter(), seconds)
@@ -72,7 +73,7 @@ class LoadtestServer:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=10) as r:
             return json.loads(r.read())
 
-    def applied(self) -> list[float]:
+    def applied(self) -> list[list]:
         return self._get("/_applied")  # type: ignore[return-value]
 
     def sse_applied(self) -> list[list[float]]:
@@ -101,7 +102,7 @@ def main() -> None:
     a = ap.parse_args()
     rng = random.Random(a.seed)
     t_start = time.perf_counter()
-    applied: list[float] = []
+    applied: list[list[float | str]] = []
     sse_applied: list[list[float]] = []
 
     def stall_end(t: float) -> float:
@@ -116,11 +117,13 @@ def main() -> None:
     async def latency(request: web.Request) -> web.StreamResponse:
         t0 = time.perf_counter()
         due = stall_end(t0 + JITTER_BASE_S + rng.uniform(-JITTER_S, JITTER_S))
+        body = (await request.read()).decode(errors="replace")
         await asyncio.sleep(due - time.perf_counter())
         resp = web.Response(text="ok")
+        w = time.perf_counter()   # before the answer's first byte is written: none can be read earlier
         await resp.prepare(request)
         await resp.write_eof()
-        applied.append(time.perf_counter() - t0)
+        applied.append([t0, w, body])
         return resp
 
     async def sse(request: web.Request) -> web.StreamResponse:
