@@ -23,7 +23,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "gpuscope"
 LAYERS: list[tuple[str, set[str]]] = [
     ("floor", {"_version", "errors", "timeparse", "_paths", "_text", "_files", "_redact", "_serverlog", "_child",
                "_records", "catalog", "_nvml", "_cgroup", "_hostproc", "http"}),
-    ("core", {"sources", "testing", "sim", "sampler", "store", "diagnose", "export", "viewmodel"}),
+    ("core", {"sources", "fakenvml", "testing", "sim", "sampler", "store", "diagnose", "export", "viewmodel"}),
     ("kit", {"_args", "report"}),
     ("features", {"alerts", "trace", "web", "agent", "top", "loadtest", "guard", "integrations", "doctor",
                   "runcmd"}),

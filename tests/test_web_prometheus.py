@@ -27,7 +27,7 @@ from servers import MetricsServer, PrometheusServer, free_port, http_get, need_b
 
 from gpuscope.viewmodel import from_snapshot
 from gpuscope.web.backend import BackendError, RangeQuery
-from gpuscope.web.prometheus import PrometheusBackend, quote
+from gpuscope.web.promql_backend import PrometheusBackend, quote
 
 KEYS = {"node-a/0", "node-a/1", "node-b/0", "node-b/1"}
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"

@@ -22,7 +22,7 @@ import pynvml as _nv
 from ._hostproc import HostProcInfo
 from .catalog import series_key
 from .errors import UsageError
-from .testing import FakeGPU, FakeNVML, FakeProcess
+from .fakenvml import FakeGPU, FakeNVML, FakeProcess
 
 MIB = 1 << 20
 

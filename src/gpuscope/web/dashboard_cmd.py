@@ -137,7 +137,7 @@ async def _serve(backend: Any, args: argparse.Namespace, token: str | None, path
 
 def run(args: argparse.Namespace, announce: Any = print) -> int:
     """The verb: 0 after a clean stop; 1 or 2 with one sentence when it cannot start."""
-    from .prometheus import PrometheusBackend
+    from .promql_backend import PrometheusBackend
 
     try:
         url = check_url(args.prometheus)
