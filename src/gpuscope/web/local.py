@@ -11,7 +11,11 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from ..sampler import Sampler
+    from ..store import Store
 
 from .._version import __version__
 from ..viewmodel import GPU_METRICS, from_snapshot, gpu_key
@@ -25,12 +29,29 @@ MAX_EVENTS = 5000         # newest first kept in one timeline answer
 TIMELINE_EVENTS = ("xid", "ecc", "clock_events", "gpu_lost", "process_start", "process_stop", "guard")
 
 
+class Alerts(Protocol):
+    """The agent's alert service, as the dashboard reads it."""
+
+    def alerts(self) -> dict[str, Any]:
+        """{'firing': [...], 'pending': [...], 'resolved': [...]}, each alert a dict."""
+        ...
+
+
+class AgentView(Protocol):
+    """What the dashboard reads of a running agent (gpuscope.agent.Agent is one): its sampler for now, its
+    store for the past, its alert service when alerts are on (None when they are off)."""
+
+    sampler: Sampler
+    store: Store
+    alerts: Alerts | None
+
+
 class AgentBackend:
     """Backend over a running Agent (its sampler, store and alert service)."""
 
     source = "agent"
 
-    def __init__(self, agent: Any) -> None:
+    def __init__(self, agent: AgentView) -> None:
         self.agent = agent
         self._lock = threading.Lock()
         self._verdicts: tuple[float, list[Any]] = (0.0, [])
@@ -61,7 +82,7 @@ class AgentBackend:
         return verdicts
 
     def _alerts_now(self) -> dict[str, Any]:
-        svc = getattr(self.agent, "alerts", None)
+        svc = self.agent.alerts
         if svc is None:
             return {"firing": [], "pending": [], "resolved": []}
         return svc.alerts()
@@ -87,7 +108,7 @@ class AgentBackend:
     async def alerts(self) -> dict[str, Any]:
         a = await self._run(self._alerts_now)
         return {"firing": a.get("firing", []), "pending": a.get("pending", []), "resolved": a.get("resolved", []),
-                "enabled": getattr(self.agent, "alerts", None) is not None}
+                "enabled": self.agent.alerts is not None}
 
     # -- the past --------------------------------------------------------------------------------
     def _build_meta(self) -> dict[str, Any]:
@@ -123,7 +144,7 @@ class AgentBackend:
     def _query(self, q: RangeQuery) -> dict[str, Any]:
         wanted = self._gpu_labels(q.gpus)
         results = self.agent.store.query(q.metric, q.start_ns, q.end_ns, q.step_s, q.agg, labels=dict(q.labels) or None)
-        series = []
+        series: list[dict[str, Any]] = []
         for r in results:
             gpu = r.labels.get("gpu")
             if wanted and gpu not in wanted:
