@@ -262,13 +262,13 @@ def test_trace_run_refuses_flags_it_would_ignore(tmp_path, flags, needle):
                                             ("r.toml", "a = " + "[" * DEEP + "]" * DEEP)], ids=["yaml", "toml"])
 def test_a_rule_file_nested_too_deep(tmp_path, name, text):
     (tmp_path / name).write_text(text)
-    one_sentence(gpuscope("alerts", "check", str(tmp_path / name)), 2, "nests lists or tables too deep")
+    one_sentence(gpuscope("alerts", "check", str(tmp_path / name)), 2, "is nested too deep")
 
 
 def test_a_config_file_nested_too_deep(tmp_path):
     (tmp_path / "c.toml").write_text("a = " + "[" * DEEP + "]" * DEEP)
     one_sentence(gpuscope("agent", "--config", str(tmp_path / "c.toml"), "--data-dir", str(tmp_path / "d")), 2,
-                 "nests arrays or tables too deep")
+                 "is nested too deep")
 
 
 @pytest.mark.parametrize(("text", "needle"), [

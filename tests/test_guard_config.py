@@ -101,7 +101,7 @@ def test_bad_config_is_one_sentence_naming_the_problem(data, words):
     ("bad.yaml", "classes: [name: a\n", "not valid YAML at line"),
     ("bad.toml", "classes = [", "not valid TOML"),
     ("empty.yaml", "", "must be a mapping"),
-    ("bin.yaml", b"\xff\xfe\x00", "cannot be read"),
+    ("bin.yaml", b"\xff\xfe\x00", "is not UTF-8 text"),
     ("unknown.yaml", "classes: [{name: a}]\nbreaker: {fail_max: 5}\n", "Unknown key breaker.fail_max"),
     # a RecursionError, not a parser error
     pytest.param("deep.yaml", "[" * 100_000 + "]" * 100_000, "nested too deep", id="deep.yaml"),

@@ -48,7 +48,7 @@ def test_non_ascii_url_path_is_percent_encoded() -> None:
     (["{url}", "-H", "Bad Name: a"], "-H"),
     (["{url}", "-X", "GET /etc HTTP/1.1"], "-X"),
     (["{url}", "-X", "G\u00c9T"], "-X"),
-    (["{url}", "--stage-file", "{binary}"], "is not valid YAML/JSON"),
+    (["{url}", "--stage-file", "{binary}"], "is not UTF-8 text"),
     (["{url}", "--stage-file", "{huge_rate}", "--workers", "1"], "more than 1 worker(s) can send"),
     (["{url}", "--stage-file", "{inf_ramp}"], "target rate must be above 0"),
     (["{url}", "--stage-file", "{deep}"], "nested too deep"),

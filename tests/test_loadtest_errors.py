@@ -80,7 +80,7 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     (["{url}", "--rate", "0"], "rate above 0"),
     (["{url}", "--duration", "soon"], "is not a duration"),
     (["{url}", "--stage-file", "{bad_stages}"], "needs exactly one of rate or concurrency"),
-    (["{url}", "--stage-file", "{not_yaml}"], "is not valid YAML/JSON"),
+    (["{url}", "--stage-file", "{not_yaml}"], "is not valid YAML"),
     (["{url}", "--replay", "{bad_replay}"], "needs \"t\""),
     (["{url}", "--rate", "900000", "--workers", "1"], "more than 1 worker(s) can send"),
     (["{url}", "--slo", "ttft=fast"], "is not a duration"),

@@ -34,20 +34,15 @@ import math
 import os
 import re
 import string
-import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from .._files import load_toml, load_yaml
 from ..catalog import CATALOG, Kind
 from ..errors import UsageError
 from ..timeparse import TimeError, parse_duration
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 __all__ = ["AGGS", "BUILTIN_RULES", "OPS", "VERDICT_KINDS", "Rule", "RuleError", "load_rules", "parse_rules"]
 
@@ -374,38 +369,12 @@ def parse_rule(raw: Any, where: str) -> Rule:
 
 
 def _read(path: Path) -> dict[str, Any]:
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise RuleError(f"The rule file {path} does not exist.") from None
-    except IsADirectoryError:
-        raise RuleError(f"The rule file {path} is a directory, not a file.") from None
-    except OSError as e:
-        raise RuleError(f"The rule file {path} cannot be read: {e.strerror}.") from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise RuleError(f"The rule file {path} is not UTF-8 text.") from None
+    what = f"the rule file {path}"
     suffix = path.suffix.lower()
     if suffix in (".yaml", ".yml"):
-        import yaml  # type: ignore[import-untyped]
-
-        try:
-            doc = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-            raise RuleError(f"The rule file {path} is not valid YAML{at}: {problem}.") from None
-        except RecursionError:  # '[' nested thousands deep: no parser error, a Python one
-            raise RuleError(f"The rule file {path} nests lists or tables too deep to be a rule file.") from None
+        doc = load_yaml(path, what, error=RuleError)
     elif suffix == ".toml":
-        try:
-            doc = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as e:
-            raise RuleError(f"The rule file {path} is not valid TOML: {e}.") from None
-        except RecursionError:
-            raise RuleError(f"The rule file {path} nests lists or tables too deep to be a rule file.") from None
+        doc = load_toml(path, what, error=RuleError)
     else:
         raise RuleError(f"The rule file {path} must end in .toml, .yaml or .yml.")
     if doc is None:

@@ -15,8 +15,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-import tomllib
-
+from .._files import load_toml, load_yaml
 from ..errors import UsageError
 
 __all__ = ["BreakerConfig", "ClassConfig", "ClassifyConfig", "ControllerConfig", "GuardConfig", "GuardConfigError",
@@ -162,30 +161,11 @@ _FAILURES = ("5xx", "429", "503", "timeout", "slo")
 def load(path: str | Path) -> GuardConfig:
     """Read a YAML (.yaml/.yml) or TOML (.toml) guard config; every problem is one GuardConfigError sentence."""
     p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise GuardConfigError(f"The guard config {p} does not exist.") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise GuardConfigError(f"The guard config {p} cannot be read: {getattr(e, 'strerror', None) or e}.") from None
+    what = f"the guard config {p}"
     if p.suffix.lower() == ".toml":
-        try:
-            data: Any = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as e:
-            raise GuardConfigError(f"{p} is not valid TOML: {e}.") from None
-        except RecursionError:  # arrays nested thousands deep: no parser error, a Python one
-            raise GuardConfigError(f"{p} is nested too deep to be a guard config.") from None
+        data: Any = load_toml(p, what, error=GuardConfigError)
     else:
-        import yaml  # type: ignore[import-untyped]
-
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            where = getattr(e, "problem_mark", None)
-            at = f" at line {where.line + 1}" if where is not None else ""
-            raise GuardConfigError(f"{p} is not valid YAML{at}: {getattr(e, 'problem', None) or e}.") from None
-        except RecursionError:
-            raise GuardConfigError(f"{p} is nested too deep to be a guard config.") from None
+        data = load_yaml(p, what, error=GuardConfigError)
     try:
         return parse(data)
     except GuardConfigError as e:

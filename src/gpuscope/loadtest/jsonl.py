@@ -9,24 +9,26 @@ from typing import Any
 
 import orjson
 
+from .._files import MAX_LINE_BYTES, read_lines
 
-def json_lines(path: str | Path, what: str, error: type[Exception]) -> Iterator[tuple[int, Any]]:
+
+def json_lines(path: str | Path, what: str, error: type[Exception],
+               max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[tuple[int, Any]]:
     """(line number, parsed value) of each non-blank line, read as a stream (a run's records need not fit
-    in memory). `what` names the file in the sentences ("the replay file x.jsonl"); an unreadable file,
-    text that is not UTF-8 or a line that is not JSON raises `error` with one sentence."""
-    try:
-        with open(path, "rb") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    value = orjson.loads(line)
-                except orjson.JSONDecodeError:
-                    try:
-                        line.decode("utf-8")
-                    except UnicodeDecodeError:
-                        raise error(f"{what[:1].upper()}{what[1:]} is not UTF-8 text.") from None
-                    raise error(f"Line {n} of {what} is not valid JSON.") from None
-                yield n, value
-    except OSError as e:
-        raise error(f"Cannot read {what}: {e.strerror or e}.") from None
+    in memory; each line may be at most `max_line_bytes`). `what` names the file in the sentences ("the
+    replay file x.jsonl"); an unreadable file, a line too long, text that is not UTF-8 or a line that is
+    not JSON raises `error` with one sentence."""
+    for n, line in read_lines(path, what, max_line_bytes=max_line_bytes, error=error):
+        try:
+            value = orjson.loads(line)
+        except orjson.JSONDecodeError as e:
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError:
+                raise error(f"{what[:1].upper()}{what[1:]} is not UTF-8 text.") from None
+            if "depth limit" in str(e):
+                raise error(f"Line {n} of {what} is nested too deep (more than 1024 levels).") from None
+            if "infinity" in str(e):  # orjson reads a number it cannot hold as a double
+                raise error(f"Line {n} of {what} holds a number too large to use.") from None
+            raise error(f"Line {n} of {what} is not valid JSON.") from None
+        yield n, value

@@ -14,7 +14,6 @@ keeps its arrival process's shape while its rate changes.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from .. import timeparse
+from .._files import load_json, load_yaml
 from ..errors import UsageError
 
 ARRIVALS = ("constant", "poisson", "gamma")
@@ -168,22 +168,11 @@ def validate(stage: Stage) -> Stage:
 
 def load_stage_file(path: str | Path, *, default_arrival: str = "poisson", burstiness: float = 1.0) -> list[Stage]:
     """Read a YAML or JSON list of {duration, rate | concurrency, arrival, ramp_to, ramp, requests, name}."""
-    import yaml  # type: ignore[import-untyped]
-
-    try:
-        raw = Path(path).read_bytes()
-    except OSError as e:
-        raise ScheduleError(f"Cannot read the stage file {path}: {e.strerror or e}.") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ScheduleError(f"The stage file {path} is not valid YAML/JSON (not UTF-8 text).") from None
-    try:
-        data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
-    except (ValueError, yaml.YAMLError) as e:
-        raise ScheduleError(f"The stage file {path} is not valid YAML/JSON ({str(e).splitlines()[0]}).") from None
-    except RecursionError:  # '[' nested thousands deep: no parser error, a Python one
-        raise ScheduleError(f"The stage file {path} is nested too deep to be a list of stages.") from None
+    what = f"the stage file {path}"
+    if str(path).endswith(".json"):
+        data = load_json(path, what, error=ScheduleError)
+    else:
+        data = load_yaml(path, what, error=ScheduleError)
     if isinstance(data, dict) and "stages" in data:
         data = data["stages"]
     if not isinstance(data, list) or not data:
