@@ -85,7 +85,7 @@ def _pct(x: float | None) -> str:
 def _idle_sample(util: float | None, sm: float | None, th: Thresholds) -> bool:
     if util is None and sm is None:
         return False
-    return (util is None or util < th.gap_util) and (sm is None or sm < th.sm_idle)
+    return util is None or util < th.gap_util and (sm is None or sm < th.sm_idle)
 
 
 def _steady(w: Any, th: Thresholds) -> tuple[Any, float, float]:
@@ -123,7 +123,7 @@ def _held_for(w: Any, held: float) -> float:
         if v < 0.9 * held:
             break
         since = t
-    return (w.times[-1] - since) if w.times else 0.0
+    return w.times[-1] - since if w.times else 0.0
 
 
 def _runs(flags: list[bool]) -> int:
@@ -174,92 +174,107 @@ def classify(w: Any, th: Thresholds, verdict: Any) -> list[Any]:
                         f"GPU {w.gpu}: only NVML utilization ({_pct(util)}) is available here (no GPM); it "
                         "counts any kernel or copy as busy and cannot tell what limits the GPU.", base))
     elif sm >= th.sm_busy:
-        pipes = (tensor or 0.0) + fp32 + fp16 + fp64
-        if dram is not None and dram >= th.dram_bound:
-            out.append(make("memory_bound", "info", min(1.0, 0.6 + (dram - th.dram_bound)),
-                            f"GPU {w.gpu} is memory-bandwidth-bound: DRAM at {_pct(dram)} of its peak with SMs "
-                            f"{_pct(sm)} busy and tensor pipes at {_pct(tensor)}.", base))
-        elif tensor is not None and tensor >= 0.6:
-            out.append(make("compute_bound", "info", 0.9,
-                            f"GPU {w.gpu} is compute-bound on the tensor cores ({_pct(tensor)}), SMs {_pct(sm)} "
-                            "busy: well used.", base))
-        elif (tensor or 0.0) < th.tensor_unused and fp32 + fp16 >= th.fp_pipes_busy:
-            out.append(make("tensor_cores_unused", "warning", 0.8,
-                            f"GPU {w.gpu} does its math on the FP32/FP16 pipes ({_pct(fp32 + fp16)}) while the "
-                            f"tensor cores idle ({_pct(tensor)}).", {**base, "fp32_active": fp32, "fp16_active": fp16}))
-        elif pipes < th.pipes_low and (dram or 0.0) < th.dram_low:
-            out.append(make("memory_access_bound", "warning", 0.6,
-                            f"GPU {w.gpu}: SMs {_pct(sm)} busy, yet math pipes ({_pct(pipes)}) and DRAM "
-                            f"({_pct(dram)}) are both low: kernels stall on memory access.", base))
-        else:
-            out.append(make("healthy", "info", 0.8,
-                            f"GPU {w.gpu} is well used: SMs {_pct(sm)} busy, tensor {_pct(tensor)}, DRAM "
-                            f"{_pct(dram)}.", base))
+        out.append(_busy_verdict(w, th, make, base, sm, tensor, dram, fp32, fp16, fp64))
     else:
-        idle_share = sum(1 for v in sm_all if v < th.sm_idle) / len(sm_all)
-        p90 = _q(sm_all, 0.9) or 0.0
-        held = mem[-1] if mem else 0.0
-        bursts = _runs([v >= th.burst_sm for v in sm_all])
-        utils = _vals(w, "gpu_utilization_ratio")
-        gap_flags = [v < th.gap_util for v in utils]
-        gaps, gap_share = _runs(gap_flags), (sum(gap_flags) / len(utils) if utils else 0.0)
-        step_s = (t1 - t0) / max(1, len(w.times) - 1)
-        mean_gap_s = sum(gap_flags) * step_s / gaps if gaps else 0.0
-        saturated = cpu_known and busiest >= th.thread_saturated
-        intermittent = (gaps >= th.min_bursts and gap_share >= th.gap_share
-                        and _runs([v >= th.util_active for v in utils]) >= th.min_bursts
-                        and (saturated or mean_gap_s <= 1.0))
-        prof = _profile_of(w, th)
-        if idle_share >= th.idle_share and p90 >= th.burst_sm and bursts >= th.min_bursts:
-            out.append(make("input_starved", "warning", 0.7,
-                            f"GPU {w.gpu} works in bursts (SMs idle {idle_share * 100:.0f} % of the time, "
-                            f"{_pct(p90)} busy in {bursts} bursts): it waits for input.",
-                            {**base, "idle_share": idle_share, "sm_active_p90": p90, "bursts": bursts}))
-        elif pcie >= th.pcie_busy_bytes_per_s and sm < th.sm_idle:
-            pageable = pcie < th.pcie_pageable_below_bytes_per_s and cpu_known and busiest >= th.thread_saturated
-            out.append(make("transfer_bound", "warning", 0.8,
-                            f"GPU {w.gpu} is transfer-bound: PCIe moves {pcie / 1e9:.1f} GB/s while the SMs are "
-                            f"{_pct(sm)} busy (NVML 'utilization' says {_pct(util)})"
-                            + ("; the rate and a saturated CPU thread point to pageable (unpinned) memory."
-                               if pageable else "."), {**base, "pageable_likely": pageable}))
-        elif saturated and prof is not None:
-            out.append(_host_verdict(w, prof, base, sm, util, busiest, th, make))
-        elif intermittent:
-            # The GPU stops completely, again and again, between short bursts of real work: it is fed
-            # too slowly. Steady small work (launch- or sync-bound) never leaves it fully idle.
-            out.append(make("input_starved", "warning", 0.7 if saturated else 0.5,
-                            f"GPU {w.gpu} works intermittently: fully idle in {gap_share * 100:.0f} % of the samples "
-                            f"({gaps} gaps of {mean_gap_s:.1f} s on average), SMs {_pct(sm)} busy overall"
-                            + (f", while its process's busiest thread runs at {_pct(busiest)} of a core: the host "
-                               "side (data loading, preprocessing) is too slow." if saturated
-                               else ": it waits for input."),
-                            {**base, "idle_gap_share": gap_share, "idle_gaps": gaps, "mean_gap_s": mean_gap_s}))
-        elif (util or 0.0) >= th.util_active and saturated:
-            out.append(make("launch_or_sync_bound", "warning", 0.7,
-                            f"GPU {w.gpu} waits on the CPU: SMs {_pct(sm)} busy while a process thread runs "
-                            f"at {_pct(busiest)} of a core" + (" and kernels are tiny (launch-bound likely)"
-                                                               if sm < 0.02 else "")
-                            + ". Launches, synchronisations or data preparation: the thread's stacks tell which"
-                            + (f" ({base['stack_sampling']})" if "stack_sampling" in base else "") + ".", base))
-        elif held >= th.held_bytes and (util or 0.0) < 0.02 and sm < 0.01:
-            held_s = _held_for(w, held)
-            if held_s < th.min_window_s:  # memory still arriving: a program setting up, not a reservation
-                out.append(make("idle", "info", 0.6,
-                                f"GPU {w.gpu} is idle while its memory grows to {held / 2**30:.1f} GiB: a program "
-                                "is setting up.", {**base, "memory_held_bytes": held}))
-            else:
-                out.append(make("idle_allocated", "warning", 0.9,
-                                f"GPU {w.gpu} holds {held / 2**30:.1f} GiB with nothing running (SMs {_pct(sm)}).",
-                                {**base, "memory_held_bytes": held, "held_for_s": held_s}))
-        elif sm < th.sm_idle and (util or 0.0) < th.util_active:
-            out.append(make("idle", "info", 0.9, f"GPU {w.gpu} is idle.", base))
-        else:
-            out.append(make("underutilized", "warning", 0.4,
-                            f"GPU {w.gpu} is underused: SMs {_pct(sm)} busy (NVML 'utilization' {_pct(util)}).",
-                            base))
+        out.append(_low_sm_verdict(w, th, make, base, sm, util, pcie, mem, busiest, cpu_known))
 
     out.extend(_side(w, th, make))
     return out
+
+
+def _busy_verdict(w: Any, th: Thresholds, make: Any, base: dict[str, Any], sm: float, tensor: float | None,
+                  dram: float | None, fp32: float, fp16: float, fp64: float) -> Any:
+    """The primary verdict of a GPU whose SMs are busy: which pipe or memory limits it, or none."""
+    pipes = (tensor or 0.0) + fp32 + fp16 + fp64
+    if dram is not None and dram >= th.dram_bound:
+        return make("memory_bound", "info", min(1.0, 0.6 + (dram - th.dram_bound)),
+                        f"GPU {w.gpu} is memory-bandwidth-bound: DRAM at {_pct(dram)} of its peak with SMs "
+                        f"{_pct(sm)} busy and tensor pipes at {_pct(tensor)}.", base)
+    elif tensor is not None and tensor >= 0.6:
+        return make("compute_bound", "info", 0.9,
+                        f"GPU {w.gpu} is compute-bound on the tensor cores ({_pct(tensor)}), SMs {_pct(sm)} "
+                        "busy: well used.", base)
+    elif (tensor or 0.0) < th.tensor_unused and fp32 + fp16 >= th.fp_pipes_busy:
+        return make("tensor_cores_unused", "warning", 0.8,
+                        f"GPU {w.gpu} does its math on the FP32/FP16 pipes ({_pct(fp32 + fp16)}) while the "
+                        f"tensor cores idle ({_pct(tensor)}).", {**base, "fp32_active": fp32, "fp16_active": fp16})
+    elif pipes < th.pipes_low and (dram or 0.0) < th.dram_low:
+        return make("memory_access_bound", "warning", 0.6,
+                        f"GPU {w.gpu}: SMs {_pct(sm)} busy, yet math pipes ({_pct(pipes)}) and DRAM "
+                        f"({_pct(dram)}) are both low: kernels stall on memory access.", base)
+    else:
+        return make("healthy", "info", 0.8,
+                        f"GPU {w.gpu} is well used: SMs {_pct(sm)} busy, tensor {_pct(tensor)}, DRAM "
+                        f"{_pct(dram)}.", base)
+
+
+def _low_sm_verdict(w: Any, th: Thresholds, make: Any, base: dict[str, Any], sm: float, util: float | None,
+                    pcie: float, mem: list[float], busiest: float | None, cpu_known: bool) -> Any:
+    """The primary verdict of a GPU whose SMs are mostly idle: what it waits for (input, transfers, its host
+    thread), or that it is idle, idle with memory held, or underused."""
+    sm_all = _vals(w, "gpu_sm_active_ratio")
+    t0, t1 = w.times[0], w.times[-1]
+    idle_share = sum(1 for v in sm_all if v < th.sm_idle) / len(sm_all)
+    p90 = _q(sm_all, 0.9) or 0.0
+    held = mem[-1] if mem else 0.0
+    bursts = _runs([v >= th.burst_sm for v in sm_all])
+    utils = _vals(w, "gpu_utilization_ratio")
+    gap_flags = [v < th.gap_util for v in utils]
+    gaps, gap_share = _runs(gap_flags), (sum(gap_flags) / len(utils) if utils else 0.0)
+    step_s = (t1 - t0) / max(1, len(w.times) - 1)
+    mean_gap_s = sum(gap_flags) * step_s / gaps if gaps else 0.0
+    saturated = cpu_known and busiest >= th.thread_saturated
+    intermittent = (gaps >= th.min_bursts and gap_share >= th.gap_share
+                    and _runs([v >= th.util_active for v in utils]) >= th.min_bursts
+                    and (saturated or mean_gap_s <= 1.0))
+    prof = _profile_of(w, th)
+    if idle_share >= th.idle_share and p90 >= th.burst_sm and bursts >= th.min_bursts:
+        return make("input_starved", "warning", 0.7,
+                        f"GPU {w.gpu} works in bursts (SMs idle {idle_share * 100:.0f} % of the time, "
+                        f"{_pct(p90)} busy in {bursts} bursts): it waits for input.",
+                        {**base, "idle_share": idle_share, "sm_active_p90": p90, "bursts": bursts})
+    elif pcie >= th.pcie_busy_bytes_per_s and sm < th.sm_idle:
+        pageable = pcie < th.pcie_pageable_below_bytes_per_s and cpu_known and busiest >= th.thread_saturated
+        return make("transfer_bound", "warning", 0.8,
+                        f"GPU {w.gpu} is transfer-bound: PCIe moves {pcie / 1e9:.1f} GB/s while the SMs are "
+                        f"{_pct(sm)} busy (NVML 'utilization' says {_pct(util)})"
+                        + ("; the rate and a saturated CPU thread point to pageable (unpinned) memory."
+                           if pageable else "."), {**base, "pageable_likely": pageable})
+    elif saturated and prof is not None:
+        return _host_verdict(w, prof, base, sm, util, busiest, th, make)
+    elif intermittent:
+        # The GPU stops completely, again and again, between short bursts of real work: it is fed
+        # too slowly. Steady small work (launch- or sync-bound) never leaves it fully idle.
+        return make("input_starved", "warning", 0.7 if saturated else 0.5,
+                        f"GPU {w.gpu} works intermittently: fully idle in {gap_share * 100:.0f} % of the samples "
+                        f"({gaps} gaps of {mean_gap_s:.1f} s on average), SMs {_pct(sm)} busy overall"
+                        + (f", while its process's busiest thread runs at {_pct(busiest)} of a core: the host "
+                           "side (data loading, preprocessing) is too slow." if saturated
+                           else ": it waits for input."),
+                        {**base, "idle_gap_share": gap_share, "idle_gaps": gaps, "mean_gap_s": mean_gap_s})
+    elif (util or 0.0) >= th.util_active and saturated:
+        return make("launch_or_sync_bound", "warning", 0.7,
+                        f"GPU {w.gpu} waits on the CPU: SMs {_pct(sm)} busy while a process thread runs "
+                        f"at {_pct(busiest)} of a core" + (" and kernels are tiny (launch-bound likely)"
+                                                           if sm < 0.02 else "")
+                        + ". Launches, synchronisations or data preparation: the thread's stacks tell which"
+                        + (f" ({base['stack_sampling']})" if "stack_sampling" in base else "") + ".", base)
+    elif held >= th.held_bytes and (util or 0.0) < 0.02 and sm < 0.01:
+        held_s = _held_for(w, held)
+        if held_s < th.min_window_s:  # memory still arriving: a program setting up, not a reservation
+            return make("idle", "info", 0.6,
+                            f"GPU {w.gpu} is idle while its memory grows to {held / 2**30:.1f} GiB: a program "
+                            "is setting up.", {**base, "memory_held_bytes": held})
+        else:
+            return make("idle_allocated", "warning", 0.9,
+                            f"GPU {w.gpu} holds {held / 2**30:.1f} GiB with nothing running (SMs {_pct(sm)}).",
+                            {**base, "memory_held_bytes": held, "held_for_s": held_s})
+    elif sm < th.sm_idle and (util or 0.0) < th.util_active:
+        return make("idle", "info", 0.9, f"GPU {w.gpu} is idle.", base)
+    else:
+        return make("underutilized", "warning", 0.4,
+                        f"GPU {w.gpu} is underused: SMs {_pct(sm)} busy (NVML 'utilization' {_pct(util)}).",
+                        base)
 
 
 def _profile_of(w: Any, th: Thresholds) -> Any:
