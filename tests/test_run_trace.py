@@ -17,8 +17,9 @@ import pytest
 from test_trace_run import FAKE_TORCH
 
 from gpuscope.diagnose import Verdict
-from gpuscope.runcmd import TRACE_WAITING, _Tracing, run
+from gpuscope.runcmd import run
 from gpuscope.trace import ondemand
+from gpuscope.trace.onrun import TRACE_WAITING, Tracing
 
 GOLDEN = Path(__file__).parent / "fixtures" / "traces" / "sync_heavy.pt.trace.json.gz"
 
@@ -106,7 +107,7 @@ def v(kind: str, confidence: float = 0.7, gpu: str = "0") -> Verdict:
 
 
 def test_a_trace_is_asked_after_two_unsettled_verdicts_once_per_family(tmp_path):
-    t = _Tracing(str(tmp_path / "req"), str(tmp_path), lambda gpu: [10**7], timeout_s=60)
+    t = Tracing(str(tmp_path / "req"), str(tmp_path), lambda gpu: [10**7], timeout_s=60)
     t.observe([v("launch_or_sync_bound"), v("healthy", gpu="1")], 5)
     assert t.records == [] and not t.waiting()
     t.observe([v("launch_or_sync_bound"), v("input_starved", 0.85, gpu="1")], 10)  # stacks' input_starved is settled

@@ -9,57 +9,44 @@ HTML reports (cli.py writes them).
 Signals: Ctrl-C at a terminal reaches CMD directly (it shares our process group); a SIGINT or SIGTERM
 sent to gpuscope alone is forwarded to CMD. A second one terminates CMD (SIGTERM, then SIGKILL after
 5 s). Either way gpuscope waits for CMD, reports what it saw and exits with CMD's exit code (128 + N
-when a signal N ended it, as a shell would say). The child is never left running behind.
+when a signal N ended it, as a shell would say). The child is never left running behind, and its
+output never passes through gpuscope (gpuscope._child holds these decisions for `trace run` too).
 
-With `trace` (`gpuscope run --trace`), CMD runs with the tracing bootstrap in on-demand mode (see
-trace/ondemand.py), and a GPU whose verdict the metrics cannot settle (`_Tracing`) gets one 3 s trace
-of its processes; that trace's verdict then replaces the metrics' for that GPU (trace.verdicts.refine).
+With `trace` (`gpuscope run --trace`), CMD runs with the tracing bootstrap in on-demand mode, and a GPU
+whose verdict the metrics cannot settle gets one 3 s trace of its processes; that trace's verdict then
+replaces the metrics' for that GPU (trace/onrun.py, which this module reaches through its `OnRun`).
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
-import threading
 import time
-import uuid
 from collections import defaultdict
-from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import psutil
-
+from ._child import TERM_GRACE_S, Forwarder, RunError, check, exit_code, reap, reap_all, start
 from ._redact import redact_cmdline
-from .diagnose import Profiler, Verdict, diagnose, windows_from_snapshots
+from .diagnose import Profiler, diagnose, windows_from_snapshots
 from .diagnose.thresholds import DEFAULT
-from .errors import UserError
 from .report.processes import RunProcesses
 from .report.timeline import GpuTimeline, gpu_order
 from .sampler import Sampler, SamplerConfig
 
+if TYPE_CHECKING:
+    from .trace.onrun import OnRun
+
+# RunError lives in gpuscope._child (trace run raises it too); gpuscope.runcmd.RunError is the same class.
+__all__ = ["EVERY_S", "FINE", "TERM_GRACE_S", "WINDOW_S", "RunError", "Segment", "render", "run", "spans"]
+
 WINDOW_S = 10.0  # each verdict looks at this much history
 EVERY_S = 5.0  # and a new one is made this often
 TREE_EVERY_S = 2.0  # how often the child's process tree is read
-TERM_GRACE_S = 5.0  # after SIGTERM, this long before SIGKILL
 #: Primary verdicts that need no change: never "what to change first".
 FINE = {"healthy", "compute_bound", "idle", "power_capped"}
-TRACE_WINDOW_S = 3.0  # `run --trace`: how long one trace window lasts
-TRACE_AFTER = 2  # an unsettled verdict this many times in a row asks for a trace
-TRACE_TIMEOUT_S = 30.0  # no answer this long after the request: no trace will come
-TRACE_WAITING = f"tracing {TRACE_WINDOW_S:.0f} s to tell launch- from sync-bound…"
-
-
-class RunError(UserError, RuntimeError):
-    """One sentence for the user (the command could not be started). `code` is the exit code."""
-
-    def __init__(self, message: str, code: int = 127) -> None:
-        super().__init__(message)
-        self.code = self.exit_code = code
 
 
 @dataclass
@@ -118,210 +105,149 @@ def _status(snap: Any, elapsed: float) -> str:
     return "  ".join(parts)
 
 
-def _terminal_reaches(pgrp: int) -> bool:
-    """True when a terminal's Ctrl-C reaches process group `pgrp` by itself (it is the foreground group
-    of our controlling terminal), so forwarding would deliver the signal twice."""
-    try:
-        fd = os.open("/dev/tty", os.O_RDONLY | os.O_NOCTTY)
-    except OSError:
-        return False
-    try:
-        return os.tcgetpgrp(fd) == pgrp
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-
-
-class Forwarder:
-    """The SIGINT/SIGTERM handler while a command runs under gpuscope (`run`, `trace`): a signal sent
-    to gpuscope alone goes to the command and every process it started (as a terminal's Ctrl-C would;
-    not again when the terminal already delivered it); a second one terminates the command."""
-
-    def __init__(self, descendants: Callable[[subprocess.Popen[bytes]], Iterable[Any]]) -> None:
-        self.descendants = descendants
-        self.child: subprocess.Popen[bytes] | None = None
-        self.interrupts = 0
-        self._old: dict[int, Any] = {}
-
-    def __call__(self, signum: int, _frame: Any) -> None:
-        self.interrupts += 1
-        child = self.child
-        if child is None or child.poll() is not None:
-            return
-        try:
-            if self.interrupts >= 2:
-                child.terminate()
-            elif signum != signal.SIGINT or not _terminal_reaches(os.getpgid(child.pid)):
-                child.send_signal(signum)
-                for p in self.descendants(child):
-                    p.send_signal(signum)
-        except (OSError, psutil.Error):  # gone meanwhile
-            pass
-
-    def install(self) -> None:
-        self._old = {s: signal.signal(s, self) for s in (signal.SIGINT, signal.SIGTERM)}
-
-    def restore(self) -> None:
-        for s, h in self._old.items():
-            signal.signal(s, h)
-
-
-def _check(cmd: list[str]) -> None:
-    if not cmd:
-        raise RunError("Nothing to run: give a command after --, e.g. gpuscope run -- python train.py.", 2)
-    if not cmd[0].strip():  # `run -- "$UNSET_VAR"`: which('') is None and the message read "Command not found: ."
-        raise RunError("The command to run is an empty string; give one after --, e.g. gpuscope run -- python "
-                       "train.py.", 2)
-    if os.sep not in cmd[0] and shutil.which(cmd[0]) is None:
-        raise RunError(f"Command not found: {cmd[0]}.", 127)
-    if os.sep in cmd[0] and not os.path.exists(cmd[0]):
-        raise RunError(f"Command not found: {cmd[0]} does not exist.", 127)
-    if os.sep in cmd[0] and os.path.isdir(cmd[0]):
-        raise RunError(f"Cannot run {cmd[0]}: it is a directory.", 126)
-
-
-def _start(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    try:
-        return subprocess.Popen(cmd, env=env)
-    except PermissionError:
-        raise RunError(f"Cannot run {cmd[0]}: permission denied (is it executable?).", 126) from None
-    except OSError as e:
-        raise RunError(f"Cannot run {cmd[0]}: {(e.strerror or str(e)).rstrip('.')}.", 126) from None
-
-
 def run(cmd: list[str], *, simulate: str | None = None, gpus: int | None = None, interval: float = 0.1,
         out: Any = sys.stderr, max_points: int = 6144, stacks: bool = True, trace: bool = False,
-        trace_dir: str | None = None, trace_timeout_s: float = TRACE_TIMEOUT_S) -> tuple[int, dict[str, Any]]:
+        trace_dir: str | None = None, trace_timeout_s: float | None = None) -> tuple[int, dict[str, Any]]:
     """Run `cmd`, watch the GPUs meanwhile; return (the exit code to use, the report dict).
 
     With `stacks`, a GPU that waits on a saturated thread of the command's processes (never another
     user's) has that process's Python stacks sampled for 2 s (py-spy), at most every 30 s. With `trace`,
-    such a GPU whose verdict stays unsettled gets a trace (`_Tracing`), written into `trace_dir` (kept)
-    or into a temporary directory removed at the end."""
-    _check(cmd)  # before touching the GPUs: a typo gets its sentence at once
+    such a GPU whose verdict stays unsettled gets a trace (trace.onrun), written into `trace_dir` (kept)
+    or into a temporary directory removed at the end; `trace_timeout_s` (default trace.onrun's 30 s) is
+    how long a request for one waits for its answer."""
+    check(cmd)  # before touching the GPUs: a typo gets its sentence at once
     sampler = Sampler(SamplerConfig(interval=interval), simulate=simulate, gpus=gpus)
     sampler.open()
-    tmp = tempfile.mkdtemp(prefix="gpuscope-run-") if trace else None  # private: mode 0700
-    started_at = time.time()
-    child: subprocess.Popen[bytes] | None = None
-    procs: RunProcesses | None = None
-    forward = Forwarder(lambda c: procs.live_descendants() if procs is not None else [])
+    tracing = _on_run(trace_dir, trace_timeout_s) if trace else None
+    one = _Run(sampler, out, max_points, stacks, tracing)
+    one.supervise(cmd)
+    return one.report(cmd)
 
-    # From here on a signal is ours to handle, and whatever happens, the child is not left behind.
-    forward.install()
-    tty = hasattr(out, "isatty") and out.isatty()
-    segments: list[Segment] = []
-    last_end: dict[str, float] = {}
-    tracing: _Tracing | None = None
-    try:
-        first = sampler.sample_once()
-        env = None
-        if tmp is not None:
-            from .trace.run import environment
 
-            traces_at = _trace_dir(trace_dir, tmp)
-            env = environment(traces_at, 0.0, TRACE_WINDOW_S, 0.0, True, uuid.uuid4().hex,
-                              requests_dir=os.path.join(tmp, "requests"))
-        child = forward.child = _start(cmd, env)
-        t0 = time.time()
-        if forward.interrupts:  # a Ctrl-C while it started: the command hears of it too
+def _on_run(trace_dir: str | None, timeout_s: float | None) -> OnRun:
+    from .trace.onrun import TRACE_TIMEOUT_S, OnRun  # only for --trace: the trace package is not light
+
+    return OnRun(trace_dir, TRACE_TIMEOUT_S if timeout_s is None else timeout_s)
+
+
+class _Run:
+    """One `gpuscope run`, from the command's start to its report: what the main loop, the clean-up
+    and the report share. `supervise` then `report`, once each."""
+
+    def __init__(self, sampler: Sampler, out: Any, max_points: int, stacks: bool, tracing: OnRun | None) -> None:
+        self.sampler, self.out, self.max_points, self.stacks, self.tracing = sampler, out, max_points, stacks, tracing
+        self.started_at = time.time()
+        self.tty = hasattr(out, "isatty") and out.isatty()
+        self.child: subprocess.Popen[bytes] | None = None
+        self.procs: RunProcesses | None = None
+        self.forward = Forwarder(lambda c: self.procs.live_descendants() if self.procs is not None else [])
+        self.profiler: Any = None
+        self.first: Any = None  # the snapshot before the command started
+        self.t0 = 0.0  # time.time() when it started: the reports' seconds count from here
+        self.collector: _Collector | None = None
+        self.segments: list[Segment] = []
+        self.last_end: dict[str, float] = {}
+
+    def supervise(self, cmd: list[str]) -> None:
+        """Start `cmd` and watch it until it exits. From here on a signal is ours to handle, and
+        whatever happens, the child is not left behind."""
+        self.forward.install()
+        try:
+            self._start(cmd)
+            self._watch()
+        finally:
+            self._close()
+
+    def _start(self, cmd: list[str]) -> None:
+        self.first = self.sampler.sample_once()
+        env = self.tracing.environment() if self.tracing is not None else None
+        child = self.child = self.forward.child = start(cmd, env)
+        self.t0 = time.time()
+        if self.forward.interrupts:  # a Ctrl-C while it started: the command hears of it too
             child.send_signal(signal.SIGINT)
-        procs = RunProcesses(child.pid, simulated=sampler.simulated is not None)
-        profiler = _profiler(procs) if stacks and sampler.simulated is None else None
-        if tmp is not None:
-            tracing = _Tracing(os.path.join(tmp, "requests"), traces_at, _traceable(sampler, procs, child.pid),
-                               trace_timeout_s)
-        collector = _Collector(t0, procs, max_points)
-        sampler.subscribe(collector)
+        procs = self.procs = RunProcesses(child.pid, simulated=self.sampler.simulated is not None)
+        if self.stacks and self.sampler.simulated is None:
+            self.profiler = _profiler(procs)
+        if self.tracing is not None:
+            self.tracing.watch(self.sampler, procs, child.pid)
+        self.collector = _Collector(self.t0, procs, self.max_points)
+        self.sampler.subscribe(self.collector)
+
+    def _watch(self) -> None:
+        """The main loop, every 0.1 s until the command exits: its process tree, the status line, the
+        trace requests, the verdicts, and SIGKILL for a command terminated but still there."""
+        assert self.child is not None and self.procs is not None
         mono0 = time.monotonic()
         next_verdict = mono0 + EVERY_S
         next_tree = mono0 + 0.3  # a first look soon: short-lived children should be seen
-        last_status = 0.0 if tty else mono0  # without a terminal: a line every 10 s, the first at 10 s
-        terminated_at: float | None = None
-        sampler.start()
-        while child.poll() is None:
+        last_status = 0.0 if self.tty else mono0  # without a terminal: a line every 10 s, the first at 10 s
+        self.sampler.start()
+        while self.child.poll() is None:
             time.sleep(0.1)
             now = time.monotonic()
             if now >= next_tree:
-                procs.poll_tree(time.time() - t0)
+                self.procs.poll_tree(time.time() - self.t0)
                 next_tree = now + (TREE_EVERY_S if now - mono0 > 2 else 0.5)
-            snap = sampler.latest()
-            if snap is not None and (tty or now - last_status >= 10.0) and now - last_status >= 1.0:
-                line = _status(snap, time.time() - t0)
-                if tracing is not None and tracing.waiting():
-                    line += "  " + TRACE_WAITING
-                print(("\r" + line + "\033[K") if tty else line, end="" if tty else "\n", file=out, flush=True)
+            if (self.tty or now - last_status >= 10.0) and now - last_status >= 1.0 and self._show_status():
                 last_status = now
-            if tracing is not None:
-                tracing.poll()
+            if self.tracing is not None:
+                self.tracing.poll()
             if now >= next_verdict:
-                made = _verdicts(sampler, t0, last_end, profiler=profiler, tracing=tracing)
-                segments.extend(made)
+                made = self._verdicts()
+                self.segments.extend(made)
                 # Until the history is long enough for a verdict, look again soon.
                 next_verdict = now + (EVERY_S if made or now - mono0 > WINDOW_S else 0.5)
-            if forward.interrupts >= 2:
-                if terminated_at is None:
-                    terminated_at = now
-                elif now - terminated_at > TERM_GRACE_S:
-                    child.kill()
-    finally:
-        if child is not None:
-            _reap(child)
-            if forward.interrupts and procs is not None:  # interrupted: nothing the command started may outlive it
-                _reap_all(procs.live_descendants())
-        forward.restore()
-        sampler.stop()
-        if tty and child is not None:
-            print("\r\033[K", end="", file=out, flush=True)  # the live line gives way to the summary
-        if tracing is not None:
-            tracing.finish()
-        if tmp is not None:  # the requests, and the traces unless trace_dir keeps them beside a report
-            shutil.rmtree(tmp, ignore_errors=True)
-    assert child is not None and procs is not None  # the try ends no other way
-    segments.extend(_verdicts(sampler, t0, last_end, final=True, profiler=profiler, tracing=tracing))
-    last = sampler.latest()
-    duration = time.time() - t0
-    rc = child.returncode
-    code = 128 - rc if rc is not None and rc < 0 else (rc if rc is not None else 1)
-    report = _summarise(segments, duration, _energy(first), _energy(last) if last is not None else {},
-                        code, forward.interrupts > 0, sampler.simulated)
-    report.update({
-        "command": redact_cmdline(cmd), "started_at": started_at, "hostname": first.hostname,
-        "gpu_start_s": procs.gpu_start_s, "gpu_start_by_gpu": procs.gpu_start_by_gpu,
-        "gpus": [collector.gpus[k] for k in sorted(collector.gpus, key=gpu_order)],
-        "processes": procs.table(),
-        "series": {k: collector.timelines[k].points() for k in sorted(collector.timelines, key=gpu_order)},
-        "killed_by_signal": -rc if rc is not None and rc < 0 else None,
-    })
-    if tracing is not None:
-        report["trace"] = {"dir": trace_dir, "kept": trace_dir is not None, "requests": tracing.records}
-    return code, report
+            self.forward.kill_if_overdue(TERM_GRACE_S)
 
+    def _show_status(self) -> bool:
+        """The live line (a terminal: rewritten in place; else one line); False when nothing was sampled yet."""
+        snap = self.sampler.latest()
+        if snap is None:
+            return False
+        line = _status(snap, time.time() - self.t0)
+        if self.tracing is not None:
+            line += self.tracing.status()
+        print(("\r" + line + "\033[K") if self.tty else line, end="" if self.tty else "\n", file=self.out, flush=True)
+        return True
 
-def _trace_dir(wanted: str | None, tmp: str) -> str:
-    path = wanted or os.path.join(tmp, "traces")
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as e:
-        raise RunError(f"Cannot create the trace directory {path}: {e.strerror or e}.", 2) from None
-    return path
+    def _verdicts(self, final: bool = False) -> list[Segment]:
+        return _verdicts(self.sampler, self.t0, self.last_end, final=final, profiler=self.profiler,
+                         tracing=self.tracing)
 
+    def _close(self) -> None:
+        if self.child is not None:
+            reap(self.child)
+            if self.forward.interrupts and self.procs is not None:  # interrupted: nothing the command started may outlive it
+                reap_all(self.procs.live_descendants())
+        self.forward.restore()
+        self.sampler.stop()
+        if self.tty and self.child is not None:
+            print("\r\033[K", end="", file=self.out, flush=True)  # the live line gives way to the summary
+        if self.tracing is not None:  # the requests, and the traces unless trace_dir keeps them beside a report
+            self.tracing.finish()
 
-def _traceable(sampler: Sampler, procs: RunProcesses, child_pid: int) -> Any:
-    """The pids a trace of one GPU is asked from: the command's processes on that GPU.
-
-    On the simulated node the GPU processes are made up (no process has their pids) and the command
-    runs on the CPU only, so the command's own processes stand for every simulated GPU: a trace one of
-    them writes refines the verdicts of the GPU that asked (refine's gpu_of_pid maps their pids to it)."""
-
-    def pids_of(gpu: str) -> list[int]:
-        if sampler.simulated is not None:
-            return [child_pid] + [p.pid for p in procs.live_descendants()]
-        snap = sampler.latest()
-        return sorted({p.pid for p in (snap.processes if snap is not None else []) if p.gpu == gpu and procs.ours(p.pid)})
-
-    return pids_of
+    def report(self, cmd: list[str]) -> tuple[int, dict[str, Any]]:
+        """(the exit code to use, the report dict), with the verdict of the run's tail."""
+        child, procs, collector = self.child, self.procs, self.collector
+        assert child is not None and procs is not None and collector is not None  # supervise ends no other way
+        self.segments.extend(self._verdicts(final=True))
+        last = self.sampler.latest()
+        duration = time.time() - self.t0
+        rc = child.returncode
+        code = exit_code(rc)
+        report = _summarise(self.segments, duration, _energy(self.first), _energy(last) if last is not None else {},
+                            code, self.forward.interrupts > 0, self.sampler.simulated)
+        report.update({
+            "command": redact_cmdline(cmd), "started_at": self.started_at, "hostname": self.first.hostname,
+            "gpu_start_s": procs.gpu_start_s, "gpu_start_by_gpu": procs.gpu_start_by_gpu,
+            "gpus": [collector.gpus[k] for k in sorted(collector.gpus, key=gpu_order)],
+            "processes": procs.table(),
+            "series": {k: collector.timelines[k].points() for k in sorted(collector.timelines, key=gpu_order)},
+            "killed_by_signal": -rc if rc is not None and rc < 0 else None,
+        })
+        if self.tracing is not None:
+            report["trace"] = self.tracing.report()
+        return code, report
 
 
 def _profiler(procs: RunProcesses) -> Any:
@@ -336,169 +262,6 @@ def _profiler(procs: RunProcesses) -> Any:
     return profiler
 
 
-def _unsettled(v: Verdict) -> str | None:
-    """The family of a primary verdict that the metrics and stack samples leave open, or None.
-
-    launch_or_sync_bound only says that the GPU waits on a busy host thread; host_bound is what stacks
-    say when no cause stands out (0.6); input_starved under 0.8 is the metrics' reading of idle gaps
-    (from stacks it is 0.85). sync_bound and launch_bound come from stacks only and are taken as said."""
-    if v.kind in ("launch_or_sync_bound", "host_bound"):
-        return "host"
-    if v.kind == "input_starved" and v.confidence < 0.8:
-        return "input"
-    return None
-
-
-class _Tracing:
-    """`run --trace`: asks the command's processes of a GPU for one trace when its verdict stays
-    unsettled, waits for the answer without blocking the run, analyses the trace on a thread, and from
-    then on refines that GPU's verdicts with it. One trace per GPU, or one more if the unsettled
-    verdict changes family. Used from the main loop; the analysis thread hands over under a lock."""
-
-    def __init__(self, req_dir: str, trace_dir: str, pids_of: Any, timeout_s: float = TRACE_TIMEOUT_S) -> None:
-        self.req_dir, self.trace_dir, self.pids_of, self.timeout_s = req_dir, trace_dir, pids_of, timeout_s
-        self.records: list[dict[str, Any]] = []
-        self._streak: dict[str, tuple[str | None, int]] = {}
-        self._asked: dict[str, str] = {}  # GPU -> the family its latest trace was asked for
-        self._pending: dict[str, tuple[dict[str, Any], float]] = {}  # GPU -> (record, monotonic asked at)
-        self._loading: dict[str, tuple[dict[str, Any], threading.Thread]] = {}
-        self._traced: dict[str, tuple[dict[str, Any], list[Verdict]]] = {}
-        self._gpu_of_pid: dict[int, str] = {}
-        self._lock = threading.Lock()
-
-    def waiting(self) -> bool:
-        return bool(self._pending or self._loading)
-
-    def observe(self, found: list[Verdict], t_s: float) -> None:
-        """After a round of (refined) verdicts: count unsettled ones in a row, ask where it is due."""
-        seen: set[str] = set()
-        for v in found:
-            if not v.primary or v.gpu in seen:
-                continue
-            seen.add(v.gpu)
-            family = _unsettled(v)
-            last, n = self._streak.get(v.gpu, (None, 0))
-            n = n + 1 if family is not None and family == last else int(family is not None)
-            self._streak[v.gpu] = (family, n)
-            busy = v.gpu in self._pending or v.gpu in self._loading
-            if family is not None and n >= TRACE_AFTER and self._asked.get(v.gpu) != family and not busy:
-                self._ask(v.gpu, family, t_s)
-
-    def _ask(self, gpu: str, family: str, t_s: float) -> None:
-        from .trace import ondemand
-
-        self._asked[gpu] = family
-        pids = self.pids_of(gpu)
-        rec: dict[str, Any] = {"gpu": gpu, "family": family, "requested_at_s": round(t_s, 1), "pids": pids,
-                               "window_s": TRACE_WINDOW_S, "request_id": None, "pid": None, "file": None,
-                               "verdict": None, "confidence": None, "summary": None, "line": None,
-                               "refined_verdicts": 0, "note": None}
-        self.records.append(rec)
-        if not pids:
-            rec["note"] = "no trace came: none of the command's processes uses this GPU"
-            return
-        rec["request_id"] = ondemand.write_request(self.req_dir, TRACE_WINDOW_S, pids)["id"]
-        self._gpu_of_pid.update((pid, gpu) for pid in pids)
-        self._pending[gpu] = (rec, time.monotonic())
-
-    def poll(self, final: bool = False) -> None:
-        """Take in the answers that came, the analyses that ended, and give up on requests that timed out."""
-        from .trace import ondemand
-
-        answers = ondemand.list_traces(self.req_dir) if self._pending else []
-        for gpu, (rec, asked) in list(self._pending.items()):
-            mine = [a for a in answers if a.get("id") == rec["request_id"]]
-            written = next((a for a in mine if a.get("status") == "written" and a.get("file")), None)
-            if written is not None:
-                rec["pid"], rec["file"] = written.get("pid"), os.path.join(self.trace_dir, str(written["file"]))
-                worker = threading.Thread(target=self._analyse, args=(gpu, rec), name="gpuscope-run-trace",
-                                          daemon=True)
-                self._loading[gpu] = (rec, worker)
-                worker.start()
-            elif len(mine) >= len(rec["pids"]) or final or time.monotonic() - asked > self.timeout_s:
-                why = "; ".join(str(a.get("reason") or a.get("status")) for a in mine)
-                rec["note"] = f"no trace came: {why or 'the process did not answer'}"
-            else:
-                continue
-            del self._pending[gpu]
-        for gpu, (_rec, worker) in list(self._loading.items()):
-            if not worker.is_alive():
-                del self._loading[gpu]
-
-    def _analyse(self, gpu: str, rec: dict[str, Any]) -> None:
-        from .trace.kineto import load
-        from .trace.verdicts import verdicts
-
-        try:
-            found = verdicts(load(rec["file"]))
-        except Exception as e:  # an unreadable trace or an analysis bug: the metrics' verdicts stand
-            with self._lock:
-                rec["note"] = f"the trace could not be analysed ({type(e).__name__}: {e})"
-            return
-        mine = [v for v in found if self._gpu_of_pid.get(v.evidence.get("pid", -1)) == gpu] or found[:1]
-        with self._lock:
-            if mine:
-                v = mine[0]
-                rec.update(verdict=v.kind, confidence=v.confidence, summary=v.summary, line=v.evidence.get("line"))
-            else:
-                rec["note"] = "the trace holds no GPU work"
-            self._traced[gpu] = (rec, found)
-
-    def finish(self) -> None:
-        """The run ended: last answers in, and the analyses given up to `timeout_s` to end."""
-        self.poll(final=True)
-        end = time.monotonic() + self.timeout_s
-        for rec, worker in list(self._loading.values()):
-            worker.join(max(0.0, end - time.monotonic()))
-            if worker.is_alive():
-                rec["note"] = "the trace was still being analysed when the run ended"
-        self._loading.clear()
-
-    def refine(self, found: list[Verdict]) -> list[Verdict]:
-        """The verdicts of a window, each traced GPU's refined with its trace (trace.verdicts.refine)."""
-        from .trace.verdicts import refine
-
-        with self._lock:
-            traced = dict(self._traced)
-        for gpu, (rec, trace_verdicts) in traced.items():
-            mine = [v for v in found if v.gpu == gpu]
-            if not trace_verdicts or not any(v.primary for v in mine):
-                continue
-            # Only this GPU's: a trace verdict that maps to no watched GPU has no window to stand for.
-            refined = [v for v in refine(mine, trace_verdicts, self._gpu_of_pid) if v.gpu == gpu]
-            rec["refined_verdicts"] += sum(1 for v in refined if v.primary and "metrics_verdict" in v.evidence)
-            found = [v for v in found if v.gpu != gpu] + refined
-        return found
-
-
-def _reap(child: subprocess.Popen[bytes]) -> None:
-    """We are leaving: never leave the child behind."""
-    if child.poll() is not None:
-        return
-    try:
-        child.terminate()
-        child.wait(timeout=TERM_GRACE_S)
-    except subprocess.TimeoutExpired:
-        child.kill()
-        child.wait()
-    except ProcessLookupError:
-        child.wait()
-
-
-def _reap_all(procs: list[psutil.Process]) -> None:
-    for p in procs:
-        try:
-            p.terminate()
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=TERM_GRACE_S)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(alive, timeout=1.0)
-
 
 def _energy(snap: Any) -> dict[str, float]:
     out = {}
@@ -510,7 +273,7 @@ def _energy(snap: Any) -> dict[str, float]:
 
 
 def _verdicts(sampler: Sampler, t0: float, last_end: dict[str, float], final: bool = False,
-              profiler: Any = None, tracing: _Tracing | None = None) -> list[Segment]:
+              profiler: Any = None, tracing: OnRun | None = None) -> list[Segment]:
     history = list(sampler.history)
     if not history:
         return []
@@ -527,9 +290,7 @@ def _verdicts(sampler: Sampler, t0: float, last_end: dict[str, float], final: bo
     ends: dict[str, float] = {}
     found = diagnose(windows_from_snapshots(window), profiler=profiler)
     if tracing is not None:
-        found = tracing.refine(found)
-        if not final:
-            tracing.observe(found, end / 1e9 - t0)
+        found = tracing.verdicts(found, end / 1e9 - t0, final)
     for v in found:
         if not (v.primary or v.severity != "info"):
             continue
@@ -647,26 +408,11 @@ def render(report: dict[str, Any]) -> str:
         if side:
             lines.append("    also: " + ", ".join(side))
     if report.get("trace") is not None:
-        lines.extend(_trace_lines(report["trace"]))
+        from .trace.onrun import report_lines
+
+        lines.extend(report_lines(report["trace"], _secs))
     cf = report["change_first"]
     if cf:
         lines.append(f"  change first: {cf['summary']}")
         lines.extend(f"    -> {a}" for a in cf["advice"])
     return "\n".join(lines)
-
-
-def _trace_lines(trace: dict[str, Any]) -> list[str]:
-    """What `run --trace` asked for and what each trace said."""
-    if not trace["requests"]:
-        return ["  traces: none needed (no GPU's verdict stayed unsettled)"]
-    lines = []
-    for r in trace["requests"]:
-        head = f"  trace of GPU {r['gpu']} (asked at {_secs(r['requested_at_s'])} s)"
-        if r["file"] is None or r["verdict"] is None:
-            lines.append(f"{head}: {r['note'] or 'no trace came'}" + (f" [{r['file']}]" if r["file"] else ""))
-            continue
-        sure = " (certain)" if (r["confidence"] or 0) >= 0.9 else ""
-        lines.append(f"{head}: {r['file']}" + ("" if trace["kept"] else " (removed at the end)"))
-        lines.append(f"    {r['verdict']}{sure}" + (f" at {r['line']}" if r["line"] else "")
-                     + f"; it replaced the metrics' verdict {r['refined_verdicts']} time(s)")
-    return lines

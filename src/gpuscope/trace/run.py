@@ -35,7 +35,7 @@ from typing import Any
 
 import psutil
 
-from ..runcmd import Forwarder, RunError, _check, _reap, _reap_all, _start
+from .._child import Forwarder, RunError, check, exit_code, reap, reap_all, start
 from ..sampler import Sampler, SamplerConfig
 from .bootstrap import DIR as BOOTSTRAP_DIR
 from .perfetto import points, with_counters
@@ -88,7 +88,7 @@ def trace(cmd: list[str], *, out_dir: str = "gpuscope-traces", delay_s: float = 
         gpus: int | None = None, requests_dir: str | None = None, backend: str = "auto",
         api: str = "rules", max_duty: float | None = None) -> tuple[int, dict[str, Any]]:
     """Run `cmd` traced; return (the exit code to use, what was written: {"processes": [...], "traces": [...]})."""
-    _check(cmd)
+    check(cmd)
     check_windows(delay_s, duration_s, every_s)
     if backend not in BACKENDS:
         raise RunError(f"--backend must be one of {', '.join(BACKENDS)}, not {backend!r}.", 2)
@@ -112,19 +112,15 @@ def trace(cmd: list[str], *, out_dir: str = "gpuscope-traces", delay_s: float = 
     child = None
     started = time.time()
     try:
-        child = forward.child = _start(cmd, environment(out_dir, delay_s, duration_s, every_s, stack, run_id,
-                                        requests_dir=requests_dir, backend=backend, api=api, max_duty=max_duty))
+        child = forward.child = start(cmd, environment(out_dir, delay_s, duration_s, every_s, stack, run_id,
+                                       requests_dir=requests_dir, backend=backend, api=api, max_duty=max_duty))
         if forward.interrupts:
             child.send_signal(signal.SIGINT)
         if sampler is not None:
             sampler.start()
-        terminated_at = None
         while child.poll() is None:
             time.sleep(0.1)
-            if forward.interrupts >= 2:
-                terminated_at = terminated_at or time.monotonic()
-                if time.monotonic() - terminated_at > FLUSH_GRACE_S:
-                    child.kill()
+            forward.kill_if_overdue(FLUSH_GRACE_S)
     finally:
         if child is not None:
             descendants = []
@@ -133,13 +129,12 @@ def trace(cmd: list[str], *, out_dir: str = "gpuscope-traces", delay_s: float = 
                     descendants = psutil.Process(child.pid).children(recursive=True)
                 except psutil.Error:
                     pass
-            _reap(child)
-            _reap_all(descendants)
+            reap(child)
+            reap_all(descendants)
         forward.restore()
         if sampler is not None:
             sampler.stop()
-    rc = child.returncode
-    code = 128 - rc if rc is not None and rc < 0 else (rc if rc is not None else 1)
+    code = exit_code(child.returncode)
     report = collect(out_dir, run_id)
     report.update({"exit_code": code, "duration_s": time.time() - started, "out_dir": out_dir})
     if kept:
