@@ -73,3 +73,20 @@ def test_cli_main_exits_with_the_errors_code(capsys):
     assert cli.main(["query", "gpu_sm_active_ratio", "--url", "http://127.0.0.1:9"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("gpuscope: ")
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("1m30s", 90.0), ("1h30m", 5400.0), ("2d12h", 216000.0),
+                                               ("1y", 31536000.0)])
+def test_prometheus_compound_durations_are_the_same_grammar(text, seconds):
+    from gpuscope.web.promql_backend import parse_duration as prometheus_duration
+
+    assert timeparse.parse_duration(text) == prometheus_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["1m30", "m30s", "1.5.5s", "30x", ""])
+def test_what_is_not_a_duration_is_refused_by_both(text):
+    from gpuscope.web.promql_backend import parse_duration as prometheus_duration
+
+    with pytest.raises(timeparse.TimeError):
+        timeparse.parse_duration(text)
+    assert prometheus_duration(text) is None

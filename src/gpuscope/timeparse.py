@@ -2,8 +2,8 @@
 
 The one grammar for every verb, config and rule file (standard library only):
 
->>> parse_duration("250ms"), parse_duration("1d"), parse_duration("90")
-(0.25, 86400.0, 90.0)
+>>> parse_duration("250ms"), parse_duration("1d"), parse_duration("90"), parse_duration("1m30s")
+(0.25, 86400.0, 90.0, 90.0)
 >>> parse_time("-1h", now_s=7200.0)
 3600000000000
 """
@@ -18,8 +18,11 @@ from datetime import datetime, timezone
 from .errors import UsageError
 
 _REL = re.compile(r"^\s*(?:now)?\s*-\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|h|d|w)\s*$")
-_DUR = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|h|d|w)?\s*$")
-_UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0, None: 1.0}
+_DUR = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s|m|h|d|w|y)?\s*$")
+# Prometheus's compound form, as its API writes scrape intervals and users write ranges: 1m30s, 1h30m, 2d12h.
+_PART = re.compile(r"([0-9]*\.?[0-9]+)(ms|s|m|h|d|w|y)")
+_COMPOUND = re.compile(r"^\s*(?:[0-9]*\.?[0-9]+(?:ms|s|m|h|d|w|y)){2,}\s*$")
+_UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0, "y": 31536000.0, None: 1.0}
 
 
 class TimeError(UsageError, ValueError):
@@ -27,11 +30,15 @@ class TimeError(UsageError, ValueError):
 
 
 def parse_duration(text: str, what: str = "duration", *, allow_zero: bool = False) -> float:
-    """Seconds from '250ms', '30s', '5m', '1h', '7d', '1w' or a bare number of seconds."""
+    """Seconds from '250ms', '30s', '5m', '1h', '7d', '1w', a bare number of seconds, or Prometheus's
+    compound form ('1m30s', '1h30m')."""
     m = _DUR.match(text or "")
-    if not m:
+    if m:
+        v = float(m.group(1)) * _UNITS[m.group(2)]
+    elif _COMPOUND.match(text or ""):
+        v = sum(float(n) * _UNITS[u] for n, u in _PART.findall(text))
+    else:
         raise TimeError(f"{what} {text!r} is not a duration such as 1s, 30s, 5m or 1h.")
-    v = float(m.group(1)) * _UNITS[m.group(2)]
     if not math.isfinite(v):
         raise TimeError(f"{what} {text!r} is too long.")
     if v < 0 or (v == 0 and not allow_zero):

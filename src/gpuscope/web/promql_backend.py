@@ -31,8 +31,9 @@ from typing import Any
 
 import aiohttp
 
-from .._version import __version__
+from .. import timeparse
 from .._redact import redact_url
+from .._version import __version__
 from ..catalog import decode_clock_event_reasons
 from ..viewmodel import _BENIGN_REASONS, GPU_METRICS, gpu_key, merge
 from .backend import BackendError, RangeQuery
@@ -63,8 +64,6 @@ META_TTL_S = 30.0          # api.py asks for meta on every range request
 
 _METRIC = re.compile(r"[A-Za-z_:][A-Za-z0-9_:]*")
 _LABEL = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d|w|y)")
-_UNIT_S = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, "y": 31536000}
 _RE2_SPECIAL = frozenset("\\.+*?()|[]{}^$")
 _BENIGN_RE = "|".join(sorted(_BENIGN_REASONS))
 _AGG = {"mean": ("avg", "avg_over_time"), "max": ("max", "max_over_time"), "min": ("min", "min_over_time"),
@@ -100,11 +99,12 @@ def _duration(seconds: float) -> str:
 
 
 def parse_duration(text: str) -> float | None:
-    """Seconds of a Prometheus duration such as '15s' or '1m30s'; None when it is not one."""
-    parts = _DURATION.findall(text or "")
-    if not parts or "".join(n + u for n, u in parts) != text:
+    """Seconds of a Prometheus duration such as '15s' or '1m30s' (gpuscope.timeparse's grammar); None when
+    it is not one."""
+    try:
+        return timeparse.parse_duration(text or "")
+    except timeparse.TimeError:
         return None
-    return sum(float(n) * _UNIT_S[u] for n, u in parts)
 
 
 # -- answers ---------------------------------------------------------------------------------------
