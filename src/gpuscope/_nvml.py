@@ -118,8 +118,8 @@ class Nvml:
             code = error_code(e)
             if code in (ERROR_LIBRARY_NOT_FOUND, ERROR_DRIVER_NOT_LOADED):
                 raise NvmlUnavailable(
-                    "No NVIDIA driver was found on this machine (NVML could not be loaded); "
-                    "use --simulate SCENARIO to try gpuscope on a simulated node."
+                    "No NVIDIA driver was found on this machine (NVML could not be loaded); to try gpuscope on "
+                    "a simulated 8-GPU node, add --simulate mixed (gpuscope scenarios lists the others)."
                 ) from e
             if code == ERROR_NO_PERMISSION:
                 raise NvmlUnavailable("NVML refused access: this user may not open /dev/nvidia*.") from e
