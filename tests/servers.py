@@ -383,7 +383,8 @@ class WebhookReceiver:
         async def start() -> None:
             app = web.Application()
             app.router.add_post("/{tail:.*}", handle)
-            self._runner = web.AppRunner(app, access_log=None)
+            # stop() cancels a request still being answered (a `delay` longer than the test) after 0.5 s
+            self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
             await self._runner.setup()
             site = web.TCPSite(self._runner, "127.0.0.1", 0)
             await site.start()
