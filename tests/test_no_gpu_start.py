@@ -55,3 +55,24 @@ def test_the_named_command_serves(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_doctor_json_without_a_driver_is_json_with_the_reason():
+    import json
+
+    out = subprocess.run([sys.executable, "-m", "gpuscope", "doctor", "--json"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 1
+    doc = json.loads(out.stdout)
+    assert doc["available"] is False and "No NVIDIA driver" in doc["reason"] and doc["gpus"] == []
+    assert out.stderr == ""
+
+
+def test_doctor_json_on_a_simulated_node_says_available():
+    import json
+
+    out = subprocess.run([sys.executable, "-m", "gpuscope", "doctor", "--json", "--simulate", "mixed", "--gpus", "2"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    doc = json.loads(out.stdout)
+    assert doc["available"] is True and len(doc["gpus"]) == 2

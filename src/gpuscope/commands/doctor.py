@@ -6,10 +6,13 @@ import argparse
 import json
 
 from .._args import add_source_args, check_sim
+from .._nvml import NvmlUnavailable
 from ..errors import EXIT_OK
 
-HELP = 'what this machine supports, per GPU and metric, and why not'
-DESCRIPTION = 'Checks the driver, NVML, GPM, permissions and processes, and lists for every metric whether this machine supports it and, if not, why.'
+HELP = "what this machine supports, per GPU and metric, and why not"
+DESCRIPTION = ("Checks the driver, NVML, GPM, permissions and processes, and lists for every metric whether this "
+               "machine supports it and, if not, why. With --json a machine without a usable driver is a JSON "
+               "answer too (available: false, with the reason), exit 1.")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -21,7 +24,15 @@ def run(args: argparse.Namespace) -> int:
     from .. import doctor
 
     check_sim(args)
-    report = doctor.run(args.simulate, args.gpus)
+    try:
+        report = doctor.run(args.simulate, args.gpus)
+    except NvmlUnavailable as e:
+        if not args.json:
+            raise
+        # A script asked: the answer stays JSON, with the reason, and the exit code still says "not here".
+        print(json.dumps({"available": False, "reason": str(e), "simulated": None, "gpus": []}, indent=2))
+        return e.exit_code
+    report = {"available": True, **report}
     if args.json:
         print(json.dumps(report, indent=2, default=str))
     else:
