@@ -23,6 +23,7 @@ import psutil
 
 from gpuscope._cgroup import Attribution, read_attribution
 from gpuscope._redact import redact_cmdline
+from gpuscope._text import valid_text
 
 __all__ = ["HostProcInfo", "HostProcessReader"]
 
@@ -127,8 +128,11 @@ class HostProcessReader:
             cmdline: list[str] = _get(proc.cmdline, [])
             started_at = _get(proc.create_time, None)
         att: Attribution = read_attribution(pid, self._proc_root)
+        # psutil decodes names and arguments with surrogate escapes: made valid text here, once, for every
+        # consumer (any local user can start a process named b"\xff").
         static = HostProcInfo(
-            pid=pid, name=name, user=user, cmdline=redact_cmdline(cmdline), started_at=started_at,
+            pid=pid, name=valid_text(name), user=valid_text(user),
+            cmdline=redact_cmdline([valid_text(a) for a in cmdline]), started_at=started_at,
             container=att.container, pod_uid=att.pod_uid, pod=att.pod, namespace=att.namespace,
             slurm_job=att.slurm_job,
         )

@@ -28,6 +28,7 @@ from typing import Any
 from aiohttp import web
 
 from .._records import Event
+from .._text import valid_text
 from ..web.api import error_response, json_response
 
 MAX_EVENTS = 100
@@ -157,8 +158,10 @@ def _event(ev: Any, where: str, now_s: float) -> Event:
     if t < now_s - MAX_PAST_S:
         raise EventBadRequest(f"{where}time is more than a day in the past; send unix seconds, not milliseconds "
                               "or a stale queue.")
-    return Event(int(t * 1e9), "guard", None, message,
-                 {"type": etype, "severity": severity, "source": source, "labels": dict(labels)})
+    # JSON may carry lone surrogates ("\ud800"): made valid text here, once, for the store and every reader.
+    return Event(int(t * 1e9), "guard", None, valid_text(message),
+                 {"type": etype, "severity": severity, "source": source,
+                  "labels": {k: valid_text(v) for k, v in labels.items()}})
 
 
 def hand_to_sampler(sampler: Any, events: list[Event]) -> None:

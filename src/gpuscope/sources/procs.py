@@ -16,6 +16,7 @@ from typing import Protocol
 
 from .._nvml import ERROR_NO_DATA, ERROR_NOT_FOUND, GpuLost, Nvml, Unavailable
 from .._records import Event, ProcessRecord
+from .._text import valid_text
 from .device import Device, mark_lost
 
 
@@ -103,11 +104,14 @@ class ProcessSource:
                     gpu_memory_bytes=mem, sm_ratio=sm, memory_ratio=mu, host_visible=info is not None,
                 )
                 if info is not None:
-                    rec.name, rec.user, rec.cmdline = info.name, info.user, info.cmdline
+                    # Text from the host is made valid UTF-8 here, whatever reader produced it: from this
+                    # record on, the store, /metrics, the API and the views can encode it.
+                    rec.name, rec.user, rec.cmdline = valid_text(info.name), valid_text(info.user), valid_text(info.cmdline)
                     rec.cpu_cores, rec.thread_cpu_max_ratio = info.cpu_cores, info.thread_cpu_max_ratio
                     rec.rss_bytes, rec.threads, rec.started_at = info.rss_bytes, info.threads, info.started_at
-                    rec.container, rec.pod_uid, rec.pod = info.container, info.pod_uid, info.pod
-                    rec.namespace, rec.slurm_job = info.namespace, info.slurm_job
+                    rec.container, rec.pod_uid, rec.pod = valid_text(info.container), valid_text(info.pod_uid), \
+                        valid_text(info.pod)
+                    rec.namespace, rec.slurm_job = valid_text(info.namespace), valid_text(info.slurm_job)
                 records.append(rec)
         self._diff(records, devices, events, failed)
         self.host.forget(set(infos))
