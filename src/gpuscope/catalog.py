@@ -105,6 +105,10 @@ _METRICS = [
     Metric("gpu_throttle_seconds_total", "seconds", C, "nvml", Cost.DERIVED,
            "Time spent with each clock-event reason active, accumulated at the sampling rate.",
            "nvmlDeviceGetCurrentClocksEventReasons", labels=("reason",)),
+    Metric("gpu_thermal_throttle_seconds_total", "seconds", C, "nvml", Cost.DERIVED,
+           "Time with either thermal reason (sw_thermal, hw_thermal) active, counted once (NVML's thermal "
+           "violation policy): never faster than wall time, unlike the sum of the two reasons.",
+           "nvmlDeviceGetCurrentClocksEventReasons", "DCGM_FI_DEV_THERMAL_VIOLATION", 1e9),
     Metric("gpu_pcie_link_generation", "", G, "nvml", Cost.RARE, "Current PCIe link generation.",
            "nvmlDeviceGetCurrPcieLinkGeneration", "DCGM_FI_DEV_PCIE_LINK_GEN"),
     Metric("gpu_pcie_link_width", "", G, "nvml", Cost.RARE, "Current PCIe link width (lanes).",

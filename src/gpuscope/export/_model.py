@@ -105,6 +105,7 @@ _DCGM_HELP = {
     "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS": "Number of remapped rows for uncorrectable errors",
     "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS": "Number of remapped rows for correctable errors",
     "DCGM_FI_DEV_ROW_REMAP_FAILURE": "Whether remapping of rows has failed",
+    "DCGM_FI_DEV_THERMAL_VIOLATION": "Throttling duration due to thermal constraints (in ns).",
     "DCGM_FI_PROF_GR_ENGINE_ACTIVE": "Ratio of time the graphics engine is active.",
     "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE": "Ratio of cycles the tensor (HMMA) pipe is active.",
     "DCGM_FI_PROF_DRAM_ACTIVE": "Ratio of cycles the device memory interface is active sending or receiving data.",
@@ -133,8 +134,9 @@ DCGM_ALIASES: dict[str, tuple[Family, float, bool]] = {
 }
 XID_FAMILY = _family("DCGM_FI_DEV_XID_ERRORS", "gauge", _DCGM_HELP["DCGM_FI_DEV_XID_ERRORS"], 999)
 # Our per-reason throttle seconds, as DCGM's violation counters (ns since DCGM started watching).
+# THERMAL is not here: it is the union of two reasons (gpu_thermal_throttle_seconds_total, an alias).
 _VIOLATIONS = {
-    "sw_power_cap": "POWER", "sw_thermal": "THERMAL", "hw_thermal": "THERMAL", "sync_boost": "SYNC_BOOST",
+    "sw_power_cap": "POWER", "sync_boost": "SYNC_BOOST",
     "board_limit": "BOARD_LIMIT", "gpu_idle": "LOW_UTIL", "reliability": "RELIABILITY",
 }
 VIOLATION_FAMILIES = {

@@ -49,8 +49,8 @@ Where we differ from dcgm-exporter:
   VGPU_LICENSE_STATUS, retired-page and NVLink-error counters, DCGM_EXP_* (exporter-computed
   windows), GPU_I_PROFILE on MIG (NVML does not name the profile cheaply); no per-process series.
 - the violation counters are accumulated from the clock-event reasons at the sampling rate (DCGM
-  reads NVML's violation timers); THERMAL sums the software and hardware thermal reasons, LOW_UTIL
-  is the GPU-idle reason.
+  reads NVML's violation timers); THERMAL is the time either thermal reason (software or hardware)
+  held, counted once, so it never grows faster than wall time; LOW_UTIL is the GPU-idle reason.
 - DCGM_FI_PROF_* fields come from NVML GPM (Hopper and newer); on older GPUs they are absent, where
   DCGM's profiling module might have them. PCIe rates on GPUs without GPM are absent too (the
   byte counters are in canonical mode).

@@ -26,6 +26,10 @@ from .device import Device
 _THROTTLE_KEYS = {bit: series_key("gpu_throttle_seconds_total", reason=name)
                   for bit, name in CLOCK_EVENT_REASONS.items()}
 _IDLE_BIT = 0x1
+# Both thermal reasons often hold at once: their union is one counter (DCGM's THERMAL_VIOLATION),
+# so that a '% of time throttled' never passes 100 %.
+_THERMAL_KEY = "gpu_thermal_throttle_seconds_total"
+_THERMAL_BITS = sum(bit for bit, name in CLOCK_EVENT_REASONS.items() if name in ("sw_thermal", "hw_thermal"))
 
 
 class NvmlSource:
@@ -140,6 +144,7 @@ class NvmlSource:
         if isinstance(reasons, Unavailable):
             dev.unsupported("gpu_clock_event_reasons", reasons.reason)
             dev.unsupported("gpu_throttle_seconds_total", reasons.reason)
+            dev.unsupported(_THERMAL_KEY, reasons.reason)
         else:
             self._throttle(dev, int(reasons), now)
         self._put(dev, "gpu_sm_clock_hertz", call("nvmlDeviceGetClockInfo", h, self._clock_sm), 1e6)
@@ -194,9 +199,10 @@ class NvmlSource:
         dev.supported("gpu_clock_event_reasons")
         last = st.get("reasons_last")
         if last is None:
-            for key in _THROTTLE_KEYS.values():
+            for key in (*_THROTTLE_KEYS.values(), _THERMAL_KEY):
                 v.setdefault(key, 0.0)
             dev.supported("gpu_throttle_seconds_total")
+            dev.supported(_THERMAL_KEY)
         else:
             t0, m0 = last
             dt = now - t0
@@ -204,6 +210,8 @@ class NvmlSource:
                 for bit, key in _THROTTLE_KEYS.items():
                     if m0 & bit:
                         v[key] += dt
+                if m0 & _THERMAL_BITS:
+                    v[_THERMAL_KEY] += dt
             if (m0 & ~_IDLE_BIT) != (mask & ~_IDLE_BIT):
                 names = [n for n in decode_clock_event_reasons(mask) if n != "gpu_idle"]
                 before = [n for n in decode_clock_event_reasons(m0) if n != "gpu_idle"]
