@@ -252,3 +252,134 @@ def test_processes_are_dealt_over_the_gpus_and_share_memory():
 def test_process_count_out_of_range_is_one_sentence():
     with pytest.raises(UnknownScenario, match="1 to 4096 processes"):
         SimulatedNode("healthy", processes=0)
+
+
+# ---- process churn -------------------------------------------------------------------------------------
+
+
+class Ticking:
+    """A sampler whose ticks run on the same hand-moved clock as the node: tick() is one tick at clock.t,
+    so every tick lists the processes (their period is the interval) whatever the machine's speed."""
+
+    def __init__(self, node, clock):
+        node.nvml.clock = clock
+        node.nvml.t0 = clock()
+        self.clock = clock
+        config = SamplerConfig(interval=0.05, processes=0.05, events=False)
+        self.sampler = Sampler(config, nvml=node.nvml, host_reader=node.host_reader, host_source=node.host_source)
+        self.sampler.open()
+
+    def tick(self):
+        return self.sampler._tick(self.clock.t)
+
+    def stop(self):
+        self.sampler.stop()
+
+
+def churning(clock, churn_s, gpus=4, processes=20):
+    node = SimulatedNode("mixed", gpus=gpus, processes=processes, churn_s=churn_s)
+    return node, Ticking(node, clock)
+
+
+def test_churn_replaces_every_process_once_per_period_and_keeps_the_count():
+    clock = Clock()
+    node, s = churning(clock, churn_s=10.0)
+    try:
+        snaps = [(0.0, s.tick())]
+        for _ in range(51):  # 20.4 s of the node's clock: two periods, short of the third round (20.5 s)
+            clock.t += 0.4
+            snaps.append((clock.t - 500.0, s.tick()))
+    finally:
+        s.stop()
+    first = {p.pid for p in snaps[0][1].processes}
+    seen: dict[int, list[float]] = {}
+    for t, snap in snaps:
+        assert len(snap.processes) == 20 and len({p.pid for p in snap.processes}) == 20
+        for p in snap.processes:
+            seen.setdefault(p.pid, []).append(t)
+    # One replacement every 10 s / 20 = 0.5 s, node-wide: 40 in 20.4 s, each a pid never seen before.
+    assert node.replaced == 40
+    assert len(seen) == 20 + 40
+    assert min(set(seen) - first) > max(first)
+    # A process born and gone inside the run lived one period, as the ticks (0.4 s apart) saw it.
+    lives = [ts[-1] - ts[0] for pid, ts in seen.items() if pid not in first and ts[-1] < snaps[-1][0]]
+    assert len(lives) == 20
+    assert all(10.0 - 0.4 - 1e-9 <= life <= 10.0 + 1e-9 for life in lives), lives
+    # Spread, not all at once: no tick saw more than one new process per 0.5 s of clock, plus one.
+    for (t0, a), (t1, b) in zip(snaps, snaps[1:], strict=False):
+        new = {p.pid for p in b.processes} - {p.pid for p in a.processes}
+        assert len(new) <= (t1 - t0) / 0.5 + 1
+
+
+def test_churn_shows_as_process_start_and_stop_events_with_new_command_lines():
+    clock = Clock()
+    node, s = churning(clock, churn_s=4.0, gpus=2, processes=8)
+    try:
+        prev = s.tick()
+        starts, stops = [], []
+        for _ in range(10):  # 5 s: 10 replacements, one every 0.5 s
+            clock.t += 0.5
+            snap = s.tick()
+            before, now = {p.pid: p for p in prev.processes}, {p.pid: p for p in snap.processes}
+            got_start = sorted(e.data["pid"] for e in snap.events if e.kind == "process_start")
+            got_stop = sorted(e.data["pid"] for e in snap.events if e.kind == "process_stop")
+            assert got_start == sorted(now.keys() - before.keys())
+            assert got_stop == sorted(before.keys() - now.keys())
+            for pid in now.keys() - before.keys():
+                new = now[pid]
+                old = next(p for p in prev.processes if p.gpu == new.gpu and p.pid not in now)
+                assert new.cmdline != old.cmdline and "--run " in new.cmdline
+                assert new.started_at > old.started_at
+            starts += got_start
+            stops += got_stop
+            prev = snap
+    finally:
+        s.stop()
+    assert len(starts) == len(stops) == node.replaced == 10
+    for g in {p.gpu for p in prev.processes}:
+        cmds = [p.cmdline for p in prev.processes if p.gpu == g]
+        assert len(set(cmds)) == len(cmds)
+
+
+def test_no_churn_unless_asked():
+    clock = Clock()
+    node = SimulatedNode("mixed", gpus=2, processes=8)
+    s = Ticking(node, clock)
+    try:
+        pids = {p.pid for p in s.tick().processes}
+        clock.t += 3600.0
+        assert {p.pid for p in s.tick().processes} == pids
+    finally:
+        s.stop()
+    assert node.churn_s is None and node.replaced == 0
+
+
+def test_a_clock_jump_of_many_periods_replaces_each_process_once():
+    clock = Clock()
+    node, s = churning(clock, churn_s=2.0, gpus=1, processes=3)
+    try:
+        pids = {p.pid for p in s.tick().processes}
+        clock.t += 1000.0
+        after = {p.pid for p in s.tick().processes}
+    finally:
+        s.stop()
+    assert len(after) == 3 and not after & pids and node.replaced == 3
+
+
+@pytest.mark.parametrize("churn", [0, 0.5, -1, float("inf"), float("nan"), 8 * 86400, True])
+def test_churn_out_of_range_is_one_sentence(churn):
+    with pytest.raises(UnknownScenario, match="lives 1 s to 7 days"):
+        SimulatedNode("healthy", churn_s=churn)
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["agent", "--churn", "60"], "--churn only applies to a simulated node"),
+    (["agent", "--simulate", "mixed", "--churn", "500ms"], "--churn must be between 1s and 7d"),
+    (["agent", "--simulate", "mixed", "--churn", "soon"], "Argument --churn"),
+])
+def test_agent_churn_flag_errors_are_one_sentence(argv, says, capsys):
+    from gpuscope.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err and err.count("\n") == 1

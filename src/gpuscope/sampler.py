@@ -114,6 +114,7 @@ class Sampler:
         simulate: str | None = None,
         gpus: int | None = None,
         processes: int | None = None,
+        churn_s: float | None = None,
     ) -> None:
         self.config = config or SamplerConfig()
         self.config.validate()
@@ -121,7 +122,7 @@ class Sampler:
         if simulate is not None:
             from .sim import SimulatedNode
 
-            node = SimulatedNode(simulate, gpus=gpus, processes=processes)
+            node = SimulatedNode(simulate, gpus=gpus, processes=processes, churn_s=churn_s)
             nvml, host_reader = node.nvml, node.host_reader
             host_source = host_source or node.host_source
             self.simulated = node.scenario

@@ -4,14 +4,24 @@
 It is a `FakeNVML` whose GPUs change with time, so the real sampler, sources and every consumer run
 unchanged; everything it produces is labelled simulated (Snapshot.simulated holds the scenario).
 
+With `churn_s`, the processes come and go: each one is replaced, about every `churn_s` seconds of the
+node's clock, by a new process (a new pid and command line) on the same GPU, one at a time and spread
+evenly over the period, so a node of N processes sees N / churn_s starts (and stops) a second while it
+always runs N. That is what a shared inference or CI node looks like, and what makes per-process
+series come and go in the store.
+
     >>> from gpuscope.sim import SimulatedNode, SCENARIOS
     >>> node = SimulatedNode("launch_bound")
     >>> sorted(SCENARIOS)[:3]
     ['compute_bound', 'gpu_lost', 'h2d_pinned']
+    >>> SimulatedNode("mixed", processes=100, churn_s=60).churn_s
+    60.0
 """
 
 from __future__ import annotations
 
+import heapq
+import math
 import random
 import time
 from collections.abc import Callable
@@ -86,10 +96,22 @@ _MIXED = ["healthy", "compute_bound", "memory_bound", "launch_bound", "input_sta
           "throttled", "transfer_bound"]
 
 _BASE_PID = 4_000_000  # above Linux's default pid_max: never a real process
+_CHURN_PID = _BASE_PID + 10_000 * 64  # pids of replacement processes count up from here, never reused
+_MAX_CHURN_S = 7 * 86_400.0
 
 
 class UnknownScenario(UsageError, ValueError):
     """A --simulate scenario that does not exist: one sentence naming the ones that do."""
+
+
+@dataclass
+class _SimProcess(FakeProcess):
+    """A simulated process: its rank on its GPU, how many processes held that slot before it, and when
+    it started (unix seconds)."""
+
+    rank: int = 0
+    generation: int = 0
+    started_at: float = 0.0
 
 
 def _pct(rng: random.Random, v: float, rel: float = 0.03) -> float:
@@ -171,22 +193,35 @@ class _SimHostReader:
 
     def __init__(self, node: SimulatedNode) -> None:
         self.node = node
+        # pid -> (driver, GPU, process); rebuilt when a pid is not found or has moved on, so a lookup
+        # stays one dict access however many processes the node runs and however fast they churn.
+        self._index: dict[int, tuple[_GpuDriver, FakeGPU, FakeProcess]] = {}
+
+    def _find(self, pid: int) -> tuple[_GpuDriver, FakeGPU, FakeProcess] | None:
+        hit = self._index.get(pid)
+        if hit is None or hit[2].pid != pid:
+            self._index = {p.pid: (drv, gpu, p) for drv, gpu in zip(self.node.drivers, self.node.nvml.gpus,
+                                                                     strict=False) for p in gpu.processes}
+            hit = self._index.get(pid)
+        return hit
 
     def read(self, pid: int) -> HostProcInfo | None:
-        for drv, gpu in zip(self.node.drivers, self.node.nvml.gpus, strict=False):
-            for proc in gpu.processes:
-                if proc.pid == pid:
-                    cmd = {"idle_allocated": "jupyter-kernel --notebook analysis.ipynb",
-                           "launch_bound": "python serve.py --batch-size 1"}.get(drv.name, "python train.py --batch-size 64")
-                    share = 1.0 / max(1, len(gpu.processes))
-                    rank = f" --rank {proc.pid % 10_000}" if len(gpu.processes) > 1 else ""
-                    return HostProcInfo(
-                        pid=pid, name="python", user="sim", cmdline=f"{cmd} --gpu {drv.index}{rank}",
-                        cpu_cores=drv.cpu * share, thread_cpu_max_ratio=drv.thread_cpu, rss_bytes=float(8 << 30),
-                        threads=24, started_at=self.node.started_at, pod="", namespace="",
-                        container="", pod_uid="", slurm_job="",
-                    )
-        return None
+        hit = self._find(pid)
+        if hit is None:
+            return None
+        drv, gpu, proc = hit
+        cmd = {"idle_allocated": "jupyter-kernel --notebook analysis.ipynb",
+               "launch_bound": "python serve.py --batch-size 1"}.get(drv.name, "python train.py --batch-size 64")
+        share = 1.0 / max(1, len(gpu.processes))
+        sim = proc if isinstance(proc, _SimProcess) else _SimProcess(pid=proc.pid, rank=proc.pid % 10_000)
+        rank, generation = sim.rank, sim.generation
+        tail = (f" --rank {rank}" if len(gpu.processes) > 1 else "") + (f" --run {generation}" if generation else "")
+        return HostProcInfo(
+            pid=pid, name="python", user="sim", cmdline=f"{cmd} --gpu {drv.index}{tail}",
+            cpu_cores=drv.cpu * share, thread_cpu_max_ratio=drv.thread_cpu, rss_bytes=float(8 << 30),
+            threads=24, started_at=sim.started_at or self.node.started_at, pod="", namespace="",
+            container="", pod_uid="", slurm_job="",
+        )
 
     def forget(self, alive: set[int]) -> None:
         return None
@@ -221,7 +256,7 @@ class SimulatedNode:
     """A named scenario on `gpus` simulated H200s. `nvml`, `host_reader`, `host_source` plug into Sampler."""
 
     def __init__(self, scenario: str, gpus: int | None = None, seed: int = 1,
-                 processes: int | None = None) -> None:
+                 processes: int | None = None, churn_s: float | None = None) -> None:
         scenario = scenario.replace("-", "_")
         if scenario not in DESCRIPTIONS:
             raise UnknownScenario(
@@ -231,6 +266,9 @@ class SimulatedNode:
             raise UnknownScenario(f"A simulated node has 1 to 64 GPUs, not {n}.")
         if processes is not None and not 1 <= processes <= 4096:
             raise UnknownScenario(f"A simulated node runs 1 to 4096 processes, not {processes}.")
+        if churn_s is not None and (isinstance(churn_s, bool) or not isinstance(churn_s, int | float)
+                                    or not 1.0 <= churn_s <= _MAX_CHURN_S):
+            raise UnknownScenario(f"A simulated process lives 1 s to 7 days (churn), not {churn_s!r} s.")
         # Processes are dealt round-robin over the GPUs (at least one per GPU); one GPU's processes
         # share its memory and SM time.
         per_gpu = [1] * n if processes is None else [processes // n + (1 if i < processes % n else 0) for i in range(n)]
@@ -244,7 +282,7 @@ class SimulatedNode:
                 prof = "healthy"
             drv = _GpuDriver(prof, i, seed * 1000 + i)
             g = FakeGPU(index=i, uuid=f"GPU-5171a7ed-0000-4000-8000-{i:012d}", name="NVIDIA H200 (simulated)",
-                        processes=[FakeProcess(pid=_BASE_PID + 10_000 * i + k) for k in range(per_gpu[i])],
+                        processes=[_SimProcess(pid=_BASE_PID + 10_000 * i + k, rank=k) for k in range(per_gpu[i])],
                         dynamics=drv)
             self.drivers.append(drv)
             fake_gpus.append(g)
@@ -256,6 +294,40 @@ class SimulatedNode:
             self._arm_gpu_lost(fake_gpus[min(1, n - 1)], after=10.0)
         if scenario == "xid_storm":
             self._arm_xid_storm(fake_gpus[0])
+        self.churn_s = None if churn_s is None else float(churn_s)
+        self.replaced = 0  # processes replaced so far (churn)
+        self._next_pid = _CHURN_PID
+        if self.churn_s is not None:
+            self._arm_churn(fake_gpus, per_gpu, self.churn_s)
+
+    def _arm_churn(self, gpus: list[FakeGPU], per_gpu: list[int], period: float) -> None:
+        """Process j of the N dealt round-robin (GPU j % n, rank j // n) is first replaced at
+        period * (j + 1) / N, then every period: one replacement every period / N seconds, node-wide.
+        It happens on the node's clock, when NVML is read (FakeNVML calls dynamics under its lock)."""
+        n, total = len(gpus), sum(per_gpu)
+        for i, gpu in enumerate(gpus):
+            due = [(period * (k * n + i + 1) / total, k) for k in range(per_gpu[i])]
+            heapq.heapify(due)
+            gpu.dynamics = self._churning(gpu.dynamics, due, period)
+
+    def _churning(self, inner: Callable[[FakeGPU, float], None] | None, due: list[tuple[float, int]],
+                  period: float) -> Callable[[FakeGPU, float], None]:
+        def dyn(g: FakeGPU, t: float) -> None:
+            if inner is not None:
+                inner(g, t)
+            while due and due[0][0] <= t:
+                at, k = heapq.heappop(due)
+                old = g.processes[k]
+                generation = old.generation + 1 if isinstance(old, _SimProcess) else 1
+                g.processes[k] = _SimProcess(
+                    pid=self._next_pid, used_memory_bytes=old.used_memory_bytes, sm_percent=old.sm_percent,
+                    mem_percent=old.mem_percent, rank=k, generation=generation, started_at=self.started_at + t)
+                self._next_pid += 1
+                self.replaced += 1
+                # The next one is due a period later; a clock that jumped several periods replaces it once.
+                heapq.heappush(due, (at + period * (math.floor((t - at) / period) + 1), k))
+
+        return dyn
 
     def _arm_gpu_lost(self, gpu: FakeGPU, after: float) -> None:
         inner = gpu.dynamics

@@ -96,11 +96,12 @@ def load_or_create_token(path: Path) -> str:
 
 class Agent:
     def __init__(self, cfg: Config, simulate: str | None = None, gpus: int | None = None,
-                 announce: Any = print, processes: int | None = None) -> None:
+                 announce: Any = print, processes: int | None = None, churn_s: float | None = None) -> None:
         self.cfg = cfg
         self.simulate = simulate
         self.gpus = gpus
         self.processes = processes
+        self.churn_s = churn_s
         self.announce = announce
         self.naming = cfg.prometheus.naming
         self.top_processes = cfg.prometheus.top_processes
@@ -236,7 +237,7 @@ class Agent:
     def run(self) -> int:
         # NVML first: on a machine without a GPU nothing is written before it says so.
         self.sampler = Sampler(self.sampler_config(), simulate=self.simulate, gpus=self.gpus,
-                               processes=self.processes)
+                               processes=self.processes, churn_s=self.churn_s)
         try:
             self.sampler.open()  # raises NvmlUnavailable with its sentence
             self._open_data_dir()

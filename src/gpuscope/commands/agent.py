@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from .._args import add_source_args, check_sim, interval
+from ..errors import UsageError
 
 HELP = 'run the agent: sampler, on-disk history, /metrics and the query API'
 DESCRIPTION = 'The main job on a GPU node: samples every GPU, keeps the history on disk (no database needed), serves Prometheus /metrics and a JSON query API. Binds to 127.0.0.1 unless told otherwise. SIGTERM or Ctrl-C stops it cleanly.'
@@ -19,6 +20,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--naming", choices=("canonical", "dcgm"), help="metric names on /metrics")
     p.add_argument("--log-format", choices=("text", "json"), help="log lines as text or JSON")
     add_source_args(p, processes=True)
+    p.add_argument("--churn", type=interval, metavar="SECONDS",
+                   help="with --simulate: replace each simulated process by a new one (new pid and command line) "
+                        "about every SECONDS (e.g. 60 or 5m), spread so that processes come and go continuously")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -26,6 +30,10 @@ def run(args: argparse.Namespace) -> int:
     from ..agent import config as agent_config
 
     check_sim(args)
+    if args.churn is not None and args.simulate is None:
+        raise UsageError("--churn only applies to a simulated node; add --simulate SCENARIO.")
+    if args.churn is not None and not 1 <= args.churn <= 7 * 86400:
+        raise UsageError(f"--churn must be between 1s and 7d, not {args.churn:g} s.")
     cfg = agent_config.load(args.config)  # a ConfigError is a UsageError: exit 2
     for flag, section, key in (("port", "agent", "port"), ("bind", "agent", "bind"),
                                ("data_dir", "agent", "data_dir"), ("interval", "sampler", "interval"),
@@ -34,4 +42,5 @@ def run(args: argparse.Namespace) -> int:
             setattr(getattr(cfg, section), key, getattr(args, flag))
     agent_config.validate(cfg)
     setup_logging(cfg.agent.log_format, "debug" if args.verbose else cfg.agent.log_level)
-    return Agent(cfg, simulate=args.simulate, gpus=args.gpus, processes=args.processes).run()  # AgentError: exit 1
+    return Agent(cfg, simulate=args.simulate, gpus=args.gpus, processes=args.processes,
+                 churn_s=args.churn).run()  # AgentError: exit 1
