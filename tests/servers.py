@@ -89,6 +89,10 @@ def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
         return e.code, e.read()
 
 
+class _PortTaken(Exception):
+    pass
+
+
 class _Process:
     """A server subprocess with a log file, a readiness probe and a bounded stop."""
 
@@ -106,6 +110,18 @@ class _Process:
         raise NotImplementedError
 
     def start(self, workdir: Path) -> None:
+        # The port was free when free_port() saw it; another test running beside this one (pytest -n) may take
+        # it before the server binds. Then the server exits at once saying so, and starts again on another.
+        for attempt in range(3):
+            try:
+                return self._start(workdir)
+            except _PortTaken:
+                if attempt == 2:
+                    raise RuntimeError(f"{self.name} found its port taken three times:\n{self.log_tail()}") from None
+                self.port = free_port()
+                self.url = f"http://127.0.0.1:{self.port}"
+
+    def _start(self, workdir: Path) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         self.log_path = workdir / f"{self.name}.log"
         log = open(self.log_path, "wb")  # noqa: SIM115 - handed to the child, closed in stop()
@@ -116,6 +132,8 @@ class _Process:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 self.stop()
+                if "address already in use" in self.log_tail().lower():
+                    raise _PortTaken
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode} at start:\n{self.log_tail()}")
             try:
                 status, _ = http_get(self.url + self.ready_path, timeout=1.0)
