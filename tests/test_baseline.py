@@ -112,3 +112,47 @@ def test_tracker_learns_from_a_running_sampler_and_saves(tmp_path):
     assert t.windows == 1
     data = json.loads(path.read_text())
     assert {(x["gpu"], x["metric"]) for x in data["series"]} >= {("0", "gpu_power_watts"), ("1", "gpu_power_watts")}
+
+
+# ---- peers on a mixed node: only a GPU doing worse than its peers on the same job ----------------
+
+def _mixed(gpus):
+    from test_diagnose import simulated_window  # the real sampler on the simulated node, fake clock
+
+    return simulated_window("mixed", gpus=gpus)
+
+
+# healthy, compute_bound and memory_bound: the GPUs doing the most work (mixed deals 8 profiles round-robin)
+BEST = {"0", "1", "2", "8", "9", "10"}
+
+
+@pytest.mark.parametrize("gpus", [8, 16])
+def test_the_best_gpus_of_a_mixed_node_are_never_peer_outliers(gpus):
+    ws = _mixed(gpus)
+    flagged = [(v.gpu, v.summary) for v in diagnose(ws) if v.kind == "peer_outlier"]
+    assert [f for f in flagged if f[0] in BEST] == []
+    assert [(f.gpu, f.summary) for f in peer_outliers(ws) if f.gpu in BEST] == []
+    if gpus == 8:  # one GPU per behaviour: no GPU has two others doing the same work to compare with
+        assert flagged == []
+
+
+def test_a_throttled_gpu_among_compute_bound_peers_of_the_same_job_is_flagged():
+    # 16 GPUs: GPUs 1 and 9 compute-bound, 6 and 14 the same work thermally throttled (SM clock 1.11 GHz).
+    found = peer_outliers(_mixed(16))
+    clock = {f.gpu: f for f in found if f.metric == "gpu_sm_clock_hertz"}
+    assert set(clock) == {"6", "14"}
+    f = clock["6"]
+    assert f.reference == pytest.approx(1.755e9) and f.score < -4
+    assert "GPU 6's SM clock (1.11 GHz) is 37 % below the 1.75 GHz of the 3 other GPUs" in f.summary
+    assert {g.gpu for g in found} == {"6", "14"}
+
+
+def test_only_the_worse_direction_is_an_outlier_and_ratios_differ_in_points():
+    ws = [window(str(g), job=f"python train.py --local-rank {g}", rng=random.Random(g)) for g in range(4)]
+    fast = window("1", clock=2.1e9, power=699, job="python train.py --local-rank 1")  # does more: not a problem
+    ws[1] = fast
+    ws[3].series["gpu_tensor_active_ratio"] = [0.62] * 30  # does less tensor work than its peers
+    found = peer_outliers(ws)
+    assert {(f.gpu, f.metric) for f in found} == {("3", "gpu_tensor_active_ratio")}
+    assert ("GPU 3's tensor-pipe activity (62.0 %) is 28.0 pp below the 90.0 % of the 3 other GPUs"
+            in found[0].summary)

@@ -49,7 +49,9 @@ def diagnose(windows: Iterable[GpuWindow], thresholds: Thresholds = DEFAULT,
     straggling = {v.gpu for v in node if v.kind == "imbalance"}  # SM activity already said there
     t0 = min((w.times[0] for w in ws if w.times), default=0.0)
     t1 = max((w.times[-1] for w in ws if w.times), default=0.0)
-    verdicts.extend(as_verdicts([f for f in peer_outliers(ws) if not (f.gpu in straggling
-                                                                      and f.metric == "gpu_sm_active_ratio")],
+    # Peers are GPUs on the same job with the same primary verdict (the same kind of work).
+    kinds = {v.gpu: v.kind for v in verdicts if v.primary}
+    verdicts.extend(as_verdicts([f for f in peer_outliers(ws, signatures=kinds)
+                                 if not (f.gpu in straggling and f.metric == "gpu_sm_active_ratio")],
                                 Verdict, t0, t1))
     return verdicts

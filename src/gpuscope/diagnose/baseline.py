@@ -7,11 +7,16 @@ reference):
   numbers, or the process name), the medians of past windows form the baseline. A window whose
   median lies more than `z` scaled MADs away (and more than the metric's smallest meaningful
   difference) is unusual; `sustain` unusual windows in a row in the same direction are a change;
-- **against its peers**: GPUs running the same job at the same time should look alike; one that lies
-  more than `z` MADs from its peers' median (and the metric's smallest difference) is an outlier.
+- **against its peers**: GPUs doing the same work at the same time should look alike. Peers run the
+  same job (the command line without rank numbers) and have the same workload signature (the same
+  primary verdict: compute-bound, memory-bound, ...; a node running different work on each GPU has
+  no peers to compare). A GPU that does *worse* than its peers, by more than `z` MADs from their
+  median (and the metric's smallest difference), is an outlier: less work, a slower clock, less
+  power, a hotter die, more memory held. A GPU doing more than its peers is not a problem.
 
 Each finding is a side verdict (`anomaly`, `peer_outlier`) whose summary says it in words:
-"GPU 3's SM clock (1.41 GHz) is 29 % below its usual 1.98 GHz for this job (median of 212 windows)".
+"GPU 3's SM clock (1.41 GHz) is 29 % below its usual 1.98 GHz for this job (median of 212 windows)";
+differences of ratios are in percentage points ("28.0 pp below the 90.0 %").
 """
 
 from __future__ import annotations
@@ -41,6 +46,13 @@ METRICS: dict[str, tuple[str, str, float]] = {
     "gpu_temperature_celsius": ("temperature", "°C", 3.0),
     "gpu_pcie_rx_bytes_per_second": ("PCIe receive rate", "B/s", 500e6),
     "gpu_memory_used_bytes": ("memory used", "B", 1 << 30),
+}
+#: Which way a GPU is worse than its peers on one job: -1 below them (less work done, a slower clock,
+#: less power drawn, less data received), +1 above them (hotter, nearer running out of memory).
+WORSE: dict[str, int] = {
+    "gpu_sm_active_ratio": -1, "gpu_tensor_active_ratio": -1, "gpu_dram_active_ratio": -1, "gpu_power_watts": -1,
+    "gpu_sm_clock_hertz": -1, "gpu_temperature_celsius": 1, "gpu_pcie_rx_bytes_per_second": -1,
+    "gpu_memory_used_bytes": 1,
 }
 MAD_SCALE = 1.4826  # MAD x this estimates the standard deviation of normal data
 
@@ -88,6 +100,8 @@ class Finding:
 
 
 def _diff_words(value: float, ref: float, unit: str) -> str:
+    if unit == "ratio":  # a difference of two shares is in points: 62 % against 90 % is 28 pp, not 31 %
+        return f"{abs(value - ref) * 100:.1f} pp {'above' if value > ref else 'below'}"
     if ref and unit != "°C":
         pct = (value - ref) / abs(ref) * 100
         return f"{abs(pct):.0f} % {'above' if pct > 0 else 'below'}"
@@ -180,12 +194,18 @@ class Baselines:
         return b
 
 
-def peer_outliers(windows: Iterable[Any], z: float = 4.0, min_peers: int = 3) -> list[Finding]:
-    """GPUs that differ from the others running the same job right now."""
-    jobs: dict[str, list[Any]] = {}
-    for w in windows:
-        if getattr(w, "healthy", True) and w.processes:
-            jobs.setdefault(workload_key(w.processes), []).append(w)
+def peer_outliers(windows: Iterable[Any], z: float = 4.0, min_peers: int = 3,
+                  signatures: dict[str, str] | None = None) -> list[Finding]:
+    """GPUs that do worse than the others doing the same work right now.
+
+    Peers run the same job (workload_key) with the same signature: `signatures` maps a GPU to its
+    primary verdict kind (diagnose() passes the ones it found; None classifies the windows here)."""
+    ws = [w for w in windows if getattr(w, "healthy", True) and w.processes]
+    if signatures is None:
+        signatures = _primary_kinds(ws)
+    jobs: dict[tuple[str, str], list[Any]] = {}
+    for w in ws:
+        jobs.setdefault((workload_key(w.processes), signatures.get(w.gpu, "")), []).append(w)
     found = []
     for peers in jobs.values():
         if len(peers) < min_peers:
@@ -199,7 +219,7 @@ def peer_outliers(windows: Iterable[Any], z: float = 4.0, min_peers: int = 3) ->
                 others = [x for h, x in vals.items() if h != g]
                 med, mad = robust(others)
                 score = (v - med) / max(mad, floor / z)
-                if abs(score) >= z and abs(v - med) >= floor:
+                if score * WORSE[m] >= z and abs(v - med) >= floor:
                     found.append(Finding(
                         g, "peer_outlier", m, v, med, score, len(others),
                         f"GPU {g}'s {name} ({fmt(v, unit)}) is {_diff_words(v, med, unit)} the "
@@ -207,13 +227,22 @@ def peer_outliers(windows: Iterable[Any], z: float = 4.0, min_peers: int = 3) ->
     return found
 
 
+def _primary_kinds(windows: list[Any]) -> dict[str, str]:
+    """Each GPU's primary verdict kind, its workload signature."""
+    from .rules import classify
+    from .thresholds import DEFAULT
+    from .windows import Verdict
+
+    return {w.gpu: next((v.kind for v in classify(w, DEFAULT, Verdict) if v.primary), "") for w in windows}
+
+
 def as_verdicts(findings: Iterable[Finding], verdict: Any, t0: float = 0.0, t1: float = 0.0) -> list[Any]:
     """Findings as side verdicts (warning), with their numbers as evidence."""
     advice = {
         "anomaly": "Something changed on this GPU or in the job: compare its clocks, throttle reasons, "
                    "temperature and the job's configuration with an earlier run.",
-        "peer_outlier": "One GPU differs from its peers on the same job: check its clocks and throttle reasons, "
-                        "cooling, PCIe/NVLink link state and its share of the data.",
+        "peer_outlier": "One GPU does worse than its peers on the same work: check its clocks and throttle "
+                        "reasons, cooling, PCIe/NVLink link state and its share of the data.",
     }
     return [verdict(f.gpu, f.kind, "warning", round(min(1.0, abs(f.score) / 10), 2), f.summary,
                     {"metric": f.metric, "value": f.value, "reference": f.reference, "robust_z": round(f.score, 2),
