@@ -109,6 +109,28 @@ def test_keys_sort_filter_and_tree_the_table():
     pilot(app, body)
 
 
+def test_a_filter_from_the_bottom_of_a_long_table_shows_every_match_and_names_itself():
+    ps = [proc(100 + i, command=f"python {'needle' if i % 20 == 7 else 'hay'}.py {i}") for i in range(100)]
+    app = TopApp(StaticFeed(overview(ps)))
+    needles = [p["pid"] for p in ps if "needle" in p["command"]]
+
+    async def body(p: Any) -> None:
+        await p.press("end")
+        table = app.query_one("#procs", ProcTable)
+        assert table.top > 0  # scrolled: the first rows are off the page
+        await p.press("slash")
+        await p.pause()
+        await p.press(*"needle")
+        drawn = [int(ln.split()[0]) for ln in table.text.plain.splitlines()[1:] if ln.strip()]
+        assert sorted(drawn) == needles
+        await p.press("enter")
+        await p.pause()
+        assert not app.query_one("#filter").display
+        assert "filter 'needle': 5 of 100 processes" in app.query_one("#footer").text.plain
+
+    pilot(app, body)
+
+
 def test_a_nan_in_the_history_is_a_gap_not_a_crash():
     assert model.sparkline([0.5, float("nan"), float("inf"), None, 1.0], 5) == "▄···█"
 

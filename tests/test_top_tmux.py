@@ -3,6 +3,7 @@ send-keys and the screen comes back with capture-pane."""
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -101,12 +102,42 @@ def test_top_at_120x40_shows_every_gpu_sorts_filters_and_quits_cleanly(tmux_fact
                     "only GPU 5's processes after filtering for 'gpu5'")
     t.keys("Enter")
     t.keys("Escape")
-    t.wait(lambda s: len({r.split()[2] for r in _proc_rows(s)}) > 1, "every GPU's processes after Escape")
+    # The first page by GPU memory may be all GPU 5's (the biggest); the next one is other GPUs'.
+    t.wait(lambda s: "filter '" not in s, "the filter gone after Escape")
+    t.keys("PageDown")
+    t.wait(lambda s: any(r.split()[2] != "5" for r in _proc_rows(s)), "other GPUs' processes after Escape")
 
     t.keys("q")
     screen = t.wait(lambda s: "TOP-EXITED" in s, "gpuscope top to exit")
     assert "TOP-EXITED 0" in screen
     assert "gpuscope top" not in screen  # the alternate screen is gone: the shell's screen is back
+
+
+def _once_json() -> dict:
+    """The same simulated node as TOP, as one --once --json overview: what the screen should list."""
+    out = subprocess.run([*TOP, "--once", "--json"], capture_output=True, text=True, timeout=60, check=True).stdout
+    return json.loads(out)
+
+
+def test_a_filter_lists_every_match_even_from_the_bottom_of_the_table_and_stays_shown(tmux_factory):
+    gpu3 = sorted(p["pid"] for p in _once_json()["processes"] if p["gpu"] == "3")
+    assert len(gpu3) > 1
+    t = tmux_factory(160, 48)
+    t.wait(lambda s: _all_gpus(s) and len(_proc_rows(s)) >= 10, "the panels and a full process table")
+    t.keys("End")  # scrolled to the last of 100 rows
+    t.wait(lambda s: "4070011" in s and "4060000" not in s, "the table scrolled to its end")
+    t.keys("/")
+    t.wait(lambda s: "filter: type a substring" in s, "the filter box")
+    t.keys("g", "p", "u", "3")
+    listed = lambda s: sorted(int(r.split()[0]) for r in _proc_rows(s))  # noqa: E731
+    t.wait(lambda s: listed(s) == gpu3, f"all {len(gpu3)} processes of GPU 3 listed")
+    t.keys("Enter")
+    shown = f"filter 'gpu3': {len(gpu3)} of 100 processes"
+    screen = t.wait(lambda s: shown in s and "filter: type a substring" not in s, "the filter named once applied")
+    assert listed(screen) == gpu3
+    t.keys("Escape")
+    screen = t.wait(lambda s: len({r.split()[2] for r in _proc_rows(s)}) > 1, "every GPU's processes after Escape")
+    assert "filter '" not in screen
 
 
 def test_top_at_80x24_compacts_to_one_line_per_gpu(tmux_factory):

@@ -74,6 +74,9 @@ class ProcTable(Lines, can_focus=True):
         width, page = self.size.width or MIN_W, self.page
         if self.rows:
             self._selected_key = self.rows[self.cursor][1]["key"]
+        # No empty page below the last row: when a filter shrinks the list, an offset left over from a
+        # scrolled-down table would hide every match but the last.
+        self.top = min(self.top, max(0, len(self.rows) - page))
         self.top = min(max(self.top, self.cursor - page + 1), self.cursor)
         text = Text(self.head.ljust(width) + "\n", style="bold reverse")
         for i in range(self.top, min(self.top + page, len(self.rows))):
@@ -200,18 +203,26 @@ class TopApp(App[None]):
             return
         ov = self._ov
         self.query_one("#header", Lines).show(self._header(ov, w))
-        self.query_one("#footer", Lines).show(Text(
-            f" q quit  s sort ({model.SORT_KEYS[self.sort_index].title})  r reverse  / filter  t tree"
-            f"{' (on)' if self.tree_view else ''}  k kill  ↑↓ PgUp PgDn select"[:w], style="dim"))
-        if ov is None:
-            return
-        self._draw_gpus(ov, w, h)
-        if self._rows_dirty:
-            self._rows_dirty = False
-            sort = model.SORT_KEYS[self.sort_index]
-            rows = model.ordered(ov["processes"], sort, self.reverse, self.filter_text,
-                                 self.tree_view and self.feed.local_pids)
-            self.query_one("#procs", ProcTable).set_rows(model.proc_head(w, sort, self.reverse), rows)
+        if ov is not None:
+            self._draw_gpus(ov, w, h)
+            if self._rows_dirty:
+                self._rows_dirty = False
+                sort = model.SORT_KEYS[self.sort_index]
+                rows = model.ordered(ov["processes"], sort, self.reverse, self.filter_text,
+                                     self.tree_view and self.feed.local_pids)
+                self.query_one("#procs", ProcTable).set_rows(model.proc_head(w, sort, self.reverse), rows)
+        self.query_one("#footer", Lines).show(self._footer(ov, w))
+
+    def _footer(self, ov: dict[str, Any] | None, w: int) -> Text:
+        text = Text()
+        if self.filter_text:  # on the one line drawn whatever else the header has to say
+            shown = len(self.query_one("#procs", ProcTable).rows)
+            text.append(f" filter '{model.printable(self.filter_text)}': {shown} of "
+                        f"{len((ov or {}).get('processes', ()))} processes (Esc clears) ", style="bold black on cyan")
+        text.append(f" q quit  s sort ({model.SORT_KEYS[self.sort_index].title})  r reverse  / filter  t tree"
+                    f"{' (on)' if self.tree_view else ''}  k kill  ↑↓ PgUp PgDn select", style="dim")
+        text.truncate(w)
+        return text
 
     def _header(self, ov: dict[str, Any] | None, w: int) -> Text:
         text = Text(" gpuscope top ", style="bold")
@@ -239,8 +250,6 @@ class TopApp(App[None]):
             return Text(f" {model.printable(self.feed.note)}"[:w], style="yellow")
         firing, pending = len(ov["alerts"]["firing"]), len(ov["alerts"]["pending"])
         bits = [f"alerts: {firing} firing, {pending} pending" if firing or pending else "no alert firing"]
-        if self.filter_text:
-            bits.append(f"filter '{model.printable(self.filter_text)}'")
         bits.append("* NVML util = share of time any kernel ran, not how busy the SMs are")
         return Text(" " + "  │  ".join(bits)[:w - 1], style="red" if firing else "dim")
 
@@ -308,7 +317,7 @@ class TopApp(App[None]):
         self._changed()
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
-        event.input.display = bool(self.filter_text)
+        event.input.display = False  # the footer shows the filter that holds
         self.query_one("#procs").focus()
 
     def action_move(self, delta: int) -> None:
