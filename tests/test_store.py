@@ -146,12 +146,20 @@ def test_reopened_writer_continues_without_loss_or_duplicates(tmp_path: Path) ->
         assert r[0].values.sum() == 60 and len(r[0].values) == 60
 
 
-def test_samples_older_than_the_sealed_block_are_dropped_and_counted(store: Store) -> None:
+def test_samples_older_than_the_sealed_block_are_kept_and_counted(store: Store) -> None:
     t, v = jittered(12_000, 100_000_000)  # 20 minutes: the first block is sealed
     load(store, t, v)
-    store.append(snapshot(0))  # stamped T0: in the sealed block
+    (before,) = store.query("gpu_power_watts", T0, T0 + SEC, 1.0, agg="count", labels={"gpu": "0"})
+    store.append(snapshot(0))  # stamped T0 (the same series): in the sealed block
+    store.flush()  # it came late: its block takes it once no more late rows come
     store.flush()
-    assert store.stats()["writer"]["dropped_late_samples"] > 0
+    w = store.stats()["writer"]
+    assert w["dropped_late_samples"] == 0 and w["late_samples"] > 0
+    for step in (0.1, 1.0, 60.0, 3600.0):  # raw, and every rollup tier
+        (r,) = store.query("gpu_power_watts", T0, T0 + 3600 * SEC, step, agg="count", labels={"gpu": "0"})
+        assert r.values.sum() == len(t) + 1, step
+    (after,) = store.query("gpu_power_watts", T0, T0 + SEC, 1.0, agg="count", labels={"gpu": "0"})
+    assert after.values.tolist() == [before.values[0] + 1]
 
 
 def test_uncatalogued_metrics_are_lossless(store: Store) -> None:

@@ -131,6 +131,22 @@ def test_a_filter_from_the_bottom_of_a_long_table_shows_every_match_and_names_it
     pilot(app, body)
 
 
+def test_a_line_too_long_ends_in_an_ellipsis_between_words_never_mid_number():
+    g = overview([])["gpus"][0]
+    g["verdict"] = {"kind": "transfer_bound", "severity": "warning", "confidence": 0.9,
+                    "summary": "GPU 0 is transfer-bound: PCIe moves 8.0 GB/s while the SMs are 0.4 % busy."}
+    full = f"GPU 0 Test GPU  {model.verdict_text(g)}"
+    for width in range(20, len(full)):
+        line = model.panel_lines(g, width, [])[0]
+        assert len(line) <= width and line.endswith("…"), line
+        shown = line[:-1]
+        assert full.startswith(shown) and full[len(shown)] == " ", line  # cut where a word ends
+    assert model.panel_lines(g, len(full), [])[0] == full
+    assert model.clip("0123456789", 5) == "0123…" and model.clip("0123", 5) == "0123"
+    row = model.proc_line("", proc(1, command="python " + "x" * 200), 100)
+    assert len(row) == 100 and row.endswith("x…")
+
+
 def test_a_nan_in_the_history_is_a_gap_not_a_crash():
     assert model.sparkline([0.5, float("nan"), float("inf"), None, 1.0], 5) == "▄···█"
 

@@ -140,6 +140,18 @@ def test_a_filter_lists_every_match_even_from_the_bottom_of_the_table_and_stays_
     assert "filter '" not in screen
 
 
+def test_a_verdict_too_long_for_the_line_ends_in_an_ellipsis(tmux_factory):
+    t = tmux_factory(120, 40)
+    titles = lambda s: [ln for ln in s.splitlines() if ln.startswith("GPU ") and "(simulated)" in ln]  # noqa: E731
+    screen = t.wait(lambda s: len(titles(s)) == 8 and not any("gathering" in ln for ln in titles(s)),
+                    "a verdict on every GPU panel")
+    cut = [ln for ln in titles(screen) if len(ln) >= 120]
+    assert cut, "no verdict was longer than 120 columns"
+    # A full-width title is a cut one (a summary ends in '.', which an exact fit keeps).
+    assert all(ln.endswith(("…", ".")) for ln in cut), cut
+    assert any(ln.endswith("…") for ln in cut), cut
+
+
 def test_top_at_80x24_compacts_to_one_line_per_gpu(tmux_factory):
     t = tmux_factory(80, 24)
     # The first frames may come before the process table has its height: wait for the whole layout.

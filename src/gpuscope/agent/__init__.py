@@ -134,18 +134,21 @@ class Agent:
                 extra.update(self.remote.self_metrics())
             if self.alerts is not None:
                 extra.update(self.alerts.self_metrics())
+            extra.update(self.store.self_metrics())  # gpuscope_store_healthy, ..._last_flush_age_seconds, ...
             body = render(snap, mode=mode, top_processes=self.top_processes, extra=extra)
             self._render_cache[mode] = (snap.time_ns, body)
             return body
 
     def status(self) -> dict[str, Any]:
         ov = self.sampler.overhead(calls=False)
+        store = self.store.stats()  # with its health: healthy is false while the store cannot write
         return {
-            "version": __version__, "uptime_s": time.time() - self.started, "simulated": self.sampler.simulated,
+            "version": __version__, "healthy": store["health"]["healthy"], "uptime_s": time.time() - self.started,
+            "simulated": self.sampler.simulated,
             "hostname": self.sampler.hostname, "gpus": [d.label for d in self.sampler.devices],
             "healthy_gpus": sum(1 for d in self.sampler.devices if d.healthy),
             "sampler": {"interval_s": self.sampler.config.interval, **ov},
-            "store": self.store.stats(), "data_dir": str(self.cfg.data_path),
+            "store": store, "data_dir": str(self.cfg.data_path),
             "remote_write": self.remote.stats() if self.remote is not None and hasattr(self.remote, "stats") else None,
             "alerts": None if self.alerts is None else {
                 "rules": len(self.alerts.engine.rules), "notifiers": self.alerts.dispatcher.stats(),

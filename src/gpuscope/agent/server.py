@@ -100,6 +100,8 @@ class Api:
         r.add_get("/metrics", self.metrics)
         r.add_get("/api/v1/", self.index)
         r.add_get("/api/v1/status", self.status)
+        r.add_get("/healthz", self.healthz)
+        r.add_get("/readyz", self.readyz)
         r.add_get("/api/v1/latest", self.latest)
         r.add_get("/api/v1/capabilities", self.capabilities)
         r.add_get("/api/v1/series", self.series)
@@ -117,7 +119,9 @@ class Api:
             "simulated": self.agent.sampler.simulated,
             "endpoints": {
                 "/metrics": "Prometheus exposition (?naming=canonical|dcgm)",
-                "/api/v1/status": "agent status, sampler overhead, store statistics",
+                "/api/v1/status": "agent status, sampler overhead, store statistics and health",
+                "/healthz": "liveness: 200 while the agent answers",
+                "/readyz": "readiness: 200 while the store can write, else 503 with the reason",
                 "/api/v1/latest": "the latest snapshot: GPUs, processes, host, events",
                 "/api/v1/capabilities": "per GPU and metric: supported, and why not",
                 "/api/v1/series": "stored series (?metric=NAME&LABEL=VALUE)",
@@ -145,6 +149,15 @@ class Api:
 
     async def status(self, request: web.Request) -> web.Response:
         return _json(await asyncio.get_running_loop().run_in_executor(None, self.agent.status))
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        """Liveness: the agent answers."""
+        return _json({"alive": True})
+
+    async def readyz(self, request: web.Request) -> web.Response:
+        """Readiness: 200 while the store can write, else 503 with why and since when (Store.health())."""
+        health = self.agent.store.health()
+        return _json(health, status=200 if health["healthy"] else 503)
 
     async def latest(self, request: web.Request) -> web.Response:
         snap = self.agent.sampler.latest()

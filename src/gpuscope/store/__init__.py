@@ -32,10 +32,20 @@ On disk:
   watermarks up to which each tier is complete, hostname, simulated scenario, GPU identities).
 Each tier has its own retention by age, and all of them a size cap (oldest blocks first, finest
 tier first), see Retention. A series whose data retention has removed from every tier (a process that
-ended long ago) is deleted with it; a pid that comes back gets a new series (ids are never reused). Samples older than the last sealed block (a clock stepped back by more
-than ~10 minutes) are dropped and counted, as Prometheus does. kill -9 loses at most what was
-appended since the last flush; the store reopens cleanly (SQLite's WAL recovery, and the kernel
-drops the writer's flock). A power loss may lose the last commits too (synchronous=NORMAL).
+ended long ago) is deleted with it; a pid that comes back gets a new series (ids are never reused).
+
+Faults. Samples older than the last sealed block (a clock stepped back by more than ~10 minutes, or
+back from a jump ahead) are kept: staged in `late`, then written as extra chunks into the blocks they
+belong to once those are complete (readers merge overlapping chunks; rollups merge exactly), so none is
+lost and queries stay in time order; they are visible to queries once their block is written. Retention
+measures ages from the newest stamp, but for a live store never past its own clock (the wall clock at
+open moved on by the monotonic clock): a host clock that jumps ahead and back deletes nothing early.
+A flush that fails (disk full, I/O error) keeps its rows in memory and the next flush retries them;
+text SQLite cannot encode (surrogates) is stored valid, a record the writer cannot store is dropped,
+both counted; `Store.health()` says whether it can write, since when not, and why, and the flush thread
+never stops. kill -9 loses at most what was appended since the last flush; the store reopens cleanly
+(SQLite's WAL recovery, and the kernel drops the writer's flock). A power loss may lose the last
+commits too (synchronous=NORMAL).
 
 Precision kept per unit (the metric catalog gives each metric's unit): ratio and cores 1e-4;
 watts and joules 1e-3 (NVML's milliwatts and millijoules); celsius 1e-2; seconds 1e-6; hertz,

@@ -8,6 +8,7 @@ then being the bucket mean). JSON lines nest the labels in an object.
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import math
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ from typing import IO, Any
 
 import numpy as np
 
+from ._aggregate import Points
 from ._config import TIERS
 from ._errors import StoreError
 from ._read import Reader, check_range
@@ -88,7 +90,9 @@ def _samples(reader: Reader, found: list[tuple[int, str, dict[str, str]]], start
         part = found[k:k + _BATCH]
         data = reader.fetch([s for s, _, _ in part], start, end, 0)
         for sid, metric, lab in part:
-            for tier, p in data[sid]:
+            # one run per tier, in time order: chunks of late samples (a clock stepped back) overlap others
+            for tier, run in itertools.groupby(data[sid], key=lambda x: x[0]):
+                p = Points.concat([q for _, q in run])
                 v = p.mn if p.cnt is None else p.sm / np.maximum(p.cnt, 1)
                 yield metric, lab, p.t, v, TIERS[tier].resolution_ns / 1e9
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .._records import Event, GpuIdentity, ProcessRecord, Snapshot
+from .._text import valid_text
 from ..catalog import PROCESS_SERIES, series_key, split_series_key
 from ._codec import FloatArray, Int64Array, scale_for
 
@@ -64,6 +65,7 @@ class Registry:
         self.layouts: dict[int, Layout] = {}
         self.sid_layouts: dict[int, set[int]] = {}  # series id -> ids of the layouts holding it
         self.new_series: list[tuple[int, str, str, str]] = []
+        self.repaired = 0  # series whose metric or labels were not valid text
         self.new_layouts: list[Layout] = []
         self._next_sid = 1
         self._next_layout = 1
@@ -93,6 +95,14 @@ class Registry:
         key = canonical_key(metric, labels)
         sid = self.by_key.get(key)
         if sid is None:
+            if valid_text(key) is not key:  # text SQLite cannot encode (a surrogate): stored valid, counted
+                metric = valid_text(metric)
+                labels = {valid_text(k): valid_text(v) for k, v in labels.items()}
+                key = canonical_key(metric, labels)
+                sid = self.by_key.get(key)
+                if sid is not None:
+                    return sid
+                self.repaired += 1
             sid = self._next_sid
             self._next_sid += 1
             self._remember(sid, key, metric, labels)

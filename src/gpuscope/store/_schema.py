@@ -8,6 +8,8 @@ Tables:
   series(id, key, metric, labels)       labels as sorted JSON; key = metric{labels} canonical text
   layouts(id, sids)                     the series of one staging row, as int64 bytes
   staging(id, layout, t_min, t_max, n, data)   rows of each flush not yet sealed into chunks
+  late(id, layout, t_min, t_max, n, data)      rows stamped before the sealed block end (the clock stepped
+                                        back), one per raw block, until that block's late chunks are written
   timelines(id, tier, hash, t_min, t_max, n, nbytes, data)  encoded time stamps, shared by chunks
   chunks(id, tier, series_id, t_min, t_max, n, timeline, nbytes, data)  one series, one block
   events(id, time_ns, kind, gpu, message, data, count)
@@ -38,6 +40,8 @@ CREATE TABLE IF NOT EXISTS staging (id INTEGER PRIMARY KEY AUTOINCREMENT, layout
     t_max INTEGER NOT NULL, n INTEGER NOT NULL, data BLOB NOT NULL);
 CREATE INDEX IF NOT EXISTS staging_time ON staging (t_max);
 CREATE INDEX IF NOT EXISTS staging_layout ON staging (layout, id);
+CREATE TABLE IF NOT EXISTS late (id INTEGER PRIMARY KEY AUTOINCREMENT, layout INTEGER NOT NULL, t_min INTEGER NOT NULL,
+    t_max INTEGER NOT NULL, n INTEGER NOT NULL, data BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS timelines (id INTEGER PRIMARY KEY AUTOINCREMENT, tier INTEGER NOT NULL, hash BLOB NOT NULL,
     t_min INTEGER NOT NULL, t_max INTEGER NOT NULL, n INTEGER NOT NULL, nbytes INTEGER NOT NULL,
     data BLOB NOT NULL);
@@ -83,8 +87,13 @@ def open_writer_db(path: Path) -> sqlite3.Connection:
             conn.execute("INSERT INTO meta VALUES ('format', ?)", (str(FORMAT),))
         elif int(row[0]) > FORMAT:
             raise StoreError(f"{db} was written by a newer gpuscope (format {row[0]}); upgrade gpuscope to open it.")
+        # A write now: SQLite opens a file it may not write read-only without a word, and every flush would fail.
+        conn.execute("INSERT OR REPLACE INTO meta VALUES ('writer.pid', ?)", (str(os.getpid()),))
         return conn
     except sqlite3.DatabaseError as e:
+        if "readonly" in str(e) or "read-only" in str(e):
+            raise StoreError(f"{db} cannot be written ({e}); make it and its -wal and -shm files writable, "
+                             "or open the store with readonly=True to read it.") from e
         raise StoreError(f"{db} is not a gpuscope store or is damaged ({e}).") from e
 
 
@@ -133,7 +142,10 @@ class WriterLock:
             import fcntl
         except ImportError:  # not POSIX: no OS lock available; one writer is then up to the user
             return
-        f = open(self.path, "a+", encoding="ascii")  # noqa: SIM115 - held open while we write
+        try:
+            f = open(self.path, "a+", encoding="ascii")  # noqa: SIM115 - held open while we write
+        except OSError as e:
+            raise StoreError(f"Cannot open the lock file {self.path}: {e.strerror or e}; make it writable.") from e
         try:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:

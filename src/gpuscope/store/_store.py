@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import atexit
+import logging
 import math
+import sqlite3
 import threading
+import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +22,9 @@ from ._errors import StoreError
 from ._export import export
 from ._read import Reader, SeriesResult
 from ._schema import WriterLock, open_reader_db, open_writer_db, prepare_dir
-from ._writer import Batch, Writer
+from ._writer import Batch, Writer, _reason
+
+log = logging.getLogger("gpuscope.store")
 
 
 class Store:
@@ -28,6 +33,10 @@ class Store:
     A writer (`readonly=False`, one per directory; a second gets StoreLocked) buffers appended
     snapshots in memory and persists them from a background thread every `flush_interval` seconds;
     readers (`readonly=True`, any number, any process) see everything up to the writer's last flush.
+    The writer never stops on a failed write or a record it cannot store: `health()` says whether it can
+    write, since when it cannot, and what it repaired or dropped. `clock` (monotonic seconds) times the
+    health; with `wall_clock_ns` at open it is the store's own 'now', which retention never measures past
+    (a host clock that jumps ahead and back deletes nothing early). Tests inject both.
 
         >>> import tempfile
         >>> from gpuscope import Sampler
@@ -39,7 +48,8 @@ class Store:
     """
 
     def __init__(self, path: str | Path, *, readonly: bool = False, flush_interval: float = 1.0,
-                 retention: Retention | None = None) -> None:
+                 retention: Retention | None = None, clock: Callable[[], float] = time.monotonic,
+                 wall_clock_ns: Callable[[], int] = time.time_ns) -> None:
         self.path = Path(path)
         self.readonly = readonly
         if isinstance(flush_interval, bool) or not isinstance(flush_interval, int | float) \
@@ -63,7 +73,9 @@ class Store:
         self._lock = WriterLock(self.path)
         self._lock.acquire()
         try:
-            self._writer = Writer(self.path, open_writer_db(self.path), self.retention)
+            # unhealthy once no flush has completed for three flush intervals (and a margin for a slow disk)
+            self._writer = Writer(self.path, open_writer_db(self.path), self.retention, clock=clock,
+                                  wall_clock_ns=wall_clock_ns, stale_after_s=3 * self.flush_interval + 2.0)
         except BaseException:
             self._lock.release()
             raise
@@ -110,22 +122,33 @@ class Store:
             self._writer.flush()
 
     def close(self) -> None:
-        """Flush, stop the flush thread, release the directory. Idempotent."""
+        """Flush, stop the flush thread, release the directory. Idempotent; never raises: what could not be
+        written is said in one log line."""
         if self._closed:
             return
         self._closed = True
-        if self._thread is not None:
+        w = self._writer
+        if self._thread is not None and w is not None:
             self._stop.set()
-            self._writer.wake.set()  # type: ignore[union-attr]
+            w.wake.set()
             self._thread.join()
-        if self._writer is not None:
+        if w is not None:
             try:
-                self._writer.flush()
-            finally:
-                self._writer.conn.close()
-                self._writer = None
-                if self._lock is not None:
-                    self._lock.release()
+                w.flush()
+            except Exception as e:  # noqa: BLE001 - flush() keeps its own failures; this is the last guard
+                w._failed("close", e)
+            if w.failing_since is not None:
+                unsaved = sum(g.v.size for g in w._unstaged + w._unstaged_late)
+                log.warning("store closed while it could not write (%s): %d samples and %d events were not written, "
+                            "the last successful flush was %.1f s earlier", w.last_error, unsaved,
+                            len(w._unsaved_events), w.clock() - w.last_ok)
+            try:
+                w.conn.close()
+            except sqlite3.Error as e:
+                log.warning("store closed, but closing its database failed: %s", _reason(e))
+            self._writer = None
+            if self._lock is not None:
+                self._lock.release()
         self._reader.close()
 
     def __enter__(self) -> Store:
@@ -178,14 +201,45 @@ class Store:
         return export(self._reader, start_ns, end_ns, path, fmt, metrics)
 
     def stats(self) -> dict[str, Any]:
-        """Bytes, chunks and points per tier, samples, series, oldest/newest stamps; writer counters."""
+        """Bytes, chunks and points per tier, samples, series, oldest/newest stamps; writer counters; health."""
         out = self._reader.stats()
         w = self._writer
         if w is not None:
             out["writer"] = {"pending": len(w.pending), "hot_window_samples": w.hot.values,
                              "dropped_snapshots": w.dropped_snapshots, "dropped_late_samples": w.dropped_late,
-                             "dropped_unsealed_samples": w.dropped_memory,
+                             "dropped_unsealed_samples": w.dropped_memory, "late_samples": w.late_samples,
                              "flushes": w.flushes, "last_flush_seconds": w.last_flush_s}
+        out["health"] = self.health()
+        return out
+
+    def health(self) -> dict[str, Any]:
+        """Whether this store can write: {'healthy', 'reason' (one sentence, or None), 'last_flush_age_seconds',
+        'failing_for_seconds', 'last_error' and 'last_error_at' (unix seconds; kept after a recovery),
+        'write_errors', 'records_repaired' (text made valid), 'records_dropped' (records it could not store),
+        'snapshots_dropped' (queue full), 'samples_dropped' (memory bound while writes failed),
+        'late_samples' (stamped before the sealed block: kept), 'flush_thread_alive'}. Unhealthy while writes
+        fail, when no flush has completed for three flush intervals (plus 2 s), or when the flush thread is
+        gone. A reader is healthy while it is open."""
+        w = self._writer
+        if w is None:
+            if self.readonly and not self._closed:
+                return {"healthy": True, "reason": None, "readonly": True}
+            return {"healthy": False, "reason": "the store is closed"}
+        return w.health(self._thread is not None and self._thread.is_alive())
+
+    def self_metrics(self) -> dict[str, float]:
+        """The store's health as the agent's own series on /metrics."""
+        h = self.health()
+        out = {"gpuscope_store_healthy": 1.0 if h["healthy"] else 0.0}
+        if "write_errors" in h:
+            out.update({
+                "gpuscope_store_last_flush_age_seconds": float(h["last_flush_age_seconds"]),
+                "gpuscope_store_write_errors_total": float(h["write_errors"]),
+                "gpuscope_store_records_repaired_total": float(h["records_repaired"]),
+                "gpuscope_store_records_dropped_total": float(h["records_dropped"] + h["snapshots_dropped"]),
+                "gpuscope_store_samples_dropped_total": float(h["samples_dropped"]),
+                "gpuscope_store_late_samples_total": float(h["late_samples"]),
+            })
         return out
 
 

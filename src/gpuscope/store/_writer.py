@@ -15,11 +15,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import sqlite3
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -27,14 +28,22 @@ from typing import Any
 import numpy as np
 
 from .._records import Event, Snapshot
+from .._text import valid_text
 from ._aggregate import INF, Points, rollup
 from ._codec import FloatArray, Int64Array, decode_staging, encode_chunk, encode_staging
 from ._config import SECOND_NS, TIERS, Retention
 from ._errors import CorruptChunk, StoreError
 from ._ingest import Decomposer, Group, HotWindow, Layout, Registry
 from ._read import ChunkDecoder, Columns, identity_from_dict, oldest, read_meta, watermarks
+from ._schema import DB_NAME
 
 log = logging.getLogger("gpuscope.store")
+
+INT64 = (-(2**63), 2**63 - 1)
+RETRY_MAX_GROUPS = 10_000  # rows kept for the next flush while writes fail (they are in memory meanwhile)
+REMIND_S = 60.0  # while writes keep failing, one reminder line a minute
+CLOCK_SLACK_NS = 60 * 1_000_000_000  # stamps this close to the store's clock are 'now'
+REANCHOR_S = 3600.0  # stamps ahead of the store's clock for this long: the host clock was behind, follow it
 
 
 class Batch:
@@ -48,7 +57,9 @@ class Batch:
 
 class Writer:
     def __init__(self, path: Path, conn: sqlite3.Connection, retention: Retention, *, hot_window_s: float = 600.0,
-                 hot_max_samples: int = 4_000_000, grace_s: float = 2.0, max_pending: int = 20_000) -> None:
+                 hot_max_samples: int = 4_000_000, grace_s: float = 2.0, max_pending: int = 20_000,
+                 clock: Callable[[], float] = time.monotonic, wall_clock_ns: Callable[[], int] = time.time_ns,
+                 stale_after_s: float = 5.0) -> None:
         self.path = path
         self.conn = conn
         self.retention = retention
@@ -69,9 +80,33 @@ class Writer:
         self.dropped_memory = 0
         self.flushes = 0
         self.last_flush_s = 0.0
-        self._errors: set[str] = set()
+        # health: what failed, when, and since when nothing could be written
+        self.clock = clock
+        self.stale_after_s = stale_after_s
+        self.last_ok = clock()  # monotonic seconds of the last committed flush
+        self.failing_since: float | None = None  # monotonic seconds of the first failure since then
+        self.failed_flushes = 0  # in the current episode
+        self.write_errors = 0
+        self.last_error: str | None = None
+        self.last_error_at: float | None = None  # unix seconds
+        self._last_line: tuple[str, float] | None = None  # the last failure line logged, and when
+        self.records_dropped = 0
+        self._events_repaired = 0
+        self.late_samples = 0  # stamped before the sealed block end (the clock stepped back): kept
+        self.late = HotWindow()  # those rows until their block is written
         self._unstaged: list[Group] = []  # rows whose staging write failed: retried next flush
-        self._unsaved_events: list[Event] = []
+        self._unstaged_late: list[Group] = []
+        self._late_seen: int | None = None  # newest late stamp of the current flush
+        self._errors: set[str] = set()
+        self._dropped_lines: dict[str, float] = {}
+        # The store's own idea of now: the wall clock when it opened, moved on by the monotonic clock. A clock
+        # that jumps ahead and back must not make retention delete what is not old yet (see _retention_now).
+        self._wall0, self._mono0 = int(wall_clock_ns()), clock()
+        self.db_path = path / DB_NAME
+        self._file_id = _file_id(self.db_path)
+        self._live = False  # stamps have been close to the store's clock: a live sampler feeds it
+        self._ahead_since: float | None = None
+        self._unsaved_events: list[EventRow] = []  # rows of events whose write failed: retried next flush
         self._batch_layouts: dict[int, tuple[object, Layout]] = {}  # by id() of the caller's series list
         self._tl_cache: dict[tuple[int, bytes], int] = {}  # committed time lines
         self._tl_new: dict[tuple[int, bytes], int] = {}  # inserted by the open transaction
@@ -88,6 +123,7 @@ class Writer:
                 self.tier_bytes[tier] += int(b or 0)
         self._load_node(meta)
         self._load_staging()
+        self.last_ok = clock()
 
     # -- start-up ----------------------------------------------------------------------------------
     def _load_node(self, meta: dict[str, str]) -> None:
@@ -112,6 +148,15 @@ class Writer:
                 continue
             m = t >= self.w[0]
             self.hot.add(Group(lay, t[m].copy(), v[m].copy()))
+        for rid, lid, blob in self.conn.execute("SELECT id, layout, data FROM late ORDER BY id").fetchall():
+            lay = self.reg.layouts.get(lid)
+            try:
+                t, v = decode_staging(blob)
+            except CorruptChunk as e:
+                self.decoder.bad("late staging row", rid, e)
+                continue
+            if lay is not None and v.shape[1] == len(lay.sids):
+                self.late.add(Group(lay, t, v))
 
     # -- the hot path ------------------------------------------------------------------------------
     def append(self, item: Snapshot | Batch) -> None:
@@ -141,46 +186,68 @@ class Writer:
 
     def _flush_slice(self, items: list[Snapshot | Batch]) -> None:
         t0 = time.perf_counter()
-        events: list[Event] = self._unsaved_events
-        self._unsaved_events = []
-        groups = self._groups(items, events)
+        events: list[Event] = []
+        self._late_seen = None
+        groups, late = self._groups(items, events)
         with self.lock:
             for g in groups:
                 self.hot.add(g)
             self._bound_memory()
-        stage = self._unstaged + groups
-        self._unstaged = []
+        for g in late:
+            self.late.add(g)
+        stage, stage_late = self._unstaged + groups, self._unstaged_late + late
+        self._unstaged, self._unstaged_late = [], []
+        event_rows = self._unsaved_events + self._event_rows(events)
+        self._unsaved_events = []
         nw = list(self.w)
         target = self._seal_target()
+        late_cut = self._late_cut()
         conn = self.conn
         try:
             conn.execute("BEGIN IMMEDIATE")
             self.reg.persist(conn)
             self._stage(stage, max(target, nw[0]))
+            self._stage_late(stage_late)
             if target > nw[0]:
                 self._seal(nw[0], target)
                 nw[0] = nw[1] = target
                 self._cascade(nw)
-            self._events(events)
-            self._meta(groups)
+            if late_cut is not None:
+                self._seal_late(late_cut, nw)
+            if event_rows:
+                conn.executemany("INSERT INTO events (time_ns, kind, gpu, message, data, count) "
+                                 "VALUES (?, ?, ?, ?, ?, ?)", event_rows)
+            self._meta(groups + late)
             conn.execute("COMMIT")
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - whatever failed, the rows wait in memory for the next flush
             self._rollback()  # never leave the transaction open: the next flush retries
-            self._unstaged = stage[-10_000:]
-            self._unsaved_events = events[-10_000:]
-            self._log_once("flush", e)
-            if not isinstance(e, sqlite3.Error | OSError | StoreError):
-                raise
+            self._unstaged = self._keep(stage)
+            self._unstaged_late = self._keep(stage_late)
+            self._unsaved_events = event_rows[-RETRY_MAX_GROUPS:]
+            self._failed("flush", e)
             return
         self._committed()
         sealed = nw[0] > self.w[0]
         with self.lock:
             self.w = nw
             self._trim()
-        if sealed:
-            self._retain()
+        if late_cut is not None:
+            self.late.trim(late_cut)
         self.flushes += 1
         self.last_flush_s = time.perf_counter() - t0
+        if _file_id(self.db_path) != self._file_id:  # committed, but into a file no longer reachable by its name
+            self._failed("flush", StoreError(f"{self.db_path} was removed or replaced while the store had it open, "
+                                             "so what it writes now is lost when it closes; restart the writer"),
+                         retried=False)
+        else:
+            self._succeeded()
+        if sealed:
+            self._retain()
+
+    def _keep(self, groups: list[Group]) -> list[Group]:
+        """What a failed flush keeps for the next one: the newest RETRY_MAX_GROUPS groups. Older ones stay in
+        memory (the hot window or the late rows) and are sealed from there; only a crash before then loses them."""
+        return groups[-RETRY_MAX_GROUPS:]
 
     def _committed(self) -> None:
         self.reg.committed()
@@ -200,9 +267,10 @@ class Writer:
         self._tl_new = {}
         self._bytes_new = [0] * len(TIERS)
 
-    def _groups(self, items: Sequence[Snapshot | Batch], events: list[Event]) -> list[Group]:
+    def _groups(self, items: Sequence[Snapshot | Batch], events: list[Event]) -> tuple[list[Group], list[Group]]:
+        """Rows per layout, split into those at or after the sealed block end and the late ones before it."""
         snaps = [x for x in items if isinstance(x, Snapshot)]
-        groups = self.dec.decompose(snaps, events) if snaps else []
+        groups = self._decompose(snaps, events) if snaps else []
         for b in items:
             if isinstance(b, Batch):
                 hit = self._batch_layouts.get(id(b.series))
@@ -212,21 +280,102 @@ class Writer:
                         self._batch_layouts.clear()
                     self._batch_layouts[id(b.series)] = hit
                 groups.append(Group(hit[1], b.t, b.v))
-        out = []
+        out, late = [], []
+        w0 = self.w[0]
         for g in groups:
             if not len(g.t):
                 continue
-            if int(g.t.min()) < self.w[0]:  # older than what is sealed: dropped, as Prometheus does
-                m = g.t >= self.w[0]
-                self.dropped_late += int((~m).sum()) * g.v.shape[1]
-                self._log_once("late", StoreError(f"samples older than the sealed block end {self.w[0]} dropped"))
-                g = Group(g.layout, g.t[m], g.v[m])
-                if not len(g.t):
+            if int(g.t.min()) < w0:
+                # Older than what is sealed (the clock stepped back, or it had jumped ahead): kept, and written
+                # into the blocks they belong to once those are complete (see _late_cut).
+                m = g.t >= w0
+                old = Group(g.layout, g.t[~m], g.v[~m])
+                late.append(old)
+                self.late_samples += old.v.size
+                top = int(old.t.max())
+                self._late_seen = top if self._late_seen is None else max(self._late_seen, top)
+                if not m.any():
                     continue
+                g = Group(g.layout, g.t[m], g.v[m])
             top = int(g.t.max())
             self.newest = top if self.newest is None else max(self.newest, top)
             out.append(g)
-        return out
+        tops = [int(g.t.max()) for g in out] + [int(g.t.max()) for g in late]
+        if tops:
+            self._note_clock(max(tops))
+        if late and not self.late.bufs:  # one line when late rows start, not one per flush
+            behind = ((self.newest or w0) - min(int(g.t.min()) for g in late)) / 1e9
+            log.warning("store: samples stamped %.0f s before the newest stored one arrived (the clock stepped "
+                        "back?); they are kept and written per 10-minute block", behind)
+        return out, late
+
+    def _decompose(self, snaps: list[Snapshot], events: list[Event]) -> list[Group]:
+        """Rows of the snapshots; one the writer cannot take apart (a stamp out of range...) is dropped and
+        counted, never the rest of the flush."""
+        n = len(events)
+        try:
+            return self.dec.decompose(snaps, events)
+        except Exception:  # noqa: BLE001 - find the snapshot at fault, keep the others
+            del events[n:]
+        groups: list[Group] = []
+        for snap in snaps:
+            evs: list[Event] = []
+            try:
+                groups.extend(self.dec.decompose([snap], evs))
+            except Exception as e:  # noqa: BLE001
+                self._discard("snapshot", e)
+                continue
+            events.extend(evs)
+        return groups
+
+    def _event_rows(self, events: list[Event]) -> list[EventRow]:
+        """Rows for the events table; text made valid (counted), an event that cannot be written dropped (counted)."""
+        rows: list[EventRow] = []
+        for e in events:
+            try:
+                t = int(e.time_ns)
+                if not INT64[0] <= t <= INT64[1]:
+                    raise OverflowError(f"time_ns {t} is out of range")
+                data, fixed = _valid_json(e.data)
+                kind, msg = str(e.kind), str(e.message)
+                gpu = None if e.gpu is None else str(e.gpu)
+                ok = valid_text(kind), valid_text(msg), None if gpu is None else valid_text(gpu)
+                fixed = fixed or ok[0] is not kind or ok[1] is not msg or ok[2] is not gpu
+                row = (t, ok[0], ok[2], ok[1], json.dumps(data, default=lambda o: valid_text(str(o))), int(e.count))
+            except Exception as err:  # noqa: BLE001 - a circular or odd payload: this event only
+                self._discard("event", err)
+                continue
+            self._events_repaired += fixed
+            rows.append(row)
+        return rows
+
+    def _now_ns(self) -> int:
+        return self._wall0 + int((self.clock() - self._mono0) * 1e9)
+
+    def _note_clock(self, top: int) -> None:
+        """Compare the newest stamp of a flush with the store's clock: close to it, the store is fed live; far
+        ahead of it after that, the host clock jumped forward (or was behind when the store opened)."""
+        now = self._now_ns()
+        if abs(top - now) <= CLOCK_SLACK_NS:
+            self._live, self._ahead_since = True, None
+        elif self._live and top > now + CLOCK_SLACK_NS:
+            m = self.clock()
+            if self._ahead_since is None:
+                self._ahead_since = m
+                log.warning("store: samples stamped %.0f s ahead of the store's clock (the host clock jumped "
+                            "forward, or the machine was suspended?); retention measures ages from the store's "
+                            "clock until they agree, or for an hour", (top - now) / 1e9)
+            elif m - self._ahead_since >= REANCHOR_S:
+                self._wall0 += top - now
+                self._ahead_since = None
+                log.warning("store: samples stayed %.0f s ahead of the store's clock for an hour; the host clock "
+                            "is taken as right and retention follows it", (top - now) / 1e9)
+
+    def _retention_now(self) -> int:
+        """Where retention measures ages from: the newest stamp, but for a live store never further than its own
+        clock (plus a minute): a clock that jumps a day ahead and back must not delete a day of history."""
+        newest = self.newest if self.newest is not None else self._now_ns()
+        return min(newest, self._now_ns() + CLOCK_SLACK_NS) if self._live else newest
 
     def _seal_target(self) -> int:
         if self.newest is None:
@@ -249,17 +398,57 @@ class Writer:
         if rows:
             self.conn.executemany("INSERT INTO staging (layout, t_min, t_max, n, data) VALUES (?, ?, ?, ?, ?)", rows)
 
+    def _stage_late(self, groups: list[Group]) -> None:
+        """Late rows, one staging row per layout and raw block (so that a block's rows go when it is written)."""
+        rows = []
+        for g in groups:
+            t, v = g.t, g.v
+            if len(t) > 1 and bool((np.diff(t) < 0).any()):
+                order = np.argsort(t, kind="stable")
+                t, v = t[order], v[order]
+            for a, b in _block_slices(t, TIERS[0].block_ns):
+                rows.append((g.layout.id, int(t[a]), int(t[b - 1]), v[a:b].size, encode_staging(t[a:b], v[a:b])))
+        if rows:
+            self.conn.executemany("INSERT INTO late (layout, t_min, t_max, n, data) VALUES (?, ?, ?, ?, ?)", rows)
+
+    def _late_cut(self) -> int | None:
+        """Late rows before this stamp are written now (None: none). A block is complete once the late stamps
+        pass its end by the grace, as for the others; when no late row came in this flush (the clock caught up,
+        or the store closes) or they take too much memory, all of them are."""
+        if not self.late.bufs:
+            return None
+        if self._late_seen is None or self.late.values > self.hot_max:
+            return INF
+        block = TIERS[0].block_ns
+        cut = ((self._late_seen - self.grace_ns) // block) * block
+        oldest = self.late.oldest()
+        return cut if oldest is not None and cut > oldest else None
+
+    def _seal_late(self, cut: int, nw: list[int]) -> None:
+        """Chunks for the late rows before `cut`, beside those already in their blocks: raw, 1 s, and the 1 min
+        and 1 h tiers where those already hold the block (elsewhere the cascade rolls the 1 s chunk up).
+        Rollups merge exactly (count, min, max, sum), so readers merge overlapping chunks as one."""
+        rows: list[tuple[int, int, int, int, int, int, int, bytes]] = []
+        for sid, (t, v) in self.late.columns(INT64[0], cut).items():
+            scale = self.reg.scale.get(sid)
+            for a, b in _block_slices(t, TIERS[0].block_ns):
+                pt, pv = t[a:b], v[a:b]
+                self._chunk(rows, 0, sid, pt, [pv], scale)
+                raw = Points.raw(pt, pv)
+                for k in range(1, len(TIERS)):
+                    if k == 1 or int(pt[0]) < nw[k]:
+                        r = rollup(raw, TIERS[k].resolution_ns)
+                        self._chunk(rows, k, sid, r.t, [r.counts(), r.mn, r.mx, r.sm, r.last], scale)
+        self._insert_chunks(rows)
+        self.conn.execute("DELETE FROM late WHERE t_max < ?", (cut,))
+
     def _seal(self, lo: int, hi: int) -> None:
         """Raw and 1 s chunks for [lo, hi), split at block boundaries; staging rows before hi go."""
-        block = TIERS[0].block_ns
         cols = self.hot.columns(lo, hi)
         rows: list[tuple[int, int, int, int, int, int, int, bytes]] = []
         for sid, (t, v) in cols.items():
             scale = self.reg.scale.get(sid)
-            cuts = np.searchsorted(t, np.arange((int(t[0]) // block + 1) * block, int(t[-1]) + 1, block))
-            for a, b in zip(np.concatenate(([0], cuts)), np.concatenate((cuts, [len(t)])), strict=True):
-                if a == b:
-                    continue
+            for a, b in _block_slices(t, TIERS[0].block_ns):
                 pt, pv = t[a:b], v[a:b]
                 self._chunk(rows, 0, sid, pt, [pv], scale)
                 r = rollup(Points.raw(pt, pv), TIERS[1].resolution_ns)
@@ -369,12 +558,6 @@ class Writer:
             self._chunk(out, k, sid, r.t, [r.counts(), r.mn, r.mx, r.sm, r.last], self.reg.scale.get(sid))
         self._insert_chunks(out)
 
-    def _events(self, events: list[Event]) -> None:
-        if events:
-            self.conn.executemany(
-                "INSERT INTO events (time_ns, kind, gpu, message, data, count) VALUES (?, ?, ?, ?, ?, ?)",
-                [(e.time_ns, e.kind, e.gpu, e.message, json.dumps(e.data, default=str), e.count) for e in events])
-
     def _meta(self, groups: list[Group]) -> None:
         latest: dict[int, tuple[int, float]] = {}
         for g in groups:
@@ -414,6 +597,14 @@ class Writer:
             self.hot.trim(self.newest - self.hot_window_ns)
             self.dropped_memory += before - self.hot.values
             self._log_once("memory", StoreError("unsealed samples dropped to bound memory while flushes fail"))
+        if self.late.values > 4 * self.hot_max:
+            before = self.late.values
+            self.late.trim(self.late_newest() - self.hot_window_ns)
+            self.dropped_memory += before - self.late.values
+            self._log_once("memory", StoreError("late samples dropped to bound memory while flushes fail"))
+
+    def late_newest(self) -> int:
+        return max(int(b.t[b.lo:b.hi].max()) for b in self.late.bufs.values() if len(b))
 
     # -- retention ---------------------------------------------------------------------------------
     def _retain(self) -> None:
@@ -421,6 +612,7 @@ class Writer:
             return
         conn = self.conn
         r = self.retention
+        now = self._retention_now()
         freed = [0] * len(TIERS)
         self._dropped_sids = set()
         dead: tuple[list[int], set[int]] = ([], set())
@@ -428,7 +620,7 @@ class Writer:
             conn.execute("BEGIN IMMEDIATE")
             for tier, age_s, cap in zip(TIERS, r.ages_s(), r.caps(), strict=True):
                 i = tier.index
-                freed[i] += self._drop(i, min(self.newest - int(age_s * 1e9), self._guard(i)))
+                freed[i] += self._drop(i, min(now - int(age_s * 1e9), self._guard(i)))
                 if cap is not None:
                     freed[i] += self._shed(i, self.tier_bytes[i] - freed[i] - cap)
             excess = sum(self.tier_bytes) - sum(freed) - r.max_bytes
@@ -438,7 +630,7 @@ class Writer:
                 got = self._shed(i, excess)
                 freed[i] += got
                 excess -= got
-            conn.execute("DELETE FROM events WHERE time_ns < ?", (self.newest - int(r.events_max_age_s * 1e9),))
+            conn.execute("DELETE FROM events WHERE time_ns < ?", (now - int(r.events_max_age_s * 1e9),))
             conn.execute("DELETE FROM events WHERE id <= (SELECT id FROM events ORDER BY id DESC LIMIT 1 OFFSET ?)",
                          (r.events_max_rows,))
             for i, b in enumerate(freed):  # queries use coarser tiers before a tier's floor
@@ -447,9 +639,9 @@ class Writer:
                     self._set_meta((f"floor.{i}", floor if floor is not None else self.w[i]))
             dead = self._delete_dead_series()
             conn.execute("COMMIT")
-        except sqlite3.Error as e:
+        except Exception as e:  # noqa: BLE001 - retried after the next seal
             self._rollback()
-            self._log_once("retention", e)
+            self._failed("retention", e)
             return
         finally:
             self._dropped_sids = set()
@@ -473,8 +665,9 @@ class Writer:
         if not cand:
             return [], set()
         pending = {s for s, *_ in reg.new_series}
-        live_lids = set(self.hot.bufs) | {g.layout.id for g in self._unstaged}
-        live_lids.update(lid for (lid,) in self.conn.execute("SELECT DISTINCT layout FROM staging"))
+        live_lids = set(self.hot.bufs) | set(self.late.bufs) | {g.layout.id for g in self._unstaged + self._unstaged_late}
+        live_lids.update(lid for (lid,) in self.conn.execute("SELECT DISTINCT layout FROM staging UNION "
+                                                             "SELECT DISTINCT layout FROM late"))
         live: set[int] = set()
         for lid in live_lids:
             lay = reg.layouts.get(lid) or (self.hot.bufs[lid].layout if lid in self.hot.bufs else None)
@@ -531,7 +724,7 @@ class Writer:
                 freed += int(b)
         return freed
 
-    # -- the flush thread --------------------------------------------------------------------------
+    # -- the flush thread and its health ----------------------------------------------------------
     def run(self, interval: float, stop: threading.Event) -> None:
         while not stop.is_set():
             self.wake.wait(interval)
@@ -541,9 +734,128 @@ class Writer:
             try:
                 self.flush()
             except Exception as e:  # noqa: BLE001 - the flush thread must not die; the next flush retries
-                self._log_once("flush thread", e)
+                self._failed("flush thread", e)
+
+    def _failed(self, where: str, e: BaseException, retried: bool = True) -> None:
+        """A write failed: counted, and said in one line when it starts, when the reason changes and once a
+        minute while it lasts (never a traceback per flush)."""
+        now = self.clock()
+        reason = _reason(e)
+        self.write_errors += 1
+        self.last_error, self.last_error_at = f"{where} failed: {reason}", time.time()
+        if self.failing_since is None:
+            self.failing_since = now
+        self.failed_flushes += where != "retention"
+        line = self._last_line
+        if line is None or line[0] != reason or now - line[1] >= REMIND_S:
+            self._last_line = (reason, now)
+            if line is None:
+                log.warning("store cannot write (%s failed: %s)%s", where, reason,
+                            "; the data is kept in memory and retried every flush" if retried else "")
+            else:
+                log.warning("store still cannot write, %.0f s after the last successful flush (%d failed): %s",
+                            now - self.last_ok, self.failed_flushes, reason)
+
+    def _succeeded(self) -> None:
+        now = self.clock()
+        down = now - self.last_ok
+        if self.failing_since is not None or down > self.stale_after_s:
+            log.warning("store recovered: a flush succeeded %.1f s after the last successful one (%d failed "
+                        "meanwhile; last error: %s)", down, self.failed_flushes,
+                        self.last_error if self.failing_since is not None else "none, the flushes were slow")
+        self.last_ok = now
+        self.failing_since = None
+        self.failed_flushes = 0
+        self._last_line = None
+
+    def _discard(self, what: str, e: BaseException) -> None:
+        """A record the writer cannot take: dropped and counted, one line per kind of failure and minute."""
+        self.records_dropped += 1
+        key = f"drop {what}: {type(e).__name__}"
+        now = self.clock()
+        last = self._dropped_lines.get(key)
+        if last is None or now - last >= REMIND_S:
+            self._dropped_lines[key] = now
+            log.warning("store dropped a %s it cannot write: %s (%d dropped so far)", what, _reason(e),
+                        self.records_dropped)
+
+    def health(self, thread_alive: bool) -> dict[str, Any]:
+        """Whether the writer can write, and what it had to repair, drop or retry; see Store.health()."""
+        now = self.clock()
+        age = now - self.last_ok
+        if not thread_alive:
+            reason: str | None = "the store's flush thread has stopped"
+        elif self.failing_since is not None:
+            reason = f"the store cannot write: {self.last_error}"
+        elif age > self.stale_after_s:
+            reason = f"no flush of the store has completed for {age:.0f} s"
+        else:
+            reason = None
+        return {
+            "healthy": reason is None, "reason": reason,
+            "last_flush_age_seconds": round(age, 3),
+            "failing_for_seconds": None if self.failing_since is None else round(now - self.failing_since, 3),
+            "last_error": self.last_error, "last_error_at": self.last_error_at,
+            "write_errors": self.write_errors, "records_repaired": self.reg.repaired + self._events_repaired,
+            "records_dropped": self.records_dropped, "snapshots_dropped": self.dropped_snapshots,
+            "samples_dropped": self.dropped_memory, "late_samples": self.late_samples,
+            "late_samples_unwritten": self.late.values, "flush_thread_alive": thread_alive,
+        }
 
     def _log_once(self, where: str, e: BaseException) -> None:
         if where not in self._errors:
             self._errors.add(where)
             log.warning("store %s failed: %s: %s (logged once)", where, type(e).__name__, e)
+
+
+EventRow = tuple[int, str, str | None, str, str, int]
+
+
+def _file_id(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _block_slices(t: Int64Array, block: int) -> list[tuple[int, int]]:
+    """[a, b) index ranges of sorted stamps `t` that fall in one block of `block` ns each."""
+    if not len(t):
+        return []
+    cuts = np.searchsorted(t, np.arange((int(t[0]) // block + 1) * block, int(t[-1]) + 1, block))
+    edges = np.concatenate(([0], cuts, [len(t)])).tolist()
+    return [(a, b) for a, b in zip(edges[:-1], edges[1:], strict=True) if a != b]
+
+
+def _valid_json(x: Any) -> tuple[Any, bool]:
+    """`x` with every string (keys included) made valid text, and whether anything changed."""
+    if isinstance(x, str):
+        y = valid_text(x)
+        return y, y is not x
+    if isinstance(x, dict):
+        out, changed = {}, False
+        for k, v in x.items():
+            if isinstance(k, str):
+                k2: Any = valid_text(k)
+                changed |= k2 is not k
+            elif k is None or isinstance(k, int | float):
+                k2 = k
+            else:
+                k2, changed = valid_text(str(k)), True
+            out[k2], c = _valid_json(v)
+            changed |= c
+        return (out if changed else x), changed
+    if isinstance(x, list | tuple):
+        items = [_valid_json(v) for v in x]
+        changed = any(c for _, c in items)
+        return ([v for v, _ in items] if changed else x), changed
+    return x, False
+
+
+def _reason(e: BaseException) -> str:
+    """One line for a log or a status page: the error's own words and its type."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    if isinstance(e, StoreError) and text:
+        return text  # our own sentence
+    return f"{text} ({type(e).__name__})" if text else type(e).__name__

@@ -221,7 +221,7 @@ class TopApp(App[None]):
                         f"{len((ov or {}).get('processes', ()))} processes (Esc clears) ", style="bold black on cyan")
         text.append(f" q quit  s sort ({model.SORT_KEYS[self.sort_index].title})  r reverse  / filter  t tree"
                     f"{' (on)' if self.tree_view else ''}  k kill  ↑↓ PgUp PgDn select", style="dim")
-        text.truncate(w)
+        text.truncate(w, overflow="ellipsis")
         return text
 
     def _header(self, ov: dict[str, Any] | None, w: int) -> Text:
@@ -233,25 +233,25 @@ class TopApp(App[None]):
             text.append(f" {len(ov['gpus'])} GPUs │ {len(ov['processes'])} processes │ "
                         f"{time.strftime('%H:%M:%S', time.localtime(ov['time_ns'] / 1e9))} │ {host}")
         text.append(f" │ {model.printable(self.feed.describe)}")
-        text.truncate(w)
+        text.truncate(w, overflow="ellipsis")
         text.append("\n")
         text.append_text(self._second_line(ov, w))
         return text
 
     def _second_line(self, ov: dict[str, Any] | None, w: int) -> Text:
         if self.status and time.monotonic() < self.status_until:
-            return Text(f" {model.printable(self.status)}"[:w], style="bold")
+            return Text(model.clip(f" {model.printable(self.status)}", w, words=True), style="bold")
         errors = (ov or {}).get("errors") or ([self.feed.error] if self.feed.error else [])
         if errors:
-            return Text(f" {model.printable(errors[0])}"[:w], style="bold red")
+            return Text(model.clip(f" {model.printable(errors[0])}", w, words=True), style="bold red")
         if ov is None:
-            return Text(" waiting for the first sample ..."[:w])
+            return Text(model.clip(" waiting for the first sample ...", w, words=True))
         if self.feed.note:
-            return Text(f" {model.printable(self.feed.note)}"[:w], style="yellow")
+            return Text(model.clip(f" {model.printable(self.feed.note)}", w, words=True), style="yellow")
         firing, pending = len(ov["alerts"]["firing"]), len(ov["alerts"]["pending"])
         bits = [f"alerts: {firing} firing, {pending} pending" if firing or pending else "no alert firing"]
         bits.append("* NVML util = share of time any kernel ran, not how busy the SMs are")
-        return Text(" " + "  │  ".join(bits)[:w - 1], style="red" if firing else "dim")
+        return Text(model.clip(" " + "  │  ".join(bits), w, words=True), style="red" if firing else "dim")
 
     def _draw_gpus(self, ov: dict[str, Any], w: int, h: int) -> None:
         gpus = ov["gpus"]

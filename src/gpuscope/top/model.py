@@ -33,6 +33,27 @@ def printable(text: object) -> str:
     return str(text).translate(_ESCAPES)
 
 
+def clip(text: str, width: int, words: bool = False) -> str:
+    """`text` cut to `width` characters, with '…' where something was cut; with `words`, the cut falls
+    between words (a verdict's '90.4 %' is never shown as '90.').
+
+    >>> clip("SMs 90.4 % busy", 8, words=True)
+    'SMs…'
+    >>> clip("python train.py", 10)
+    'python tr…'
+    """
+    if len(text) <= width:
+        return text
+    if width <= 1:
+        return "…"[:width]
+    cut = text[:width - 1]
+    if words and not text[width - 1].isspace():
+        space = cut.rfind(" ")
+        if space > 0:
+            cut = cut[:space]
+    return cut.rstrip() + "…"
+
+
 def pct(v: float | None, width: int = 4) -> str:
     """A ratio 0..1 as a percentage, '-' where unknown."""
     return f"{'-':>{width}}" if v is None else f"{v * 100:>{width - 1}.0f}%"
@@ -135,7 +156,7 @@ def dense_line(g: dict[str, Any], width: int) -> str:
     """One GPU in one line, so 8 GPUs fit on 80x24 (FP32 only from 90 columns)."""
     label = f"{printable(g['gpu']):<4}"
     if not g["healthy"]:
-        return printable(f"{label} LOST — {verdict_text(g)}")[:width]
+        return clip(printable(f"{label} LOST — {verdict_text(g)}"), width, words=True)
     v = g["values"]
     used, total = v.get("gpu_memory_used_bytes"), v.get("gpu_memory_total_bytes")
     mem = f"{gib(used)}/{'-' if total is None else f'{total / 2**30:.0f}'}"
@@ -148,7 +169,7 @@ def dense_line(g: dict[str, Any], width: int) -> str:
     tail = g["verdict"]["kind"] if g.get("verdict") else "…"
     if g["throttle"]:
         tail += f" [{throttle_text(g)}]"
-    return (head + printable(tail))[:width]
+    return clip(head + printable(tail), width, words=True)
 
 
 def panel_lines(g: dict[str, Any], width: int, ring: Iterable[float | None]) -> list[str]:
@@ -156,7 +177,7 @@ def panel_lines(g: dict[str, Any], width: int, ring: Iterable[float | None]) -> 
     the NVML figures."""
     title = printable(f"GPU {g['gpu']} {g['name']}")
     if not g["healthy"]:
-        return [f"{title}  LOST"[:width], printable(f"  {verdict_text(g)}")[:width], ""]
+        return [clip(f"{title}  LOST", width), clip(printable(f"  {verdict_text(g)}"), width, words=True), ""]
     v = g["values"]
 
     def r(key: str) -> str:
@@ -171,7 +192,8 @@ def panel_lines(g: dict[str, Any], width: int, ring: Iterable[float | None]) -> 
     act = head + sparkline(ring, max(8, min(60, width - len(head) - len(rest)))) + rest
     nvml = (f"  NVML util (any kernel running) {pct(v['gpu_utilization_ratio'])}  mem {_mem(v)}  power {_power(v)}"
             f"  {_temp(v)}  clock {_clock(v)}: {printable(throttle_text(g))}")
-    return [f"{title}  {printable(verdict_text(g))}"[:width], act[:width], nvml[:width]]
+    return [clip(f"{title}  {printable(verdict_text(g))}", width, words=True), clip(act, width, words=True),
+            clip(nvml, width, words=True)]
 
 
 # -- processes ---------------------------------------------------------------------------------
@@ -275,7 +297,7 @@ def proc_line(prefix: str, p: dict[str, Any], width: int) -> str:
     }
     parts = []
     for title, w, align in _proc_cols(width):
-        s = values[title][:w] if title != "COMMAND" else values[title]
+        s = clip(values[title], w)
         parts.append(f"{s:<{w}}" if align == "<" else f"{s:>{w}}")
     return " ".join(parts)[:width]
 
