@@ -143,6 +143,7 @@ def test_a_line_too_long_ends_in_an_ellipsis_between_words_never_mid_number():
         assert full.startswith(shown) and full[len(shown)] == " ", line  # cut where a word ends
     assert model.panel_lines(g, len(full), [])[0] == full
     assert model.clip("0123456789", 5) == "0123…" and model.clip("0123", 5) == "0123"
+    assert model.clip("… [sw_thermal,hw_thermal]", 10, words=True) == "…"  # one ellipsis, not two
     row = model.proc_line("", proc(1, command="python " + "x" * 200), 100)
     assert len(row) == 100 and row.endswith("x…")
 

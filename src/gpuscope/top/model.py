@@ -51,7 +51,8 @@ def clip(text: str, width: int, words: bool = False) -> str:
         space = cut.rfind(" ")
         if space > 0:
             cut = cut[:space]
-    return cut.rstrip() + "…"
+    cut = cut.rstrip()
+    return cut if cut.endswith("…") else cut + "…"
 
 
 def pct(v: float | None, width: int = 4) -> str:
