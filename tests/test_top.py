@@ -148,6 +148,17 @@ def test_a_line_too_long_ends_in_an_ellipsis_between_words_never_mid_number():
     assert len(row) == 100 and row.endswith("x…")
 
 
+def test_every_memory_figure_is_gib_with_one_decimal():
+    ov = overview([proc(1, mem=113 << 20)])
+    g = ov["gpus"][0]
+    g["values"].update(gpu_memory_used_bytes=3.25 * 2**30, gpu_memory_total_bytes=140.4 * 2**30)
+    assert "mem 3.2/140.4 GiB" in model.panel_lines(g, 200, [])[2]
+    assert " 3.2/140.4 " in model.dense_line(g, 120) and "mem GiB" in model.dense_head(120)
+    row = model.proc_line("", ov["processes"][0], 120)
+    assert "    0.1 GiB " in row and "  2.0 GiB " in row  # GPU memory 113 MiB, RSS 2 GiB
+    assert "M " not in row and "G " not in row
+
+
 def test_a_nan_in_the_history_is_a_gap_not_a_crash():
     assert model.sparkline([0.5, float("nan"), float("inf"), None, 1.0], 5) == "▄···█"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -150,6 +151,23 @@ def test_a_verdict_too_long_for_the_line_ends_in_an_ellipsis(tmux_factory):
     # A full-width title is a cut one (a summary ends in '.', which an exact fit keeps).
     assert all(ln.endswith(("…", ".")) for ln in cut), cut
     assert any(ln.endswith("…") for ln in cut), cut
+
+
+_ROW = re.compile(r"^ *\d+ \S+ +\S+ +\d+\.\d GiB ")  # pid, user, GPU, then GPU memory in GiB
+
+
+def test_memory_is_gib_with_one_decimal_everywhere(tmux_factory):
+    wide, small = tmux_factory(160, 48), tmux_factory(80, 24)
+    screen = wide.wait(lambda s: _all_gpus(s) and len(_proc_rows(s)) >= 10, "the panels and a process table")
+    mems = re.findall(r" mem (\S+ \S+)", screen)
+    assert len(mems) == 8 and all(re.fullmatch(r"\d+\.\d/\d+\.\d GiB", m) for m in mems), mems
+    assert all(_ROW.match(r) for r in _proc_rows(screen)), _proc_rows(screen)
+    assert not re.search(r"\d[KMGT]\b", screen)  # no '231.4M' or '8.0G' beside a GiB figure
+    screen = small.wait(lambda s: _dense_gpus(s) and len(_proc_rows(s)) >= 5, "the dense view")
+    assert "mem GiB" in screen
+    dense = [ln for ln in screen.splitlines() if re.match(r"\d +\d+%", ln)]
+    assert len(dense) == 8 and all(re.search(r"│ +(\d+%|-) +\d+\.\d/\d+\.\d ", ln) for ln in dense), dense
+    assert all(_ROW.match(r) for r in _proc_rows(screen)) and not re.search(r"\d[KMGT]\b", screen)
 
 
 def test_top_at_80x24_compacts_to_one_line_per_gpu(tmux_factory):

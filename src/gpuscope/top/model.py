@@ -60,17 +60,13 @@ def pct(v: float | None, width: int = 4) -> str:
     return f"{'-':>{width}}" if v is None else f"{v * 100:>{width - 1}.0f}%"
 
 
-def gib(v: float | None) -> str:
-    return "-" if v is None else f"{v / 2**30:.1f}"
+def gib(v: float | None, unit: str = "") -> str:
+    """Bytes in GiB with one decimal: the one memory format of top (GPU memory, RSS, host memory).
 
-
-def human_bytes(v: float | None) -> str:
-    if v is None:
-        return "-"
-    for unit, scale in (("T", 2**40), ("G", 2**30), ("M", 2**20), ("K", 2**10)):
-        if v >= scale:
-            return f"{v / scale:.1f}{unit}"
-    return f"{v:.0f}B"
+    >>> gib(3.5 * 2**30, " GiB"), gib(113 * 2**20), gib(None)
+    ('3.5 GiB', '0.1', '-')
+    """
+    return "-" if v is None else f"{v / 2**30:.1f}{unit}"
 
 
 def rate(v: float | None) -> str:
@@ -139,7 +135,7 @@ def _power(v: dict[str, float | None]) -> str:
 
 
 def _mem(v: dict[str, float | None]) -> str:
-    return f"{gib(v.get('gpu_memory_used_bytes'))}/{gib(v.get('gpu_memory_total_bytes'))}G"
+    return f"{gib(v.get('gpu_memory_used_bytes'))}/{gib(v.get('gpu_memory_total_bytes'))} GiB"
 
 
 def _temp(v: dict[str, float | None]) -> str:
@@ -149,7 +145,7 @@ def _temp(v: dict[str, float | None]) -> str:
 
 def dense_head(width: int) -> str:
     fp32 = f"{'FP32':>5}" if width >= 90 else ""
-    return (f"{'GPU':<4}{'SM':>5}{'tensor':>7}{fp32}{'DRAM':>5}│{'NVML util*':>10} {'mem GiB':>10}"
+    return (f"{'GPU':<4}{'SM':>5}{'tensor':>7}{fp32}{'DRAM':>5}│{'NVML util*':>10} {'mem GiB':>11}"
             f" {'power W':>8} {'temp':>4}  verdict")[:width]
 
 
@@ -160,12 +156,12 @@ def dense_line(g: dict[str, Any], width: int) -> str:
         return clip(printable(f"{label} LOST — {verdict_text(g)}"), width, words=True)
     v = g["values"]
     used, total = v.get("gpu_memory_used_bytes"), v.get("gpu_memory_total_bytes")
-    mem = f"{gib(used)}/{'-' if total is None else f'{total / 2**30:.0f}'}"
+    mem = f"{gib(used)}/{gib(total)}"
     p, lim = v.get("gpu_power_watts"), v.get("gpu_power_limit_watts")
     power = ("-" if p is None else f"{p:.0f}") + (f"/{lim:.0f}" if lim else "")
     fp32 = pct(v["gpu_fp32_active_ratio"], 5) if width >= 90 else ""
     head = (f"{label}{pct(v['gpu_sm_active_ratio'], 5)}{pct(v['gpu_tensor_active_ratio'], 7)}{fp32}"
-            f"{pct(v['gpu_dram_active_ratio'], 5)}│{pct(v['gpu_utilization_ratio'], 10)} {mem:>10} {power:>8}"
+            f"{pct(v['gpu_dram_active_ratio'], 5)}│{pct(v['gpu_utilization_ratio'], 10)} {mem:>11} {power:>8}"
             f" {_temp(v):>4}  ")
     tail = g["verdict"]["kind"] if g.get("verdict") else "…"
     if g["throttle"]:
@@ -278,8 +274,8 @@ def proc_head(width: int, sort: SortKey, reverse: bool) -> str:
 
 
 def _proc_cols(width: int) -> list[tuple[str, int, str]]:
-    cols = [("PID", 7, ">"), ("USER", 8, "<"), ("GPU", 4, "<"), ("GPU-MEM", 8, ">"), ("SM%", 5, ">"),
-            ("CPU%", 6, ">"), ("RSS", 7, ">")]
+    cols = [("PID", 7, ">"), ("USER", 8, "<"), ("GPU", 4, "<"), ("GPU-MEM", 9, ">"), ("SM%", 5, ">"),
+            ("CPU%", 6, ">"), ("RSS", 9, ">")]
     if width >= 110:
         cols.append(("CONTAINER/POD", 18, "<"))
     used = sum(w + 1 for _, w, _ in cols)
@@ -291,8 +287,8 @@ def proc_line(prefix: str, p: dict[str, Any], width: int) -> str:
     cpu = p.get("cpu_cores")
     values = {
         "PID": str(p["pid"]), "USER": printable(p["user"] or "-")[:8], "GPU": printable(p["gpu"])[:4],
-        "GPU-MEM": human_bytes(p.get("gpu_memory_bytes")), "SM%": pct(p.get("sm_ratio"), 5),
-        "CPU%": "-" if cpu is None else f"{cpu * 100:.0f}%", "RSS": human_bytes(p.get("rss_bytes")),
+        "GPU-MEM": gib(p.get("gpu_memory_bytes"), " GiB"), "SM%": pct(p.get("sm_ratio"), 5),
+        "CPU%": "-" if cpu is None else f"{cpu * 100:.0f}%", "RSS": gib(p.get("rss_bytes"), " GiB"),
         "CONTAINER/POD": printable(p.get("pod") or p.get("container") or "-")[:18],
         "COMMAND": prefix + printable(p["command"] or p["name"] or "?"),
     }
