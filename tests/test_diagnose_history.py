@@ -146,3 +146,74 @@ def test_timeline_of_an_empty_range_is_one_sentence(tmp_path):
 
     with pytest.raises(NoData, match="empty"):
         timeline(None, 10, 10)
+
+
+# ---- a GPU that fell off the bus, from the store --------------------------------------------------
+
+LOST_AFTER_S = 10.0  # the gpu_lost scenario loses GPU 1 after 10 s
+
+
+def _lost_gpu_store(path, seconds: float = 40.0, offset_s: float = 3.0) -> tuple[float, float]:
+    """The gpu_lost scenario run by the real sampler on a fake clock (`seconds` of it, 10 Hz) and written
+    to a real store, its times starting `offset_s` past a round 10 s; returns (start, the moment GPU 1
+    was lost) in wall seconds, as the store holds them."""
+    from gpuscope import SamplerConfig
+
+    s = Sampler(SamplerConfig(interval=0.1, collect_host=False), simulate="gpu_lost")
+    s.open()
+    t = [0.0]
+    s.nvml.lib.clock = lambda: t[0]
+    s.nvml.lib.t0 = 0.0
+    s._gpm_source.clock = lambda: t[0]
+    base = (time.time() - 2 * seconds) // 10 * 10 + offset_s
+    lost = None
+    with Store(path) as store:
+        for k in range(int(seconds / 0.1)):
+            t[0] = k * 0.1
+            snap = s._tick(1000.0 + t[0])
+            ns = int((base + t[0]) * 1e9)
+            snap.time_ns = ns
+            for g in snap.gpus:
+                g.time_ns = ns
+                if not g.healthy and lost is None:
+                    lost = base + t[0]
+            for e in snap.events:  # events carry the real clock; they happened in this (fake) tick
+                e.time_ns = ns
+            store.append(snap)
+        store.flush()
+    s.stop()
+    assert lost is not None and abs(lost - base - LOST_AFTER_S) < 0.2
+    return base, lost
+
+
+def test_a_lost_gpus_past_range_is_gpu_lost_from_the_moment_it_was_lost(tmp_path):
+    from gpuscope.diagnose.history import WindowCache, timeline
+
+    base, lost = _lost_gpu_store(tmp_path)
+    # 37 s from 3 s in: the loss (at 10 s) falls inside a window of the range's and of the timeline's
+    start, end = base + 3.0, base + 40.0
+    a, b = int(start * 1e9), int(end * 1e9)
+    with Store(tmp_path, readonly=True) as store:
+        assert [e.gpu for e in store.events(a, b, kind="gpu_lost")] == ["1"]
+        r = diagnose_range(store, a, b)
+        bands = [s for s in timeline(store, a, b, cache=WindowCache(), settled_ns=b) if s.primary]
+    for spans in ([s for s in r.spans if s.primary], bands):
+        gpu1 = [(s.kind, s.start_ns / 1e9 - start, s.end_ns / 1e9 - start) for s in spans if s.gpu == "1"]
+        after = [k for k, _s0, s1 in gpu1 if s1 > lost - start + 1e-3]
+        assert after and set(after) == {"gpu_lost"}, gpu1
+        first = next(s0 for k, s0, _ in gpu1 if k == "gpu_lost")
+        assert first == pytest.approx(lost - start, abs=0.15), gpu1  # from the moment, not a window early
+        assert gpu1[-1][0] == "gpu_lost" and gpu1[-1][2] == pytest.approx(end - start, abs=0.15)
+        assert all(k != "gpu_lost" for k, _, _ in gpu1[:-1])  # it was working before
+        assert {s.kind for s in spans if s.gpu == "0"} == {"healthy"}  # the GPU that stayed
+    assert [v.kind for v in r.overall if v.gpu == "1" and v.primary] == ["gpu_lost"]
+    assert r.share()["1"]["gpu_lost"] == pytest.approx((end - lost) / (end - start), abs=0.02)
+
+
+def test_cli_since_says_gpu_lost_after_the_loss(tmp_path):
+    _base, lost = _lost_gpu_store(tmp_path / "store")
+    p = _cli("--since", "5m", "--data-dir", str(tmp_path), "--json")
+    assert p.returncode == 0, p.stderr
+    gpu1 = [(s["kind"], s["start"], s["end"]) for s in json.loads(p.stdout)["spans"] if s["gpu"] == "1" and s["primary"]]
+    assert {k for k, _a, b in gpu1 if b > lost + 1e-3} == {"gpu_lost"}, gpu1
+    assert min(a for k, a, _b in gpu1 if k == "gpu_lost") == pytest.approx(lost, abs=0.15)

@@ -4,6 +4,9 @@ The range is cut into windows (at least `min_window` long, at most `max_windows`
 window gets its verdicts as if it had been watched live, and equal neighbours merge into spans.
 Series come from the finest tier that keeps the point count bounded (raw 10 Hz for short ranges,
 the 1 s / 1 min rollups for long ones), so a day's diagnosis costs about what ten minutes' does.
+
+A GPU that fell off the bus is `gpu_lost` from the moment it was (its first `gpu_healthy` = 0 sample)
+until it answers again: a window in which it was lost says what it did before, then `gpu_lost`.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import threading
 import time
 from bisect import bisect_left
 from collections import OrderedDict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -116,6 +119,9 @@ def windows_from_store(store: Any, start_ns: int, end_ns: int, step_s: float | N
     for gpu, m in masks.items():
         if gpu in grid:
             grid[gpu]["gpu_clock_event_reasons"] = m.astype(float)
+    # Lost or not: the worst of each step (a GPU lost inside a step is lost in it).
+    for r in store.query("gpu_healthy", start_ns, end_ns, step, agg="min"):
+        put(r.labels.get("gpu", ""), "gpu_healthy", np.asarray(r.timestamps_ns), np.asarray(r.values, dtype=float))
 
     node = store.node()
     ident = {str(g.label if hasattr(g, "label") else g.index): g for g in node.get("gpus", [])}
@@ -135,13 +141,75 @@ def windows_from_store(store: Any, start_ns: int, end_ns: int, step_s: float | N
             continue
         times = [(start_ns + int(i) * step_ns) / 1e9 for i in rows]
         series = {k: [None if math.isnan(v) else float(v) for v in cols[k][rows]] if k in cols else [None] * len(rows)
-                  for k in SERIES}
+                  for k in (*SERIES, _HEALTHY)}
+        health = [h for h in series[_HEALTHY] if h is not None]
         g = ident.get(gpu)
         out.append(GpuWindow(gpu, times, series,
                              memory_total_bytes=float(g.memory_total_bytes) if g is not None else None,
                              sm_clock_max_hertz=g.sm_clock_max_hertz if g is not None else None,
+                             healthy=not health or health[-1] != 0.0,  # as live: the state at the end
                              processes=procs.get(gpu, []), events=events.get(gpu, []),
                              name=g.name if g is not None else ""))
+    return out
+
+
+_HEALTHY = "gpu_healthy"
+#: One window's verdicts, each with the [from, to) ns it covers.
+Covered = list[tuple[Verdict, int, int]]
+
+
+def _lost(w: GpuWindow, step: float) -> list[tuple[float, float]]:
+    """[from, to) seconds during which the GPU was lost: from its first gpu_healthy = 0 step to the
+    next step where it answers (a reset, a new agent), or one step past its last sample."""
+    out: list[tuple[float, float]] = []
+    since = last = None
+    for t, h in zip(w.times, w.series.get(_HEALTHY) or [], strict=False):
+        if h is None:
+            continue
+        last = t
+        if h == 0.0 and since is None:
+            since = t
+        elif h != 0.0 and since is not None:
+            out.append((since, t))
+            since = None
+    if since is not None and last is not None:
+        out.append((since, last + step))
+    return out
+
+
+def _outside(w: GpuWindow, lost: list[tuple[float, float]]) -> GpuWindow:
+    """The window without its samples and events in the `lost` intervals: what the GPU did while it answered."""
+    def out(t: float) -> bool:
+        return not any(x <= t < y for x, y in lost)
+
+    keep = [out(t) for t in w.times]
+    return replace(w, times=[t for t, k in zip(w.times, keep, strict=True) if k],
+                   series={n: [v for v, k in zip(vs, keep, strict=True) if k] for n, vs in w.series.items()},
+                   events=[e for e in w.events if out(e.time_ns / 1e9)], healthy=True)
+
+
+def _diagnose_window(windows: list[GpuWindow], a_ns: int, b_ns: int, th: Thresholds, step: float) -> Covered:
+    """One window's verdicts, each with the [from, to) ns it covers. A GPU lost inside the window is
+    diagnosed on what it did before it was lost, and is gpu_lost from that moment."""
+    a, b = a_ns / 1e9, b_ns / 1e9
+    cut: list[GpuWindow] = []
+    lost_parts: list[tuple[GpuWindow, int, int]] = []
+    covers: dict[str, tuple[int, int]] = {}
+    for w in windows:
+        c = _slice(w, a, b)
+        lost = [(x, y) for x, y in _lost(w, step) if x < b and y > a]
+        if lost:
+            x0, y1 = max(a_ns, int(lost[0][0] * 1e9)), min(b_ns, int(lost[-1][1] * 1e9))
+            lost_parts.append((replace(_slice(w, x0 / 1e9, y1 / 1e9), healthy=False), x0, y1))
+            c = _outside(c, lost)
+            covers[w.gpu] = (a_ns, x0) if x0 > a_ns else (y1, b_ns)
+        else:
+            c.healthy = True  # lost only later, if at all
+        if c.times:
+            cut.append(c)
+    out = [(v, *covers.get(v.gpu, (a_ns, b_ns))) for v in (diagnose(cut, th) if cut else [])]
+    for lw, x0, y1 in lost_parts:
+        out.extend((v, x0, y1) for v in diagnose([lw], th))
     return out
 
 
@@ -189,8 +257,7 @@ def diagnose_range(store: Any, start_ns: int, end_ns: int, *, min_window_s: floa
     t = start_ns / 1e9
     while t < end_ns / 1e9 - 1e-9:
         b = min(end_ns / 1e9, t + window_s)
-        cut = [_slice(w, t, b) for w in windows]
-        _merge(spans, diagnose([c for c in cut if c.times], th), int(t * 1e9), int(b * 1e9))
+        _merge(spans, _diagnose_window(windows, int(t * 1e9), int(b * 1e9), th, step))
         t = b
     overall = diagnose(windows, th)
     return RangeDiagnosis(start_ns, end_ns, step, window_s, spans, overall, store.node().get("simulated"))
@@ -202,9 +269,10 @@ def _for_step(th: Thresholds, step: float) -> Thresholds:
     return th
 
 
-def _merge(spans: list[Span], verdicts: list[Verdict], a_ns: int, b_ns: int) -> None:
-    """Add one window's verdicts to the spans: a verdict equal to its GPU's last span extends it."""
-    for v in verdicts:
+def _merge(spans: list[Span], verdicts: list[tuple[Verdict, int, int]]) -> None:
+    """Add one window's verdicts, each with the [a, b) ns it covers, to the spans: a verdict equal to
+    its GPU's last span extends it."""
+    for v, a_ns, b_ns in verdicts:
         if not v.primary and v.severity == "info":
             continue
         last = next((s for s in reversed(spans) if s.gpu == v.gpu and s.primary == v.primary), None)
@@ -226,17 +294,17 @@ class WindowCache:
 
     def __init__(self, max_windows: int = 20_000) -> None:
         self.max_windows = max_windows
-        self._verdicts: OrderedDict[tuple[int, int, float], list[Verdict]] = OrderedDict()
+        self._verdicts: OrderedDict[tuple[int, int, float], Covered] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, key: tuple[int, int, float]) -> list[Verdict] | None:
+    def get(self, key: tuple[int, int, float]) -> Covered | None:
         with self._lock:
             v = self._verdicts.get(key)
             if v is not None:
                 self._verdicts.move_to_end(key)
             return v
 
-    def put(self, key: tuple[int, int, float], verdicts: list[Verdict]) -> None:
+    def put(self, key: tuple[int, int, float], verdicts: Covered) -> None:
         with self._lock:
             self._verdicts[key] = verdicts
             while len(self._verdicts) > self.max_windows:
@@ -259,7 +327,7 @@ def timeline(store: Any, start_ns: int, end_ns: int, *, cache: WindowCache | Non
     th = _for_step(thresholds, step)
     settled = settled_ns if settled_ns is not None else time.time_ns() - 10_000_000_000
     bounds = [(a, min(a + w_ns, end_ns)) for a in range(start_ns // w_ns * w_ns, end_ns, w_ns)]
-    found: dict[int, list[Verdict]] = {}
+    found: dict[int, Covered] = {}
     if cache is not None:
         for a, b in bounds:
             if b == a + w_ns and b <= settled and (v := cache.get((a, b, step))) is not None:
@@ -273,14 +341,13 @@ def timeline(store: Any, start_ns: int, end_ns: int, *, cache: WindowCache | Non
         run_a, run_b = todo[i][0], todo[j][1]
         windows = windows_from_store(store, run_a, run_b, step)
         for a, b in todo[i:j + 1]:
-            cut = [c for c in (_slice(w, a / 1e9, b / 1e9) for w in windows) if c.times]
-            found[a] = diagnose(cut, th) if cut else []
+            found[a] = _diagnose_window(windows, a, b, th, step)
             if cache is not None and b == a + w_ns and b <= settled:
                 cache.put((a, b, step), found[a])
         i = j + 1
     spans: list[Span] = []
-    for a, b in bounds:
-        _merge(spans, found[a], a, b)
+    for a, _b in bounds:
+        _merge(spans, found[a])
     for sp in spans:
         sp.start_ns, sp.end_ns = max(sp.start_ns, start_ns), min(sp.end_ns, end_ns)
     return spans
