@@ -265,3 +265,35 @@ def test_review_leaks_inside_one_string():
     assert "Token ***" in out and "bob:***" in out and "--lr 3" in out and "ls -p1" in out
     assert redact_text("curl -H 'Cookie: a=1; b=2' -u 'alice:hun ter' x") == "curl -H 'Cookie: ***' -u 'alice:***' x"
     assert redact_text("mongodb://u:pa@ss@h/db") == "mongodb://u:***@h/db"
+
+
+# --- One redact_url: the notifiers' policy by default, the guard's with keep_path ---
+
+
+@pytest.mark.parametrize("url, default, kept_path", [
+    ("https://hooks.slack.com/services/T0/B0/XYZ", "https://hooks.slack.com/services/***",
+     "https://hooks.slack.com/services/T0/B0/XYZ"),
+    ("redis://:s3cret@cache:6379/0?db=2&password=p", "redis://:***@cache:6379/0?db=***&password=***",
+     "redis://:***@cache:6379/0?db=2&password=***"),
+    ("https://ghp0123456789abcdefABCDEF@github.com/o/r", "https://***@github.com/o/***",
+     "https://***@github.com/o/r"),
+    ("http://am:9093/api/v2/alerts?access_token=t&x=1", "http://am:9093/api/***?access_token=***&x=***",
+     "http://am:9093/api/v2/alerts?access_token=***&x=1"),
+    ("redis://Cache:port/0", "redis://Cache:port/0", "redis://Cache:port/0"),  # a bad port is shown, not refused
+    ("redis://me:pa@ss@cache/0", "redis://me:***@cache/0", "redis://me:***@cache/0"),
+])
+def test_redact_url_policies(url, default, kept_path):
+    from gpuscope._redact import redact_url
+
+    assert redact_url(url) == default
+    assert redact_url(url, keep_path=True) == kept_path
+
+
+def test_one_redact_url_everywhere():
+    import gpuscope.alerts
+    import gpuscope.guard._config
+    import gpuscope.guard._redis  # noqa: F401 - imports it from gpuscope._redact
+    from gpuscope._redact import redact_url
+
+    assert gpuscope.alerts.redact_url is redact_url
+    assert not hasattr(gpuscope.guard._config, "redact_url") or gpuscope.guard._config.redact_url is redact_url

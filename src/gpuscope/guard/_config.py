@@ -16,37 +16,15 @@ from pathlib import Path
 from typing import Any
 
 from .._files import load_toml, load_yaml
+from .._redact import redact_url
 from ..errors import UsageError
 
 __all__ = ["BreakerConfig", "ClassConfig", "ClassifyConfig", "ControllerConfig", "GuardConfig", "GuardConfigError",
-           "RedisConfig", "SignalsConfig", "load", "parse", "redact_url"]
+           "RedisConfig", "SignalsConfig", "load", "parse"]
 
 
 class GuardConfigError(UsageError, ValueError):
     """One sentence for the user about a bad guard configuration."""
-
-
-def redact_url(url: str) -> str:
-    """The URL as it may be shown (logs, errors, CLI output): its password, in the user part or a
-    `password=` query parameter, replaced by `***`.
-
-    >>> redact_url("redis://:s3cret@10.0.0.5:6379/0?password=x&db=1")
-    'redis://:***@10.0.0.5:6379/0?password=***&db=1'
-    """
-    u = urllib.parse.urlsplit(url)
-    netloc = u.netloc
-    userinfo, at, hostport = netloc.rpartition("@")
-    if at and ":" in userinfo:
-        netloc = userinfo.partition(":")[0] + ":***@" + hostport
-    query = u.query
-    if query:
-        pairs = urllib.parse.parse_qsl(query, keep_blank_values=True)
-        if any(k.lower() == "password" for k, _ in pairs):
-            query = "&".join(f"{k}=***" if k.lower() == "password" else urllib.parse.urlencode({k: v})
-                             for k, v in pairs)
-    if (netloc, query) == (u.netloc, u.query):
-        return url
-    return urllib.parse.urlunsplit(u._replace(netloc=netloc, query=query))
 
 
 @dataclass(slots=True)
@@ -269,11 +247,11 @@ def _check(cfg: GuardConfig, names: list[str]) -> None:
     r = cfg.redis
     if r.url and not r.url.startswith(("redis://", "rediss://", "unix://")):
         raise GuardConfigError(f"redis.url must start with redis://, rediss:// or unix://, not "
-                               f"{redact_url(r.url)!r}.")
+                               f"{redact_url(r.url, keep_path=True)!r}.")
     try:
         _ = urllib.parse.urlsplit(r.url).port
     except ValueError:
-        raise GuardConfigError(f"redis.url {redact_url(r.url)!r} has a bad port.") from None
+        raise GuardConfigError(f"redis.url {redact_url(r.url, keep_path=True)!r} has a bad port.") from None
     if r.replicas < 1:
         raise GuardConfigError("redis.replicas must be at least 1.")
 

@@ -21,8 +21,9 @@ import os
 import threading
 from typing import Any
 
+from .._redact import redact_url
 from ._bucket import LocalBuckets
-from ._config import GuardConfig, redact_url
+from ._config import GuardConfig
 
 __all__ = ["RedisBuckets"]
 
@@ -140,7 +141,7 @@ class RedisBuckets:
         self._retry_s = r.retry_s
         self._retry_at = 0.0
         self.fallback_active = False
-        self.url = redact_url(r.url)  # shown in logs: never the password
+        self.url = redact_url(r.url, keep_path=True)  # shown in logs: never the password
         p = r.prefix
         # per class: (class key or None, its interval_us, tau_us), (tenant key prefix or None, interval_us, tau_us)
         self._spec: list[tuple[Any, Any]] = []

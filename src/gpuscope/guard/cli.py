@@ -70,12 +70,12 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("Say what to do: gpuscope guard check|proxy (see 'gpuscope guard --help').")
     cfg = _config(args.config)
     if action == "check":
-        from ._config import redact_url
+        from .._redact import redact_url
 
         names = ", ".join(f"{c.name} (share {c.share:g})" for c in cfg.classes)
         print(f"{args.config}: OK: classes {names}; controller {cfg.controller.mode}; "
               f"breaker {'on' if cfg.breaker.enabled else 'off'}; "
-              f"{'Redis ' + redact_url(cfg.redis.url) if cfg.redis.url else 'local buckets'}")
+              f"{'Redis ' + redact_url(cfg.redis.url, keep_path=True) if cfg.redis.url else 'local buckets'}")
         return 0
     host, port = _listen(args.listen)
     upstream = _upstream(args.upstream)
