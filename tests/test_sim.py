@@ -383,3 +383,27 @@ def test_agent_churn_flag_errors_are_one_sentence(argv, says, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert says in err and "Traceback" not in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_no_simulated_gpu_draws_over_its_power_limit_without_the_power_cap_reason(name):
+    # A real GPU's power limiter cuts its clocks (sw_power_cap) rather than let the draw pass the limit.
+    clock = Clock()
+    node, s = on_fake_clock(name, clock, interval=0.1, medium=0.1, gpm=False, collect_processes=False,
+                            collect_host=False)
+    over = []
+    s.open()
+    try:
+        for k in range(300):  # 30 s of scenario time, power and reasons read every tick
+            clock.t = 500.0 + k * 0.1
+            snap = s._tick(clock.t)
+            for g in snap.gpus:
+                watts, limit = g.power_watts, g.values.get("gpu_power_limit_watts")
+                if not g.healthy or watts is None:
+                    continue
+                assert limit, "the simulated GPU has a power limit"
+                if watts > limit and "sw_power_cap" not in g.throttle_reasons:
+                    over.append((k, g.identity.label, round(watts, 1), limit))
+    finally:
+        s.stop()
+    assert over == [], f"{len(over)} readings over the limit without sw_power_cap, e.g. {over[:3]}"

@@ -157,6 +157,11 @@ class _GpuDriver:
         gpu.memory_temperature_c = gpu.temperature_c + 4
         gpu.sm_clock_mhz = gpu.graphics_clock_mhz = int(p.sm_clock)
         gpu.clock_event_reasons = p.clock_events if p.clock_events or p.nvml_util > 0 else 0x1
+        if gpu.power_w > gpu.power_limit_w:
+            # Never over the limit: a profile that reaches it carries sw_power_cap (compute_bound); for one
+            # below it (healthy, 687 W of 700 W) the noise is folded back under the limit, as the driver's
+            # 1 s average stays there, instead of flickering the power-cap reason on and off every tick.
+            gpu.power_w = 2 * gpu.power_limit_w - gpu.power_w
         gpu.pstate = 0
         tensor = _pct(r, p.tensor)
         gpu.gpm = {
