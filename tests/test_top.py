@@ -83,6 +83,22 @@ def test_sort_filter_and_tree_order():
     assert [(pre, p["pid"]) for pre, p in model.ordered(ps, by_sm, text="grandchild", tree=True)] == [("", 13)]
 
 
+def test_rows_that_show_the_same_figure_stay_in_pid_order_whatever_order_they_come_in():
+    import itertools
+
+    # 8.31 % and 8.29 % both show as 8 %: the pid decides, not the noise below what is shown.
+    ps = [proc(30, sm=0.0831, mem=3.04 * 2**30), proc(10, sm=0.0829, mem=3.01 * 2**30),
+          proc(20, sm=0.08, mem=2.96 * 2**30), proc(40, sm=0.5, mem=1 << 30)]
+    by_sm, by_mem = model.SORT_KEYS[0], model.SORT_KEYS[1]
+    assert [p["pid"] for _, p in model.ordered(ps, by_sm)] == [40, 10, 20, 30]
+    assert [p["pid"] for _, p in model.ordered(ps, by_sm, reverse=True)] == [10, 20, 30, 40]
+    assert [p["pid"] for _, p in model.ordered(ps, by_mem)] == [10, 20, 30, 40]  # all '3.0 GiB' but 40
+    for sort, reverse in itertools.product(model.SORT_KEYS, (False, True)):
+        orders = {tuple(p["key"] for _, p in model.ordered(list(perm), sort, reverse))
+                  for perm in itertools.permutations(ps)}
+        assert len(orders) == 1, (sort.name, reverse, orders)
+
+
 # -- the app -----------------------------------------------------------------------------------
 
 def test_keys_sort_filter_and_tree_the_table():

@@ -170,6 +170,24 @@ def test_memory_is_gib_with_one_decimal_everywhere(tmux_factory):
     assert all(_ROW.match(r) for r in _proc_rows(screen)) and not re.search(r"\d[KMGT]\b", screen)
 
 
+def test_rows_that_show_the_same_figure_keep_pid_order_across_refreshes(tmux_factory):
+    """Sorted by SM % and then by CPU %: on every frame, rows showing the same figure in the sort column
+    are in pid order (they swapped on the noise below the shown figure, refresh after refresh)."""
+    t = tmux_factory(160, 48)
+    screen = t.wait(lambda s: _all_gpus(s) and len(_proc_rows(s)) >= 10, "the panels and a process table")
+    for column, title in ((5, "SM%▼"), (6, "CPU%▼")):
+        if title == "CPU%▼":
+            t.keys("s", "s")  # GPU memory, then CPU %
+            screen = t.wait(lambda s: "CPU%▼" in s, "the table sorted by CPU %")
+        for _ in range(6):  # six frames, each a refresh apart (the sparklines and the clock move)
+            screen = t.wait(lambda s, before=screen, title=title: s != before and title in s, "the next frame")
+            rows = [r.split() for r in _proc_rows(screen)]
+            assert len(rows) >= 10
+            for a, b in zip(rows, rows[1:], strict=False):
+                if a[column] == b[column]:
+                    assert int(a[0]) < int(b[0]), f"{title}: {a[0]} before {b[0]}, both {a[column]}\n{screen}"
+
+
 def test_top_at_80x24_compacts_to_one_line_per_gpu(tmux_factory):
     t = tmux_factory(80, 24)
     # The first frames may come before the process table has its height: wait for the whole layout.

@@ -203,15 +203,20 @@ class SortKey:
     descending: bool  # the natural direction: biggest users first, names A..Z
 
 
-def _num(field: str) -> Callable[[dict[str, Any]], float]:
-    return lambda p: p.get(field) if p.get(field) is not None else -1.0
+def _shown(field: str, factor: float, digits: int) -> Callable[[dict[str, Any]], float]:
+    """A number as the table shows it (a ratio in whole percent, bytes in GiB to 0.1): two rows that
+    show the same figure tie, and the tie goes to the pid, so rows do not swap on noise nobody sees."""
+    def key(p: dict[str, Any]) -> float:
+        v = p.get(field)
+        return -1.0 if v is None else round(v * factor, digits)  # as pct() and gib() compute it
+    return key
 
 
 SORT_KEYS: tuple[SortKey, ...] = (
-    SortKey("sm", "SM%", _num("sm_ratio"), True),
-    SortKey("gpu_memory", "GPU-MEM", _num("gpu_memory_bytes"), True),
-    SortKey("cpu", "CPU%", _num("cpu_cores"), True),
-    SortKey("rss", "RSS", _num("rss_bytes"), True),
+    SortKey("sm", "SM%", _shown("sm_ratio", 100, 0), True),
+    SortKey("gpu_memory", "GPU-MEM", _shown("gpu_memory_bytes", 2**-30, 1), True),
+    SortKey("cpu", "CPU%", _shown("cpu_cores", 100, 0), True),
+    SortKey("rss", "RSS", _shown("rss_bytes", 2**-30, 1), True),
     SortKey("pid", "PID", lambda p: p["pid"], False),
     SortKey("user", "USER", lambda p: p["user"], False),
     SortKey("gpu", "GPU", lambda p: p["gpu"], False),
@@ -233,6 +238,9 @@ def ordered(procs: Sequence[dict[str, Any]], sort: SortKey, reverse: bool = Fals
     parent (ppid), siblings sorted by `sort`; a process whose parent is not shown is a root."""
     shown = [p for p in procs if matches(p, text)]
     desc = sort.descending != reverse
+    # Ties in pid order, whichever way the sort goes (a reversed sort keeps the order of equal keys): the
+    # order of equal rows is not left to the order the source listed them in, which changes.
+    shown.sort(key=lambda p: (p["pid"], p["gpu"], p["host"]))
     shown.sort(key=sort.key, reverse=desc)
     if not tree:
         return [("", p) for p in shown]
