@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from gpuscope.agent import config
@@ -106,3 +108,38 @@ def test_only_real_loopback_counts_as_loopback(bind, loopback):
     cfg = config.load(None)
     cfg.agent.bind = bind
     assert cfg.loopback_only is loopback
+
+
+# ---- [sampler] gpm_graphics: DCGM_FI_PROF_GR_ENGINE_ACTIVE, a default dcgm-exporter field --------------
+
+@pytest.mark.parametrize("on", [True, False])
+def test_sampler_gpm_graphics_key_gives_dcgm_gr_engine_active_or_says_why_not(tmp_path, on):
+    import json
+
+    from test_agent import AgentProc, http
+
+    cfg = config.load(write(tmp_path, f"[sampler]\ngpm_graphics = {'true' if on else 'false'}\n"))
+    assert cfg.sampler.gpm_graphics is on
+    a = AgentProc(tmp_path, "--simulate", "healthy", "--config", str(tmp_path / "gpuscope.toml"))
+    try:
+        a.wait_ready()
+        text = ""
+        for _ in range(100):  # GPM rates need two samples a window apart
+            code, body = http(a.port, "/metrics?naming=dcgm", a.token())
+            assert code == 200
+            text = body.decode()
+            if "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE{" in text:
+                break
+            time.sleep(0.1)
+        assert "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE{" in text  # GPM is read
+        code, body = http(a.port, "/api/v1/capabilities", a.token())
+        cap = json.loads(body)["0"]["gpu_graphics_active_ratio"]
+    finally:
+        a.stop()
+    if on:
+        line = next(x for x in text.splitlines() if x.startswith("DCGM_FI_PROF_GR_ENGINE_ACTIVE{"))
+        assert 0.5 < float(line.rsplit(" ", 1)[1]) <= 1.0  # a ratio, as dcgm-exporter's (healthy: ~98 %)
+        assert cap == {"supported": True, "reason": ""}
+    else:
+        assert "DCGM_FI_PROF_GR_ENGINE_ACTIVE" not in text
+        assert cap["supported"] is False and "[sampler] gpm_graphics = true" in cap["reason"]

@@ -193,6 +193,7 @@ class Agent:
         kw: dict[str, Any] = {"gpm_window": sc.gpm_window, "collect_processes": sc.processes, "collect_host": sc.host}
         if sc.slow >= sc.interval:
             kw["slow"] = sc.slow
+        kw["gpm_graphics"] = sc.gpm_graphics
         cfg = SamplerConfig.for_interval(sc.interval, **kw)
         cfg.validate()
         return cfg

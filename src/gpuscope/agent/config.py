@@ -14,6 +14,7 @@
     slow = "1s"
     processes = true
     host = true
+    gpm_graphics = false        # GPM graphics activity (DCGM_FI_PROF_GR_ENGINE_ACTIVE): ~1.4 ms of CPU per read
 
     [store]
     flush_interval = "1s"
@@ -140,6 +141,7 @@ class SamplerSection:
     slow: float = 1.0
     processes: bool = True
     host: bool = True
+    gpm_graphics: bool = False
 
 
 @dataclass

@@ -35,8 +35,9 @@ labels `gpu`, `UUID`, `pci_bus_id`, `device` (nvidia<N>), `modelName`, `Hostname
   `err_msg`), FB_FREE, FB_USED, FB_RESERVED (MiB), CORRECTABLE_REMAPPED_ROWS,
   UNCORRECTABLE_REMAPPED_ROWS (counters), ROW_REMAP_FAILURE, PROF_GR_ENGINE_ACTIVE,
   PROF_PIPE_TENSOR_ACTIVE, PROF_DRAM_ACTIVE (ratio 0..1), PROF_PCIE_TX_BYTES / PROF_PCIE_RX_BYTES
-  (gauges, bytes/s). PROF_GR_ENGINE_ACTIVE needs the sampler's `gpm_graphics` option (that GPM
-  metric costs ~1.4 ms of CPU per read, so it is off by default);
+  (gauges, bytes/s). PROF_GR_ENGINE_ACTIVE needs the sampler's `gpm_graphics` option (the agent's
+  `[sampler] gpm_graphics = true`; that GPM metric costs ~1.4 ms of CPU per read, so it is off by
+  default, and /api/v1/capabilities says so);
 - the opt-in fields we have: PROF_SM_ACTIVE, PROF_SM_OCCUPANCY, PROF_PIPE_FP64/FP32/FP16_ACTIVE,
   PROF_PIPE_TENSOR_HMMA/IMMA/DFMA_ACTIVE, PROF_PIPE_INT_ACTIVE, PROF_NVLINK_TX/RX_BYTES,
   ECC_SBE_VOL_TOTAL, ECC_DBE_VOL_TOTAL, FB_TOTAL, ENFORCED_POWER_LIMIT, MAX_SM_CLOCK, PSTATE,
