@@ -309,7 +309,8 @@ HOSTILE = "python -c '[bold]x[/bold] [/nope] \x1b]0;owned\x07\x1b[31mRED\x1b[0m\
 def test_escape_codes_and_markup_in_a_command_line_show_literally():
     """A command line is anyone's text: terminal escapes and newlines are drawn as escapes, Textual/Rich
     markup as the brackets it is, in the table, the kill dialog and --once."""
-    me = proc(os.getpid(), user=getpass.getuser(), command=HOSTILE, started_at=psutil.Process().create_time())
+    me = proc(os.getpid(), user=getpass.getuser(), command=HOSTILE, sm=0.9,  # the first row, selected
+              started_at=psutil.Process().create_time())
     ov = overview([me, proc(2, command="other")])
     ov["gpus"][0]["name"] = "GPU\x1b[2J"
     app = TopApp(StaticFeed(ov, local_pids=True))
