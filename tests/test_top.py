@@ -162,6 +162,8 @@ def test_a_line_too_long_ends_in_an_ellipsis_between_words_never_mid_number():
     assert model.clip("… [sw_thermal,hw_thermal]", 10, words=True) == "…"  # one ellipsis, not two
     row = model.proc_line("", proc(1, command="python " + "x" * 200), 100)
     assert len(row) == 100 and row.endswith("x…")
+    row = model.proc_line("", proc(1, user="averylongusername", gpu="0/mig3"), 100)
+    assert " averylo… 0/m… " in row  # a cell cut to its column says so too
 
 
 def test_every_memory_figure_is_gib_with_one_decimal():

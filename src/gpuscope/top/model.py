@@ -294,10 +294,10 @@ def _proc_cols(width: int) -> list[tuple[str, int, str]]:
 def proc_line(prefix: str, p: dict[str, Any], width: int) -> str:
     cpu = p.get("cpu_cores")
     values = {
-        "PID": str(p["pid"]), "USER": printable(p["user"] or "-")[:8], "GPU": printable(p["gpu"])[:4],
+        "PID": str(p["pid"]), "USER": printable(p["user"] or "-"), "GPU": printable(p["gpu"]),
         "GPU-MEM": gib(p.get("gpu_memory_bytes"), " GiB"), "SM%": pct(p.get("sm_ratio"), 5),
         "CPU%": "-" if cpu is None else f"{cpu * 100:.0f}%", "RSS": gib(p.get("rss_bytes"), " GiB"),
-        "CONTAINER/POD": printable(p.get("pod") or p.get("container") or "-")[:18],
+        "CONTAINER/POD": printable(p.get("pod") or p.get("container") or "-"),
         "COMMAND": prefix + printable(p["command"] or p["name"] or "?"),
     }
     parts = []
