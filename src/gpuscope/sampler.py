@@ -38,6 +38,7 @@ from .sources.device import Device, discover, mark_lost
 from .sources.events import EventSource
 from .sources.gpm import MIN_WINDOW_S, GpmSource
 from .sources.nvml import NvmlSource
+from .sources.procs import CMDLINE_MODES
 
 log = logging.getLogger("gpuscope.sampler")
 
@@ -66,6 +67,7 @@ class SamplerConfig:
     gpm_graphics: bool = False  # GPM GRAPHICS_UTIL: ~1.4 ms of CPU per read on an H200
     collect_processes: bool = True
     collect_host: bool = True
+    cmdline: str = "redacted"  # what process records show of a command line: redacted | name-only | hidden
     events: bool = True
 
     @classmethod
@@ -91,6 +93,8 @@ class SamplerConfig:
                 "the NVML calls of one tick need; use a longer interval.")
         if self.medium <= 0:
             raise ConfigError(f"The medium period must be positive, got {self.medium:g} s.")
+        if self.cmdline not in CMDLINE_MODES:
+            raise ConfigError(f"cmdline must be one of {', '.join(CMDLINE_MODES)}, not {self.cmdline!r}.")
         if self.gpm and self.gpm_window < MIN_WINDOW_S:
             raise ConfigError(
                 f"The GPM window {self.gpm_window * 1000:g} ms is below the {MIN_WINDOW_S * 1000:g} ms NVML "
@@ -170,7 +174,7 @@ class Sampler:
         if self.config.collect_processes:
             from .sources.procs import ProcessSource
 
-            self._proc_source = ProcessSource(self.nvml, self._host_reader)
+            self._proc_source = ProcessSource(self.nvml, self._host_reader, cmdline=self.config.cmdline)
         if self.config.collect_host and self._host_source is None:
             from .sources.host import HostSource
 

@@ -190,7 +190,8 @@ class Agent:
     def sampler_config(self) -> SamplerConfig:
         """Raises sampler.ConfigError with a sentence; checked before anything is written."""
         sc = self.cfg.sampler
-        kw: dict[str, Any] = {"gpm_window": sc.gpm_window, "collect_processes": sc.processes, "collect_host": sc.host}
+        kw: dict[str, Any] = {"gpm_window": sc.gpm_window, "collect_processes": sc.processes, "collect_host": sc.host,
+                              "cmdline": self.cfg.processes.cmdline}
         if sc.slow >= sc.interval:
             kw["slow"] = sc.slow
         kw["gpm_graphics"] = sc.gpm_graphics

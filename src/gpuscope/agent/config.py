@@ -16,6 +16,10 @@
     host = true
     gpm_graphics = false        # GPM graphics activity (DCGM_FI_PROF_GR_ENGINE_ACTIVE): ~1.4 ms of CPU per read
 
+    [processes]
+    cmdline = "redacted"        # what process records (API, dashboard, top, /metrics) show of a command line:
+                                # "redacted" (secrets hidden), "name-only" (the process name) or "hidden"
+
     [store]
     flush_interval = "1s"
     raw = "24h"                 # retention per tier
@@ -145,6 +149,11 @@ class SamplerSection:
 
 
 @dataclass
+class ProcessesSection:
+    cmdline: str = "redacted"
+
+
+@dataclass
 class StoreSection:
     flush_interval: float = 1.0
     raw: float = 86400.0
@@ -185,6 +194,7 @@ class AlertsSection:
 class Config:
     agent: AgentSection = field(default_factory=AgentSection)
     sampler: SamplerSection = field(default_factory=SamplerSection)
+    processes: ProcessesSection = field(default_factory=ProcessesSection)
     store: StoreSection = field(default_factory=StoreSection)
     prometheus: PrometheusSection = field(default_factory=PrometheusSection)
     remote_write: RemoteWriteSection = field(default_factory=RemoteWriteSection)
@@ -206,7 +216,8 @@ _DURATIONS = {("sampler", "interval"), ("sampler", "gpm_window"), ("sampler", "s
 _SIZES = {("store", "max_size")}
 _CHOICES = {("agent", "log_format"): ("text", "json"),
             ("agent", "log_level"): ("debug", "info", "warning", "error"),
-            ("prometheus", "naming"): ("canonical", "dcgm")}
+            ("prometheus", "naming"): ("canonical", "dcgm"),
+            ("processes", "cmdline"): ("redacted", "name-only", "hidden")}
 
 
 def _coerce(section: str, key: str, value: Any, default: Any, where: str) -> Any:

@@ -42,11 +42,20 @@ class HostReader(Protocol):
     def forget(self, alive: set[int]) -> None: ...
 
 
+#: What a process record shows of its command line: the redacted command line, the process name alone,
+#: or nothing ([processes] cmdline in the agent's config). Applied here, where records are made, so
+#: that no consumer (API, /metrics, dashboard, store, top) can see more.
+CMDLINE_MODES = ("redacted", "name-only", "hidden")
+
+
 class ProcessSource:
     name = "processes"
 
     def __init__(self, nvml: Nvml, host: HostReader | None = None,
-                 wall_clock_us: Callable[[], int] = lambda: int(time.time() * 1e6)) -> None:
+                 wall_clock_us: Callable[[], int] = lambda: int(time.time() * 1e6), cmdline: str = "redacted") -> None:
+        if cmdline not in CMDLINE_MODES:
+            raise ValueError(f"cmdline must be one of {', '.join(CMDLINE_MODES)}, not {cmdline!r}")
+        self.cmdline = cmdline
         self.nvml = nvml
         if host is None:
             from .._hostproc import HostProcessReader
@@ -106,7 +115,9 @@ class ProcessSource:
                 if info is not None:
                     # Text from the host is made valid UTF-8 here, whatever reader produced it: from this
                     # record on, the store, /metrics, the API and the views can encode it.
-                    rec.name, rec.user, rec.cmdline = valid_text(info.name), valid_text(info.user), valid_text(info.cmdline)
+                    rec.name, rec.user = valid_text(info.name), valid_text(info.user)
+                    rec.cmdline = (valid_text(info.cmdline) if self.cmdline == "redacted"
+                                   else rec.name if self.cmdline == "name-only" else "")
                     rec.cpu_cores, rec.thread_cpu_max_ratio = info.cpu_cores, info.thread_cpu_max_ratio
                     rec.rss_bytes, rec.threads, rec.started_at = info.rss_bytes, info.threads, info.started_at
                     rec.container, rec.pod_uid, rec.pod = valid_text(info.container), valid_text(info.pod_uid), \
