@@ -90,3 +90,21 @@ def test_what_is_not_a_duration_is_refused_by_both(text):
     with pytest.raises(timeparse.TimeError):
         timeparse.parse_duration(text)
     assert prometheus_duration(text) is None
+
+
+def test_every_verb_module_has_its_face():
+    import importlib
+
+    from gpuscope import cli
+
+    for verb, module in cli.VERBS.items():
+        mod = importlib.import_module(module)
+        assert isinstance(mod.HELP, str) and mod.HELP, verb
+        assert callable(mod.add_arguments) and callable(mod.run), verb
+
+
+def test_sample_verb_runs(capsys):
+    from gpuscope import cli
+
+    assert cli.main(["sample", "--simulate", "healthy", "--gpus", "1", "--count", "1", "--every", "0.3s"]) == 0
+    assert "GPU 0" in capsys.readouterr().out

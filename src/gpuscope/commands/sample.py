@@ -47,7 +47,7 @@ def _line(snap: Any) -> list[str]:
     return out
 
 
-def _sample(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     check_sim(args)
     if args.count < 0:
         raise UsageError(f"--count must be 0 (no limit) or more, not {args.count}.")
