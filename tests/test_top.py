@@ -177,6 +177,22 @@ def test_every_memory_figure_is_gib_with_one_decimal():
     assert "M " not in row and "G " not in row
 
 
+def test_elapsed_counts_from_the_start_of_the_process_to_the_overview():
+    ov = overview([proc(1, started_at=1_000_000.0), proc(2, started_at=None)])
+    ov["time_ns"] = int((1_000_000 + 3725) * 1e9)
+    for width in (80, 120):
+        assert "ELAPSED" in model.proc_head(width, model.SORT_KEYS[0], False)
+    text = model.plain(ov, 120)
+    assert " 1:02:05 " in next(ln for ln in text.splitlines() if ln.startswith("      1 "))
+    assert "       - " in next(ln for ln in text.splitlines() if ln.startswith("      2 "))
+    app = TopApp(StaticFeed(ov))
+
+    async def body(p: Any) -> None:
+        assert " 1:02:05 " in app.query_one("#procs").text.plain
+
+    pilot(app, body)
+
+
 def test_a_nan_in_the_history_is_a_gap_not_a_crash():
     assert model.sparkline([0.5, float("nan"), float("inf"), None, 1.0], 5) == "▄···█"
 

@@ -188,6 +188,23 @@ def test_rows_that_show_the_same_figure_keep_pid_order_across_refreshes(tmux_fac
                     assert int(a[0]) < int(b[0]), f"{title}: {a[0]} before {b[0]}, both {a[column]}\n{screen}"
 
 
+def test_each_process_shows_how_long_it_has_run(tmux_factory):
+    launched = time.monotonic()  # before the simulated node (and its processes) start
+    t = tmux_factory(160, 48)
+    screen = t.wait(lambda s: _all_gpus(s) and len(_proc_rows(s)) >= 10, "the panels and a process table")
+    assert "RSS  ELAPSED CONTAINER/POD" in screen
+
+    def seconds(screen: str) -> list[int]:
+        shown = [r.split()[9] for r in _proc_rows(screen)]  # pid user gpu mem GiB sm cpu rss GiB ELAPSED
+        assert all(re.fullmatch(r"\d\d:\d\d", e) for e in shown), shown
+        return [int(e[:2]) * 60 + int(e[3:]) for e in shown]
+
+    first = seconds(screen)
+    assert len(first) >= 10 and max(first) <= time.monotonic() - launched + 1
+    screen = t.wait(lambda s: min(seconds(s)) >= max(first) + 2, "the elapsed times to count on")
+    assert max(seconds(screen)) <= time.monotonic() - launched + 1
+
+
 def test_top_at_80x24_compacts_to_one_line_per_gpu(tmux_factory):
     t = tmux_factory(80, 24)
     # The first frames may come before the process table has its height: wait for the whole layout.

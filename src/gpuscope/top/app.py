@@ -47,12 +47,13 @@ class ProcTable(Lines, can_focus=True):
         super().__init__(**kw)
         self.head = ""
         self.rows: list[tuple[str, dict[str, Any]]] = []
+        self.now_s: float | None = None  # the overview's time, for ELAPSED
         self.cursor = 0
         self.top = 0
         self._selected_key: str | None = None
 
-    def set_rows(self, head: str, rows: list[tuple[str, dict[str, Any]]]) -> None:
-        self.head, self.rows = head, rows
+    def set_rows(self, head: str, rows: list[tuple[str, dict[str, Any]]], now_s: float | None = None) -> None:
+        self.head, self.rows, self.now_s = head, rows, now_s
         keys = [p["key"] for _, p in rows]
         if self._selected_key in keys:
             self.cursor = keys.index(self._selected_key)
@@ -81,7 +82,7 @@ class ProcTable(Lines, can_focus=True):
         text = Text(self.head.ljust(width) + "\n", style="bold reverse")
         for i in range(self.top, min(self.top + page, len(self.rows))):
             prefix, p = self.rows[i]
-            text.append(model.proc_line(prefix, p, width) + "\n", style="reverse" if i == self.cursor else "")
+            text.append(model.proc_line(prefix, p, width, self.now_s) + "\n", style="reverse" if i == self.cursor else "")
         if not self.rows:
             text.append("(no process on any GPU matches)" if self.head else "")
         self.show(text)
@@ -210,7 +211,8 @@ class TopApp(App[None]):
                 sort = model.SORT_KEYS[self.sort_index]
                 rows = model.ordered(ov["processes"], sort, self.reverse, self.filter_text,
                                      self.tree_view and self.feed.local_pids)
-                self.query_one("#procs", ProcTable).set_rows(model.proc_head(w, sort, self.reverse), rows)
+                self.query_one("#procs", ProcTable).set_rows(model.proc_head(w, sort, self.reverse), rows,
+                                                             ov["time_ns"] / 1e9)
         self.query_one("#footer", Lines).show(self._footer(ov, w))
 
     def _footer(self, ov: dict[str, Any] | None, w: int) -> Text:

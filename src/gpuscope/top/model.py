@@ -69,6 +69,24 @@ def gib(v: float | None, unit: str = "") -> str:
     return "-" if v is None else f"{v / 2**30:.1f}{unit}"
 
 
+def elapsed(seconds: float | None) -> str:
+    """How long a process has run: MM:SS under an hour, H:MM:SS under a day, then days and HH:MM.
+
+    >>> elapsed(332), elapsed(3725), elapsed(2 * 86400 + 3900), elapsed(None)
+    ('05:32', '1:02:05', '2d 01:05', '-')
+    """
+    if seconds is None or not math.isfinite(seconds) or seconds < 0:
+        return "-"
+    m, sec = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    if h < 1:
+        return f"{m:02d}:{sec:02d}"
+    if h < 24:
+        return f"{h}:{m:02d}:{sec:02d}"
+    d, h = divmod(h, 24)
+    return f"{d}d {h:02d}:{m:02d}"
+
+
 def rate(v: float | None) -> str:
     """Bytes per second as GB/s."""
     return "-" if v is None else f"{v / 1e9:.1f}"
@@ -282,8 +300,11 @@ def proc_head(width: int, sort: SortKey, reverse: bool) -> str:
 
 
 def _proc_cols(width: int) -> list[tuple[str, int, str]]:
-    cols = [("PID", 7, ">"), ("USER", 8, "<"), ("GPU", 4, "<"), ("GPU-MEM", 9, ">"), ("SM%", 5, ">"),
-            ("CPU%", 6, ">"), ("RSS", 9, ">")]
+    cols = [("PID", 7, ">"), ("USER", 8, "<"), ("GPU", 4, "<"), ("GPU-MEM", 9, ">"), ("SM%", 4, ">"),
+            ("CPU%", 5, ">")]
+    if width >= 90:  # on 80 columns the command keeps its room
+        cols.append(("RSS", 9, ">"))
+    cols.append(("ELAPSED", 8, ">"))
     if width >= 110:
         cols.append(("CONTAINER/POD", 18, "<"))
     used = sum(w + 1 for _, w, _ in cols)
@@ -291,12 +312,14 @@ def _proc_cols(width: int) -> list[tuple[str, int, str]]:
     return cols
 
 
-def proc_line(prefix: str, p: dict[str, Any], width: int) -> str:
-    cpu = p.get("cpu_cores")
+def proc_line(prefix: str, p: dict[str, Any], width: int, now_s: float | None = None) -> str:
+    """One process row; ELAPSED counts from its start to `now_s` (the overview's time, epoch seconds)."""
+    cpu, started = p.get("cpu_cores"), p.get("started_at")
     values = {
         "PID": str(p["pid"]), "USER": printable(p["user"] or "-"), "GPU": printable(p["gpu"]),
-        "GPU-MEM": gib(p.get("gpu_memory_bytes"), " GiB"), "SM%": pct(p.get("sm_ratio"), 5),
+        "GPU-MEM": gib(p.get("gpu_memory_bytes"), " GiB"), "SM%": pct(p.get("sm_ratio")),
         "CPU%": "-" if cpu is None else f"{cpu * 100:.0f}%", "RSS": gib(p.get("rss_bytes"), " GiB"),
+        "ELAPSED": elapsed(None if started is None or now_s is None else now_s - started),
         "CONTAINER/POD": printable(p.get("pod") or p.get("container") or "-"),
         "COMMAND": prefix + printable(p["command"] or p["name"] or "?"),
     }
@@ -319,5 +342,6 @@ def plain(overview: dict[str, Any], width: int = 120) -> str:
     lines.append("")
     sort = SORT_KEYS[0]
     lines.append(proc_head(width, sort, False))
-    lines += [proc_line(prefix, p, width) for prefix, p in ordered(overview["processes"], sort)]
+    now_s = overview["time_ns"] / 1e9
+    lines += [proc_line(prefix, p, width, now_s) for prefix, p in ordered(overview["processes"], sort)]
     return "\n".join(lines)
