@@ -497,8 +497,13 @@ def _mysql_holes(s: str) -> str:
     return s
 
 
+_SHORT_PLAIN = re.compile(r"[=:@<'\"\s]")
+
+
 def _holes(s: str) -> str:
     """Replace secrets inside one string with the hole marker."""
+    if len(s) < 16 and _SHORT_PLAIN.search(s) is None:
+        return s  # shorter than any key shape, and no name: value, URL, header or second word in it
     if "-----BEGIN" in s:
         s = _PEM.sub(_HOLE, s)
     s = _TOKENS.sub(_token, s)
