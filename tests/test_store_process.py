@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -86,14 +87,37 @@ def test_a_reader_in_another_process_sees_flushed_data_and_never_blocks_the_writ
     """, str(tmp_path), str(snapshot(0).time_ns))
     try:
         expect_line(reader, "ready")
-        worst, k = 0.0, 1
+        k = 1
         t_end = time.monotonic() + 3.0
         while time.monotonic() < t_end:  # 200 Hz of snapshots while the reader queries
-            c = time.perf_counter()
             writer.append(snapshot(k, step_ns=5_000_000))
-            worst = max(worst, time.perf_counter() - c)
             k += 1
             time.sleep(0.005)
+        # append never waits on a flush: with the flush thread held inside one, appends still return. (Timing
+        # each append instead measured how long a loaded machine left the thread waiting.)
+        w = writer._writer
+        real_slice = w._flush_slice
+        inside, release = threading.Event(), threading.Event()
+
+        def held_slice(items):
+            inside.set()
+            release.wait(30)
+            real_slice(items)
+
+        w._flush_slice = held_slice
+        try:
+            writer.append(snapshot(k, step_ns=5_000_000))
+            k += 1
+            assert inside.wait(30), "the flush thread never flushed"
+            returned = threading.Event()
+            more = [snapshot(k + j, step_ns=5_000_000) for j in range(5)]
+            k += 5
+            t = threading.Thread(target=lambda: ([writer.append(x) for x in more], returned.set()), daemon=True)
+            t.start()
+            assert returned.wait(30), "append waited on the flush in progress"
+        finally:
+            release.set()
+            w._flush_slice = real_slice
         writer.flush()
         flushes = writer.stats()["writer"]["flushes"]
         out, err = reader.communicate(timeout=30)
@@ -105,7 +129,6 @@ def test_a_reader_in_another_process_sees_flushed_data_and_never_blocks_the_writ
     assert reader.returncode == 0, err
     counts = [r["count"] for r in rows]
     assert counts == sorted(counts) and counts[-1] >= k * 0.8 and len(set(counts)) > 5, counts
-    assert worst < 0.05  # append never waited on a reader (or on a flush)
     assert flushes >= 10
 
 
