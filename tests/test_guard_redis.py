@@ -87,9 +87,10 @@ def test_two_guards_sharing_redis_keep_the_global_rate(redis_server):  # noqa: F
 
 
 def test_redis_vanishing_mid_run_falls_back_locally_and_recovers():
-    clock = Clock()
+    clock = Clock()  # the local buckets' clock; the shared bucket refills by Redis's own
     with RedisServer() as server:
-        g = _guard(server.url, clock=clock)
+        # One token per 10 s by Redis's clock: at RATE a loaded machine's pause of 10 ms refilled two.
+        g = _guard(server.url, clock=clock, rate=0.1)
         first = [g.acquire(RequestInfo()).admitted for _ in range(int(BURST) + 5)]
         assert first.count(True) == BURST  # the shared bucket's burst
         server.stop()
