@@ -13,10 +13,15 @@ install: web
 run: install
 	gpuscope agent
 
-# Installs everything the tests need, then runs them (GPU tests are deselected; see `make test-gpu`).
+# Installs everything the tests need, then runs them (GPU tests are deselected; see `make test-gpu`), on two
+# pytest-xdist workers per core: most tests wait on real servers and processes, not on the CPU. The package is
+# compiled first: with PYTHONDONTWRITEBYTECODE set (as on CI) every `python -m gpuscope` the tests start would
+# compile it again. `pytest tests/test_x.py` alone still runs in one process.
+PYTEST_WORKERS ?= $(shell echo $$(( $$(nproc 2>/dev/null || echo 1) * 2 )))
 test: web
 	$(PYTHON) -m pip install --quiet -e '.[test]'
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m compileall -q src
+	$(PYTHON) -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal
 	$(PYTHON) -m ruff check src tests benchmarks
 
 test-gpu:
