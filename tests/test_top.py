@@ -193,6 +193,37 @@ def test_elapsed_counts_from_the_start_of_the_process_to_the_overview():
     pilot(app, body)
 
 
+def test_the_host_line_shows_cpu_and_memory_bars_from_the_samplers_host_record():
+    with Sampler(SamplerConfig(interval=0.1), simulate="mixed", gpus=2) as s:
+        snap = s.sample_once()
+    assert snap.host is not None
+    hv = viewmodel.from_snapshot(snap, source="local")["host_values"]
+    assert set(hv) == set(viewmodel.HOST_METRICS)
+    assert hv["host_memory_total_bytes"] == 512 * 2**30 and hv["host_memory_used_bytes"] == 96 * 2**30
+    assert 0 < hv["host_cpu_ratio"] <= 1 and hv["host_load1"] is not None
+    line = model.host_line({**hv, "host_cpu_ratio": 0.25}, 120)
+    assert len(line) <= 120 and "  25%" in line and "  19% 96.0/512.0 GiB" in line and "load " in line
+    cpu_bar, mem_bar = (seg.split("]")[0] for seg in line.split("[")[1:])
+    assert len(cpu_bar) == len(mem_bar) and cpu_bar.count("█") == len(cpu_bar) // 4
+    assert model.host_line({m: None for m in viewmodel.HOST_METRICS}, 120) is None
+
+    ov = overview([proc(1)])
+    ov["host_values"] = {**hv, "host_cpu_ratio": 0.5}
+    app = TopApp(StaticFeed(ov))
+
+    async def body(p: Any) -> None:
+        shown = app.query_one("#host").text.plain
+        assert shown.startswith(" CPU [") and "  50%" in shown and "96.0/512.0 GiB" in shown
+
+    pilot(app, body)
+    bare = TopApp(StaticFeed(overview([proc(1)])))  # a source without host numbers: no empty bars
+
+    async def none(p: Any) -> None:
+        assert not bare.query_one("#host").display
+
+    pilot(bare, none)
+
+
 def test_a_nan_in_the_history_is_a_gap_not_a_crash():
     assert model.sparkline([0.5, float("nan"), float("inf"), None, 1.0], 5) == "▄···█"
 

@@ -205,6 +205,21 @@ def test_each_process_shows_how_long_it_has_run(tmux_factory):
     assert max(seconds(screen)) <= time.monotonic() - launched + 1
 
 
+_HOST = re.compile(r"^ CPU \[([^\]]+)\] +(\d+)% +MEM \[([^\]]+)\] +(\d+)% 96\.0/512\.0 GiB +load \d+\.\d$")
+_EIGHTHS = {c: i + 1 for i, c in enumerate("▏▎▍▌▋▊▉")} | {"█": 8, " ": 0}
+
+
+def test_a_host_line_shows_cpu_and_memory_bars(tmux_factory):
+    """The simulated host has 96 of 512 GiB in use; each bar is as full as the percentage beside it."""
+    for t in (tmux_factory(160, 48), tmux_factory(80, 24)):
+        screen = t.wait(lambda s: any(_HOST.match(ln) for ln in s.splitlines()), "the host line")
+        found = next(m for m in map(_HOST.match, screen.splitlines()) if m)
+        for cells, shown in ((found[1], found[2]), (found[3], found[4])):
+            filled = sum(_EIGHTHS[c] for c in cells) / 8
+            assert abs(filled / len(cells) - int(shown) / 100) <= 1 / len(cells) + 0.01, found[0]
+        assert int(found[4]) == 19  # 96 / 512
+
+
 def test_top_at_80x24_compacts_to_one_line_per_gpu(tmux_factory):
     t = tmux_factory(80, 24)
     # The first frames may come before the process table has its height: wait for the whole layout.

@@ -8,6 +8,7 @@ the agent's /ui/api/overview and the Prometheus-backed dashboard.
       "gpus": [gpu, ...],                  # ordered by host, then GPU index
       "processes": [process, ...],         # every process on every GPU (the views sort and cut)
       "alerts": {"firing": [...], "pending": [...]},   # as /api/v1/alerts gives them; empty if none
+      "host_values": {METRIC: float | None},   # the node's CPU and memory (HOST_METRICS); None in a fleet
       "errors": [str, ...],                # what could not be read, one sentence each
     }
     gpu = {
@@ -46,6 +47,9 @@ GPU_METRICS: tuple[str, ...] = (
     "gpu_pcie_rx_bytes_per_second", "gpu_pcie_tx_bytes_per_second",
     "gpu_nvlink_rx_bytes_per_second", "gpu_nvlink_tx_bytes_per_second",
 )
+
+# The host's numbers `gpuscope top` shows beside nvitop's CPU and MEM bars, as the host source names them.
+HOST_METRICS: tuple[str, ...] = ("host_cpu_ratio", "host_memory_used_bytes", "host_memory_total_bytes", "host_load1")
 
 # Clock-event reasons that are not a slowdown (the GPU is idle, or an application/user chose it).
 _BENIGN_REASONS = frozenset({"gpu_idle", "applications_clocks", "sync_boost", "display_clock"})
@@ -125,8 +129,9 @@ def from_snapshot(snapshot: Any, verdicts: Iterable[Any] = (), *, source: str = 
             "started_at": p.get("started_at"),
             "ppid": _ppid(pid) if with_ppid and p.get("host_visible", True) and not snap.get("simulated") else None,
         })
+    host_values = (snap.get("host") or {}).get("values") or {}
     return {"source": source, "simulated": snap.get("simulated"), "time_ns": int(snap.get("time_ns") or time.time_ns()),
-            "gpus": gpus, "processes": procs,
+            "gpus": gpus, "processes": procs, "host_values": {m: _num(host_values.get(m)) for m in HOST_METRICS},
             "alerts": {"firing": list((alerts or {}).get("firing", [])), "pending": list((alerts or {}).get("pending", []))},
             "errors": []}
 
@@ -143,6 +148,8 @@ def merge(overviews: Sequence[dict[str, Any]], source: str) -> dict[str, Any]:
         for k in ("firing", "pending"):
             out["alerts"][k].extend(o.get("alerts", {}).get(k, []))
         out["errors"].extend(o.get("errors", []))
+    one = overviews[0].get("host_values") if len(overviews) == 1 else None
+    out["host_values"] = dict(one) if one else {m: None for m in HOST_METRICS}
     out["gpus"].sort(key=lambda g: (g["host"], _gpu_order(g["gpu"])))
     return out
 

@@ -134,6 +134,7 @@ class TopApp(App[None]):
     Screen { layout: vertical; overflow: hidden; }
     #header { height: 2; }
     #gpus { height: 1; }
+    #host { height: 1; }
     #procs { height: 1fr; }
     #footer { height: 1; }
     #filter { height: 1; border: none; padding: 0 1; display: none; }
@@ -163,6 +164,7 @@ class TopApp(App[None]):
         with Vertical(id="main"):
             yield Lines(id="header")
             yield Lines(id="gpus")
+            yield Lines(id="host")
             yield ProcTable(id="procs")
             yield Input(placeholder="filter: type a substring of pid, user, command, container; Enter keeps, Esc clears",
                         id="filter")
@@ -206,6 +208,11 @@ class TopApp(App[None]):
         self.query_one("#header", Lines).show(self._header(ov, w))
         if ov is not None:
             self._draw_gpus(ov, w, h)
+            line = model.host_line(ov.get("host_values") or {}, w)
+            host = self.query_one("#host", Lines)
+            if host.display != (line is not None):
+                host.display = line is not None
+            host.show(Text(line or ""))
             if self._rows_dirty:
                 self._rows_dirty = False
                 sort = model.SORT_KEYS[self.sort_index]
@@ -257,7 +264,7 @@ class TopApp(App[None]):
 
     def _draw_gpus(self, ov: dict[str, Any], w: int, h: int) -> None:
         gpus = ov["gpus"]
-        room = h - 2 - 1 - 6  # header, footer, and at least a table head and five process rows
+        room = h - 2 - 1 - 1 - 6  # header, host line, footer, and at least a table head and five process rows
         panels = w >= 120 and 3 * len(gpus) <= room
         text = Text()
         if panels:

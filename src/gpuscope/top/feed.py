@@ -178,6 +178,7 @@ def snapshot_dict(snap: Any) -> dict[str, Any]:
     return {"gpus": [{"identity": flat(g.identity), "values": g.values, "healthy": g.healthy,
                       "throttle_reasons": g.throttle_reasons} for g in snap.gpus],
             "processes": [flat(p) for p in snap.processes], "simulated": snap.simulated,
+            "host": None if snap.host is None else {"values": snap.host.values},
             "time_ns": snap.time_ns, "hostname": snap.hostname}
 
 

@@ -92,6 +92,33 @@ def rate(v: float | None) -> str:
     return "-" if v is None else f"{v / 1e9:.1f}"
 
 
+def bar(ratio: float | None, width: int) -> str:
+    """A ratio 0..1 as a bar of `width` cells, in eighths of a cell (blank where unknown).
+
+    >>> bar(0.5, 8), bar(0.0625, 2), bar(None, 3)
+    ('████    ', '▏ ', '   ')
+    """
+    if ratio is None or not math.isfinite(ratio):
+        return " " * width
+    eighths = round(max(0.0, min(1.0, ratio)) * width * 8)
+    full, part = divmod(eighths, 8)
+    return ("█" * full + ("▏▎▍▌▋▊▉"[part - 1] if part else "")).ljust(width)
+
+
+def host_line(hv: dict[str, float | None], width: int) -> str | None:
+    """The node's CPU and memory as nvitop's bars, with the load: None when the source gave neither."""
+    cpu, used, total = hv.get("host_cpu_ratio"), hv.get("host_memory_used_bytes"), hv.get("host_memory_total_bytes")
+    if cpu is None and used is None:
+        return None
+    mem = None if used is None or not total else used / total
+    load = hv.get("host_load1")
+    cpu_tail, mem_tail = f"] {pct(cpu)}", f"] {pct(mem)} {gib(used)}/{gib(total)} GiB"
+    load_text = "" if load is None else f"   load {load:.1f}"
+    fixed = len(" CPU [") + len(cpu_tail) + len("   MEM [") + len(mem_tail) + len(load_text)
+    w = max(4, min(50, (width - fixed) // 2))
+    return clip(f" CPU [{bar(cpu, w)}{cpu_tail}   MEM [{bar(mem, w)}{mem_tail}{load_text}", width, words=True)
+
+
 def sparkline(values: Iterable[float | None], width: int) -> str:
     """The last `width` ratios as block characters (a gap where unknown)."""
     tail = list(values)[-width:]
