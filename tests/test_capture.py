@@ -272,7 +272,7 @@ def test_count_stops_after_n_requests(plain, tmp_path):
 @pytest.mark.parametrize("args,sentence", [
     (["--upstream", "http://127.0.0.1:{dead}"], "Cannot connect to the upstream"),
     (["--upstream", "ftp://example.com"], "--upstream must be an http:// or https:// URL"),
-    (["--upstream", "http://127.0.0.1:1", "--listen", "nonsense"], "--listen takes HOST:PORT"),
+    (["--upstream", "http://127.0.0.1:1", "--listen", "nonsense"], "--listen must be HOST:PORT"),
     (["--upstream", "http://127.0.0.1:1", "--count", "-1"], "--count must be"),
     (["--upstream", "{plain}", "--out", "/nonexistent/dir/c.jsonl"], "Cannot write"),
     ([], "--upstream"),

@@ -7,13 +7,8 @@
 from __future__ import annotations
 
 import asyncio
-import errno
 import json
 import logging
-import os
-import secrets
-import signal
-import stat
 import sys
 import threading
 import time
@@ -22,6 +17,7 @@ from typing import Any
 
 from .._version import __version__
 from ..errors import Unavailable
+from ..http.auth import load_or_create_token
 from ..sampler import Sampler, SamplerConfig
 from .config import Config, ConfigError
 
@@ -58,42 +54,6 @@ def setup_logging(fmt: str, level: str) -> None:
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
 
 
-def load_or_create_token(path: Path) -> str:
-    """The bearer token, created on first start with 0600 permissions."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        try:
-            # Through one descriptor, and only for a regular file: `--token-file /tmp` must not chmod
-            # the directory (it did, to 0600), nor a FIFO block the start.
-            rfd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-        except OSError as e:
-            raise AgentError(f"The token file {path} cannot be read: {e.strerror}.") from None
-        try:
-            st = os.fstat(rfd)
-            if not stat.S_ISREG(st.st_mode):
-                raise AgentError(f"The token file {path} is not a regular file; name a file.")
-            mode = st.st_mode & 0o777
-            if mode & 0o077:
-                os.fchmod(rfd, 0o600)
-                log.warning("token file %s was readable by others (mode %o); made it 0600", path, mode)
-            with os.fdopen(rfd, "r") as f:
-                rfd = -1
-                token = f.read().strip()
-        except OSError as e:
-            raise AgentError(f"The token file {path} cannot be read: {e.strerror}.") from None
-        finally:
-            if rfd >= 0:
-                os.close(rfd)
-        if len(token) < 16:
-            raise AgentError(f"The token file {path} holds no usable token; delete it to make a new one.") from None
-        return token
-    token = secrets.token_urlsafe(32)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
-    return token
-
-
 class Agent:
     def __init__(self, cfg: Config, simulate: str | None = None, gpus: int | None = None,
                  announce: Any = print, processes: int | None = None, churn_s: float | None = None) -> None:
@@ -114,7 +74,7 @@ class Agent:
         self.baselines: Any = None
         self._render_cache: dict[str, tuple[int, bytes]] = {}
         self._render_lock = threading.Lock()
-        self._stop: asyncio.Event | None = None
+        self._served: Any = None
         self.port: int | None = None
 
     # -- what the HTTP side calls --------------------------------------------------------------
@@ -274,34 +234,18 @@ class Agent:
             log.info("agent stopped", extra={"f_event": "stop"})
 
     async def _serve(self) -> int:
-        from aiohttp import web
-
-        from .._serverlog import server_logger
+        from ..http.net import format_host
+        from ..http.serve import ListenError, start
         from .server import make_app
 
-        self._stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            try:
-                loop.add_signal_handler(sig, self._stop.set)
-            except (NotImplementedError, RuntimeError):  # pragma: no cover - not the main thread
-                pass
-        app = make_app(self, self.cfg.agent.max_request_bytes)
-        # a malformed request is one rate-limited line, not an ERROR with a traceback each (anyone can send them)
-        runner = web.AppRunner(app, access_log=None, handle_signals=False, logger=server_logger())
-        await runner.setup()
-        site = web.TCPSite(runner, self.cfg.agent.bind, self.cfg.agent.port, reuse_address=True)
+        a = self.cfg.agent
+        app = make_app(self, a.max_request_bytes)
         try:
-            await site.start()
-        except OSError as e:
-            await runner.cleanup()
-            if e.errno == errno.EADDRINUSE:
-                raise AgentError(f"Port {self.cfg.agent.port} on {self.cfg.agent.bind} is already in use; "
-                                 "choose another with --port.") from None
-            raise AgentError(f"Cannot listen on {self.cfg.agent.bind}:{self.cfg.agent.port}: {e.strerror}.") from None
-        sockets = getattr(site._server, "sockets", None) or []
-        self.port = sockets[0].getsockname()[1] if sockets else self.cfg.agent.port
-        host = self.cfg.agent.bind if ":" not in self.cfg.agent.bind else f"[{self.cfg.agent.bind}]"
+            served = await start(app, a.bind, a.port, flag="--port")
+        except ListenError as e:
+            raise AgentError(str(e)) from None
+        self.port = served.port
+        host = format_host(a.bind)
         if self.alerts is not None:
             self.alerts.engine.generator_url = (self.cfg.alerts.external_url
                                                 or f"http://{self.sampler.hostname}:{self.port}/api/v1/alerts")
@@ -315,8 +259,9 @@ class Agent:
                       f"  data:            {self.cfg.data_path}\n"
                       + ("" if self.loopback_only else f"  token:           {self.token_path} (needed for every request)\n")
                       + "  stop with Ctrl-C")
-        log.info("agent started", extra={"f_event": "start", "f_port": self.port, "f_bind": self.cfg.agent.bind})
-        await self._stop.wait()
+        log.info("agent started", extra={"f_event": "start", "f_port": self.port, "f_bind": a.bind})
+        self._served = served
+        await served.wait()
         log.info("stopping: flushing the store", extra={"f_event": "stopping"})
-        await runner.cleanup()
+        await served.close()
         return 0

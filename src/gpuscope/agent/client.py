@@ -11,11 +11,13 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
 from ..errors import EXIT_USAGE, Unavailable
-from .config import DEFAULT_PORT, default_data_dir
+from ..http.auth import find_token
+from .config import DEFAULT_PORT
+
+__all__ = ["BadArgument", "ClientError", "default_url", "find_token", "format_range", "get_json"]
 
 
 class ClientError(Unavailable, RuntimeError):
@@ -41,19 +43,6 @@ def default_url() -> str:
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise BadArgument(f"GPUSCOPE_URL must be an http:// or https:// URL of an agent, not {url!r}.")
     return url
-
-
-def find_token(explicit: str | None, data_dir: str | None) -> str | None:
-    if explicit:
-        return explicit
-    env = os.environ.get("GPUSCOPE_TOKEN")
-    if env:
-        return env
-    path = Path(data_dir).expanduser() / "token" if data_dir else default_data_dir() / "token"
-    try:
-        return path.read_text().strip() or None
-    except OSError:
-        return None
 
 
 def get_json(url: str, path: str, params: dict[str, str], token: str | None, timeout: float = 30.0,

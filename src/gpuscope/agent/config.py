@@ -52,7 +52,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 import math
 import os
 import re
@@ -65,6 +64,7 @@ from .._files import load_toml
 from .._paths import default_data_dir  # re-exported: gpuscope.agent.config.default_data_dir
 from .._redact import redact_url
 from ..errors import UsageError
+from ..http.net import is_loopback_host
 
 DEFAULT_PORT = 9471
 
@@ -114,18 +114,6 @@ def parse_size(v: Any, where: str) -> int:
         if n > 0:
             return n
     raise ConfigError(f"{where} must be a size such as \"10GiB\" or a number of bytes, not {v!r}.")
-
-
-def is_loopback_host(host: str) -> bool:
-    """Only a literal loopback address ('127.0.0.1', '::1', '[::1]') or 'localhost' counts: a host name
-    that merely starts with '127.' does not."""
-    host = host.strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 @dataclass

@@ -29,7 +29,7 @@ from aiohttp import web
 
 from .._records import Event
 from .._text import valid_text
-from ..web.api import error_response, json_response
+from ..http.responses import BadRequest, error_response, json_response
 
 MAX_EVENTS = 100
 MAX_BODY_BYTES = 64 << 10
@@ -47,9 +47,6 @@ SEVERITIES = ("info", "warning", "critical")
 FIELDS = ("kind", "type", "severity", "message", "source", "labels", "time")
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*", re.ASCII)
 
-
-class EventBadRequest(Exception):
-    pass
 
 
 class RateLimiter:
@@ -91,72 +88,72 @@ class RateLimiter:
 
 
 def parse_events(doc: Any, now_s: float) -> list[Event]:
-    """The events of a request body (decoded JSON); EventBadRequest with one sentence naming the field."""
+    """The events of a request body (decoded JSON); BadRequest with one sentence naming the field."""
     single = isinstance(doc, dict)
     items = [doc] if single else doc
     if not isinstance(items, list):
-        raise EventBadRequest('The body must be one event (a JSON object) or a list of them, e.g. {"kind": "guard", '
+        raise BadRequest('The body must be one event (a JSON object) or a list of them, e.g. {"kind": "guard", '
                               '"type": "breaker_open", "severity": "warning", "message": "...", "source": "guard"}.')
     if not items:
-        raise EventBadRequest("The list of events is empty.")
+        raise BadRequest("The list of events is empty.")
     if len(items) > MAX_EVENTS:
-        raise EventBadRequest(f"{len(items)} events in one request is too many (at most {MAX_EVENTS}).")
+        raise BadRequest(f"{len(items)} events in one request is too many (at most {MAX_EVENTS}).")
     return [_event(item, "" if single else f"events[{i}].", now_s) for i, item in enumerate(items)]
 
 
 def _text(ev: dict[str, Any], key: str, where: str, limit: int, pattern: re.Pattern[str] | None = None) -> str:
     v = ev.get(key)
     if not isinstance(v, str) or not v.strip():
-        raise EventBadRequest(f"{where}{key} must be a non-empty string.")
+        raise BadRequest(f"{where}{key} must be a non-empty string.")
     if len(v) > limit:
-        raise EventBadRequest(f"{where}{key} is {len(v)} characters long; at most {limit} are taken.")
+        raise BadRequest(f"{where}{key} is {len(v)} characters long; at most {limit} are taken.")
     if pattern is not None and not pattern.fullmatch(v):
-        raise EventBadRequest(f"{where}{key} must be a name of letters, digits, '_', '.' and '-', not {v!r}.")
+        raise BadRequest(f"{where}{key} must be a name of letters, digits, '_', '.' and '-', not {v!r}.")
     if not v.isprintable():
-        raise EventBadRequest(f"{where}{key} must not contain control characters.")
+        raise BadRequest(f"{where}{key} must not contain control characters.")
     return v
 
 
 def _event(ev: Any, where: str, now_s: float) -> Event:
     if not isinstance(ev, dict):
-        raise EventBadRequest(f"{where.rstrip('.') or 'The event'} must be a JSON object, not {type(ev).__name__}.")
+        raise BadRequest(f"{where.rstrip('.') or 'The event'} must be a JSON object, not {type(ev).__name__}.")
     unknown = sorted(str(k) for k in ev if k not in FIELDS)
     if unknown:
-        raise EventBadRequest(f"{where}{unknown[0]} is not an event field; an event has {', '.join(FIELDS)}.")
+        raise BadRequest(f"{where}{unknown[0]} is not an event field; an event has {', '.join(FIELDS)}.")
     if ev.get("kind") != "guard":
-        raise EventBadRequest(f"{where}kind must be 'guard' (the only kind other processes may post), "
+        raise BadRequest(f"{where}kind must be 'guard' (the only kind other processes may post), "
                               f"not {ev.get('kind')!r}.")
     etype = _text(ev, "type", where, MAX_NAME_CHARS, _NAME)
     severity = ev.get("severity")
     if severity not in SEVERITIES:
-        raise EventBadRequest(f"{where}severity must be one of {', '.join(SEVERITIES)}, not {severity!r}.")
+        raise BadRequest(f"{where}severity must be one of {', '.join(SEVERITIES)}, not {severity!r}.")
     message = ev.get("message")
     if isinstance(message, str) and len(message) > MAX_MESSAGE_CHARS:
-        raise EventBadRequest(f"{where}message is {len(message)} characters long; at most {MAX_MESSAGE_CHARS} "
+        raise BadRequest(f"{where}message is {len(message)} characters long; at most {MAX_MESSAGE_CHARS} "
                               "are taken.")
     if not isinstance(message, str) or not message.strip():
-        raise EventBadRequest(f"{where}message must be a non-empty string.")
+        raise BadRequest(f"{where}message must be a non-empty string.")
     source = _text(ev, "source", where, MAX_SOURCE_CHARS)
     labels = ev.get("labels", {})
     if not isinstance(labels, dict):
-        raise EventBadRequest(f"{where}labels must be an object of strings, such as {{\"class\": \"batch\"}}.")
+        raise BadRequest(f"{where}labels must be an object of strings, such as {{\"class\": \"batch\"}}.")
     if len(labels) > MAX_LABELS:
-        raise EventBadRequest(f"{where}labels has {len(labels)} entries; at most {MAX_LABELS} are taken.")
+        raise BadRequest(f"{where}labels has {len(labels)} entries; at most {MAX_LABELS} are taken.")
     for k, v in labels.items():
         if len(k) > MAX_NAME_CHARS or not _NAME.fullmatch(k):
-            raise EventBadRequest(f"{where}labels has the key {k[:80]!r}; a label name is letters, digits, '_', "
+            raise BadRequest(f"{where}labels has the key {k[:80]!r}; a label name is letters, digits, '_', "
                                   f"'.' and '-', at most {MAX_NAME_CHARS} characters.")
         if not isinstance(v, str) or len(v) > MAX_LABEL_VALUE_CHARS:
-            raise EventBadRequest(f"{where}labels.{k} must be a string of at most {MAX_LABEL_VALUE_CHARS} "
+            raise BadRequest(f"{where}labels.{k} must be a string of at most {MAX_LABEL_VALUE_CHARS} "
                                   "characters.")
     t = ev.get("time", now_s)
     if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
-        raise EventBadRequest(f"{where}time must be a number of unix seconds, not {t!r}.")
+        raise BadRequest(f"{where}time must be a number of unix seconds, not {t!r}.")
     if t > now_s + MAX_FUTURE_S:
-        raise EventBadRequest(f"{where}time is {t - now_s:.0f} s in the future; at most {MAX_FUTURE_S:.0f} s "
+        raise BadRequest(f"{where}time is {t - now_s:.0f} s in the future; at most {MAX_FUTURE_S:.0f} s "
                               "ahead is taken (is the sender's clock right?).")
     if t < now_s - MAX_PAST_S:
-        raise EventBadRequest(f"{where}time is more than a day in the past; send unix seconds, not milliseconds "
+        raise BadRequest(f"{where}time is more than a day in the past; send unix seconds, not milliseconds "
                               "or a stale queue.")
     # JSON may carry lone surrogates ("\ud800"): made valid text here, once, for the store and every reader.
     return Event(int(t * 1e9), "guard", None, valid_text(message),
@@ -193,7 +190,7 @@ class EventsApi:
             return error_response(400, "The body is not valid JSON.")
         try:
             events = parse_events(doc, time.time())
-        except EventBadRequest as e:
+        except BadRequest as e:
             return error_response(400, str(e))
         wanted: dict[str, int] = {}
         for ev in events:

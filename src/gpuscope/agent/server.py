@@ -20,29 +20,18 @@ from typing import Any
 from aiohttp import web
 
 from .._version import __version__
-from ..timeparse import TimeError, parse_duration, parse_time
-from ..web import api as ui
+from ..http.auth import access
+from ..http.responses import BadRequest, error_response, json_errors, json_response
+from ..timeparse import parse_duration, parse_time
 
 log = logging.getLogger("gpuscope.agent.http")
 
 MAX_POINTS = 100_000  # per series in one range query
 AGGS = ("mean", "max", "min", "last", "count", "sum")
 
-
-class BadRequest(Exception):
-    pass
-
-
-def _json(data: Any, status: int = 200) -> web.Response:
-    return web.Response(text=ui.dumps(data), status=status, content_type="application/json")
-
+__all__ = ["Api", "BadRequest", "make_app"]
 
 _PERCENTILE = re.compile(r"p([0-9]+(?:\.[0-9]+)?)", re.ASCII)
-_LOOPBACK_HOSTS = re.compile(r"^(localhost|127\.[0-9.]+|\[::1\])(:[0-9]+)?$", re.ASCII | re.IGNORECASE)
-
-
-def _error(status: int, message: str) -> web.Response:
-    return _json({"error": message}, status)
 
 
 def _clean(values: Any) -> list[float | None]:
@@ -55,43 +44,6 @@ class Api:
 
     def __init__(self, agent: Any) -> None:
         self.agent = agent
-
-    # -- middleware ----------------------------------------------------------------------------
-    @web.middleware
-    async def guard(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        if self.agent.loopback_only and not _LOOPBACK_HOSTS.match(request.headers.get("Host", "")):
-            # A loopback agent serves only loopback names: a web page cannot reach it through a
-            # DNS name that resolves to 127.0.0.1 (DNS rebinding).
-            return _error(403, "This agent listens on loopback only and answers requests addressed to "
-                               "localhost or 127.0.0.1.")
-        login = ui.token_login(request, self.agent.token)  # /ui/?token=...: a cookie for the browser
-        if login is not None:
-            return login
-        needs_token = (not self.agent.loopback_only) or request.method not in ("GET", "HEAD", "OPTIONS")
-        if needs_token and not ui.authorized(request, self.agent.token):
-            return _error(401, ui.unauthorized_message(request, str(self.agent.token_path)))
-        try:
-            return await handler(request)
-        except BadRequest as e:
-            return _error(400, str(e))
-        except TimeError as e:
-            return _error(400, str(e))
-        except web.HTTPException as e:
-            if e.status >= 400:
-                reason = {404: f"No such endpoint: {request.path}; see /api/v1/ for the list.",
-                          405: f"{request.method} is not allowed on {request.path}.",
-                          413: "The request body is too large."}.get(e.status, e.reason)
-                return _error(e.status, reason)
-            raise
-        except ConnectionResetError:  # the client left mid-body (a Content-Length it never sent): not our failure
-            return _error(400, "The connection closed before the request body ended.")
-        except Exception as e:  # noqa: BLE001 - the agent keeps serving
-            from ..store import StoreError  # late: the store imports numpy
-
-            if isinstance(e, StoreError):
-                return _error(400, str(e))
-            log.exception("request %s failed", request.path)
-            return _error(500, f"The agent failed to answer: {type(e).__name__}.")
 
     # -- routes --------------------------------------------------------------------------------
     def routes(self, app: web.Application) -> None:
@@ -114,7 +66,7 @@ class Api:
     async def index(self, request: web.Request) -> web.Response:
         if request.path == "/" and _prefers_html(request.headers.get("Accept", "")):
             raise web.HTTPFound("/ui/")  # a browser gets the dashboard, tools keep the JSON index
-        return _json({
+        return json_response({
             "gpuscope": __version__,
             "simulated": self.agent.sampler.simulated,
             "endpoints": {
@@ -148,26 +100,26 @@ class Api:
         return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     async def status(self, request: web.Request) -> web.Response:
-        return _json(await asyncio.get_running_loop().run_in_executor(None, self.agent.status))
+        return json_response(await asyncio.get_running_loop().run_in_executor(None, self.agent.status))
 
     async def healthz(self, request: web.Request) -> web.Response:
         """Liveness: the agent answers."""
-        return _json({"alive": True})
+        return json_response({"alive": True})
 
     async def readyz(self, request: web.Request) -> web.Response:
         """Readiness: 200 while the store can write, else 503 with why and since when (Store.health())."""
         health = self.agent.store.health()
-        return _json(health, status=200 if health["healthy"] else 503)
+        return json_response(health, status=200 if health["healthy"] else 503)
 
     async def latest(self, request: web.Request) -> web.Response:
         snap = self.agent.sampler.latest()
         if snap is None:
-            return _error(503, "The sampler has not produced a snapshot yet; try again in a second.")
-        return _json(asdict(snap))
+            return error_response(503, "The sampler has not produced a snapshot yet; try again in a second.")
+        return json_response(asdict(snap))
 
     async def capabilities(self, request: web.Request) -> web.Response:
         caps = self.agent.sampler.capabilities()
-        return _json({gpu: {m: {"supported": c.supported, "reason": c.reason} for m, c in per.items()}
+        return json_response({gpu: {m: {"supported": c.supported, "reason": c.reason} for m, c in per.items()}
                       for gpu, per in caps.items()})
 
     async def series(self, request: web.Request) -> web.Response:
@@ -176,10 +128,10 @@ class Api:
         self._check_labels(q)
         store = self.agent.store
         res = await asyncio.get_running_loop().run_in_executor(None, lambda: store.series(metric, **q))
-        return _json({"series": res})
+        return json_response({"series": res})
 
     async def labels(self, request: web.Request) -> web.Response:
-        return _json({"labels": await asyncio.get_running_loop().run_in_executor(None, self.agent.store.labels)})
+        return json_response({"labels": await asyncio.get_running_loop().run_in_executor(None, self.agent.store.labels)})
 
     def _check_labels(self, q: dict[str, str]) -> None:
         for k in q:
@@ -212,7 +164,7 @@ class Api:
             return store.query(metric, start, end, step, agg, labels=q or None)
 
         results = await asyncio.get_running_loop().run_in_executor(None, run)
-        return _json({
+        return json_response({
             "metric": metric, "start_ns": start, "end_ns": end, "step_s": step, "agg": agg,
             "simulated": self.agent.sampler.simulated,
             "series": [{"labels": r.labels, "timestamps_ns": [int(t) for t in r.timestamps_ns],
@@ -229,7 +181,7 @@ class Api:
         store = self.agent.store
         evs = await asyncio.get_running_loop().run_in_executor(
             None, lambda: store.events(start, end, kind=q.get("kind"), gpu=q.get("gpu")))
-        return _json({"events": [asdict(e) for e in evs]})
+        return json_response({"events": [asdict(e) for e in evs]})
 
 
     async def diagnose(self, request: web.Request) -> web.Response:
@@ -249,7 +201,7 @@ class Api:
                     None, lambda: diagnose_range(store, start, end))
             except NoData as e:
                 raise BadRequest(str(e)) from None
-            return _json(range_as_dict(result))
+            return json_response(range_as_dict(result))
         window = parse_duration(request.query.get("window", "30s"), "window")
         sampler = self.agent.sampler
         held = len(sampler.history) * sampler.config.interval
@@ -269,14 +221,14 @@ class Api:
             return verdicts
 
         verdicts = await asyncio.get_running_loop().run_in_executor(None, run)
-        return _json({"window_s": window, "simulated": sampler.simulated, "verdicts": [asdict(v) for v in verdicts]})
+        return json_response({"window_s": window, "simulated": sampler.simulated, "verdicts": [asdict(v) for v in verdicts]})
 
 
     async def alerts(self, request: web.Request) -> web.Response:
         svc = getattr(self.agent, "alerts", None)
         if svc is None:
-            return _json({"enabled": False, "firing": [], "pending": [], "resolved": [], "rules": []})
-        return _json({"enabled": True, "simulated": self.agent.sampler.simulated, **svc.alerts()})
+            return json_response({"enabled": False, "firing": [], "pending": [], "resolved": [], "rules": []})
+        return json_response({"enabled": True, "simulated": self.agent.sampler.simulated, **svc.alerts()})
 
 
 def _prefers_html(accept: str) -> bool:
@@ -298,14 +250,20 @@ def _prefers_html(accept: str) -> bool:
 
 
 def make_app(agent: Any, max_request_bytes: int = 65536) -> web.Application:
+    """The agent's app: its API, traces, events and the dashboard, behind the kit's access rule (loopback
+    Host names; the token beyond loopback and for changes) and its JSON errors."""
+    from ..web.api import add_ui_routes
     from ..web.local import AgentBackend
     from .events_api import register as register_events
     from .trace_api import register as register_traces
 
     api = Api(agent)
-    app = web.Application(middlewares=[api.guard], client_max_size=max_request_bytes)
+    guard = access(token=agent.token, loopback_only=agent.loopback_only, server="agent",
+                   token_hint=str(agent.token_path))
+    errors = json_errors(server="agent", not_found="No such endpoint: {path}; see /api/v1/ for the list.", log=log)
+    app = web.Application(middlewares=[errors, guard], client_max_size=max_request_bytes)
     api.routes(app)
     register_traces(app, agent)
     register_events(app, agent)
-    ui.add_ui_routes(app, AgentBackend(agent))
+    add_ui_routes(app, AgentBackend(agent))
     return app

@@ -32,9 +32,9 @@ from typing import Any
 
 from aiohttp import web
 
+from ..http.responses import BadRequest, error_response, json_response
 from ..timeparse import TimeError, parse_duration
 from ..trace import ondemand as od
-from ..web.api import error_response, json_response
 
 log = logging.getLogger("gpuscope.agent.traces")
 
@@ -49,9 +49,6 @@ TRACE_SUFFIX = ".pt.trace.json.gz"
 NO_ONE = "no process opted in: start it with gpuscope trace --on-demand -- ..."
 _ID = re.compile(r"[0-9a-f]{16}")
 
-
-class TraceBadRequest(Exception):
-    pass
 
 
 def short_name(kernel: str) -> str:
@@ -217,7 +214,7 @@ class Traces:
             return error_response(400, 'The body must be JSON such as {"duration": "5s", "pids": [1234]}.')
         try:
             duration_s, pids = _parse_request(doc)
-        except (TraceBadRequest, TimeError) as e:
+        except (BadRequest, TimeError) as e:
             return error_response(400, str(e))
         live = await asyncio.get_running_loop().run_in_executor(None, od.opted_in, self.requests_dir, self.host)
         targets = live if pids == "all" else [p for p in live if p["pid"] in pids]
@@ -313,23 +310,23 @@ def _write_new(path: str, text: str) -> None:
 
 def _parse_request(doc: Any) -> tuple[float, list[int] | str]:
     if not isinstance(doc, dict):
-        raise TraceBadRequest('The body must be a JSON object such as {"duration": "5s"}.')
+        raise BadRequest('The body must be a JSON object such as {"duration": "5s"}.')
     unknown = sorted(set(doc) - {"duration", "pids"})
     if unknown:
-        raise TraceBadRequest(f"Unknown field(s) {', '.join(unknown)}: a request has duration and pids.")
+        raise BadRequest(f"Unknown field(s) {', '.join(unknown)}: a request has duration and pids.")
     raw = doc.get("duration", "5s")
     if isinstance(raw, bool) or not isinstance(raw, str | int | float):
-        raise TraceBadRequest(f"duration must be a duration such as \"5s\", not {raw!r}.")
+        raise BadRequest(f"duration must be a duration such as \"5s\", not {raw!r}.")
     duration_s = parse_duration(str(raw), "duration")
     if not od.MIN_DURATION_S <= duration_s <= od.MAX_DURATION_S:
-        raise TraceBadRequest(f"duration must be between {od.MIN_DURATION_S:g} s and {od.MAX_DURATION_S:g} s, "
+        raise BadRequest(f"duration must be between {od.MIN_DURATION_S:g} s and {od.MAX_DURATION_S:g} s, "
                               f"not {duration_s:g} s.")
     pids = doc.get("pids")
     if pids is None:
         return duration_s, "all"
     if not isinstance(pids, list) or not pids or not all(isinstance(p, int) and not isinstance(p, bool) and p > 0
                                                          for p in pids):
-        raise TraceBadRequest("pids must be a non-empty list of process ids (integers), or left out for all.")
+        raise BadRequest("pids must be a non-empty list of process ids (integers), or left out for all.")
     return duration_s, sorted(set(pids))
 
 

@@ -265,7 +265,7 @@ def _find_token(path: str) -> str | None:
                         path, e.strerror)
             return None
     try:
-        from ..agent.client import find_token  # GPUSCOPE_TOKEN, then the agent's default data directory
+        from ..http.auth import find_token  # GPUSCOPE_TOKEN, then the agent's default data directory
 
         return find_token(None, None)
     except Exception:  # noqa: BLE001

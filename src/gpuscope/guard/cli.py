@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import urllib.parse
+import asyncio
+from typing import Any
+
+from ..http.net import parse_listen, parse_upstream
 
 HELP = "GPU-aware admission control: check a config, or run the guard as a proxy in front of a service"
 DESCRIPTION = """\
@@ -27,11 +30,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, metavar="CONFIG", help="the guard config, .yaml/.yml or .toml")
     p.add_argument("--upstream", required=True, metavar="URL", help="the service, e.g. http://127.0.0.1:8000")
     p.add_argument("--listen", default="127.0.0.1:8090", metavar="HOST:PORT",
-                   help="where the proxy listens (default 127.0.0.1:8090)")
+                   help="where the proxy listens: HOST:PORT, :PORT (127.0.0.1) or [::1]:PORT (default "
+                        "127.0.0.1:8090; port 0 picks a free one)")
 
 
 def _config(path: str):  # noqa: ANN202 - GuardConfig, imported late
-    from ..cli import UsageError
+    from ..errors import UsageError
     from ._config import GuardConfigError, load
 
     try:
@@ -40,30 +44,8 @@ def _config(path: str):  # noqa: ANN202 - GuardConfig, imported late
         raise UsageError(str(e)) from None
 
 
-def _listen(value: str) -> tuple[str, int]:
-    from ..cli import UsageError
-
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
-        raise UsageError(f"--listen must be HOST:PORT such as 127.0.0.1:8090, not {value!r}.")
-    return host.strip("[]") or "127.0.0.1", int(port)
-
-
-def _upstream(value: str) -> str:
-    from ..cli import UsageError
-
-    u = urllib.parse.urlsplit(value)
-    try:
-        _ = u.port
-    except ValueError:
-        raise UsageError(f"--upstream {value!r} has a bad port.") from None
-    if u.scheme not in ("http", "https") or not u.hostname:
-        raise UsageError(f"--upstream must be an http:// or https:// URL such as http://127.0.0.1:8000, not {value!r}.")
-    return value
-
-
 def run(args: argparse.Namespace) -> int:
-    from ..cli import UsageError
+    from ..errors import UsageError
 
     action = getattr(args, "guard_action", None)
     if action is None:
@@ -77,18 +59,19 @@ def run(args: argparse.Namespace) -> int:
               f"breaker {'on' if cfg.breaker.enabled else 'off'}; "
               f"{'Redis ' + redact_url(cfg.redis.url, keep_path=True) if cfg.redis.url else 'local buckets'}")
         return 0
-    host, port = _listen(args.listen)
-    upstream = _upstream(args.upstream)
-    from aiohttp import web
+    host, port = parse_listen(args.listen, example="127.0.0.1:8090")
+    upstream = parse_upstream(args.upstream)
+    return asyncio.run(_serve(cfg, upstream, host, port))
 
-    from .._serverlog import server_logger
+
+async def _serve(cfg: Any, upstream: str, host: str, port: int) -> int:
+    from ..http.serve import start
     from ._core import Guard
     from .proxy import make_app
 
     app = make_app(Guard.from_config(cfg), upstream)
-    print(f"gpuscope guard: proxying http://{host}:{port} -> {upstream} (metrics at /guard/metrics)", flush=True)
-    try:
-        web.run_app(app, host=host, port=port, print=None, handle_signals=True, logger=server_logger())
-    except OSError as e:
-        raise UsageError(f"Cannot listen on {host}:{port}: {e.strerror or e}.") from None
+    served = await start(app, host, port, flag="--listen")
+    print(f"gpuscope guard: proxying {served.url} -> {upstream} (metrics at /guard/metrics)", flush=True)
+    await served.wait()
+    await served.close()
     return 0

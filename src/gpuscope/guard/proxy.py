@@ -15,6 +15,7 @@ metrics are at /guard/metrics.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -29,7 +30,7 @@ from ._http import GUARD_HEADER, cache_key, needs_body, parse_json, refusal, rew
 from ._metrics import CONTENT_TYPE, render
 from ._signals import SignalPoller
 
-__all__ = ["make_app"]
+__all__ = ["error_body", "make_app"]
 
 log = logging.getLogger("gpuscope.guard")
 
@@ -37,9 +38,14 @@ _HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-autho
                   "trailers", "transfer-encoding", "upgrade", "host", "content-length"})
 
 
+def error_body(status: int, message: str) -> bytes:
+    """The proxy's own errors in the OpenAI form: {"error": {"message": sentence, "type": "proxy_error"}}."""
+    return json.dumps({"error": {"message": message, "type": "proxy_error", "code": status}}).encode()
+
+
 def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": "proxy_error"}}, status=status,
-                             headers={GUARD_HEADER: "proxy_error"})
+    return web.Response(status=status, body=error_body(status, message), content_type="application/json",
+                        headers={GUARD_HEADER: "proxy_error"})
 
 
 async def _read_at_most(content: aiohttp.StreamReader, max_bytes: int) -> bytes:

@@ -18,8 +18,6 @@ import argparse
 import asyncio
 import json
 import re
-import signal
-import socket
 import sys
 import time
 import urllib.parse
@@ -29,7 +27,9 @@ from typing import IO, Any
 import aiohttp
 from aiohttp import web
 
-from .capture_cli import DESCRIPTION, HELP, add_arguments  # noqa: F401  (the command's face, kept light)
+from ..errors import UsageError
+from ..http.net import is_loopback_host, parse_listen, parse_upstream
+from ..http.serve import start
 
 # Hop-by-hop headers (RFC 9110 section 7.6.1) belong to one connection, never forwarded or recorded; Host
 # and Content-Length are recomputed by whoever sends the request again.
@@ -167,7 +167,7 @@ class Recorder:
         self.t0: float | None = None
         self._next_seq = 0
         self._next_write = 0
-        self._done: dict[int, dict[str, Any]] = {}
+        self._done: dict[int, dict[str, Any] | None] = {}
         self.written = 0
 
     def begin(self) -> tuple[int, float]:
@@ -177,13 +177,15 @@ class Recorder:
         self._next_seq += 1
         return self._next_seq - 1, now
 
-    def finish(self, seq: int, record: dict[str, Any]) -> None:
+    def finish(self, seq: int, record: dict[str, Any] | None) -> None:
+        """Record `seq` (None: a request whose body never came, nothing to replay) and write what is due."""
         self._done[seq] = record
         while self._next_write in self._done:
-            self.out.write(json.dumps(self._done.pop(self._next_write), ensure_ascii=False,
-                                      separators=(",", ":")) + "\n")
+            done = self._done.pop(self._next_write)
             self._next_write += 1
-            self.written += 1
+            if done is not None:
+                self.out.write(json.dumps(done, ensure_ascii=False, separators=(",", ":")) + "\n")
+                self.written += 1
         self.out.flush()
 
     def body_value(self, raw: bytes, content_type: str) -> Any:
@@ -225,7 +227,11 @@ class CaptureProxy:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         assert self.session is not None
         seq, t_start = self.recorder.begin()
-        raw = await request.read()
+        try:
+            raw = await request.read()
+        except BaseException:  # the client left before its body ended
+            self.recorder.finish(seq, None)  # the requests after it are still written
+            raise
         content_type = request.headers.get("Content-Type", "")
         body = self.recorder.body_value(raw, content_type)
         record: dict[str, Any] = {
@@ -262,8 +268,7 @@ class CaptureProxy:
                 record["status"] = 502
                 self.errors += 1
                 print(f"gpuscope capture: {request.method} {request.path}: {sentence}", file=sys.stderr, flush=True)
-                return web.json_response({"error": {"message": sentence, "type": "bad_gateway", "code": 502}},
-                                         status=502)
+                return web.Response(status=502, body=error_body(502, sentence), content_type="application/json")
             if not isinstance(e, ConnectionResetError) and request.transport is not None:
                 request.transport.close()  # the upstream broke off: the client must not see a clean end
             return resp  # the client or the upstream went away mid-answer: recorded with what was seen
@@ -289,31 +294,6 @@ def _upstream_failure(upstream: str, e: BaseException) -> str:
     return f"The upstream {upstream} failed: {e}."
 
 
-def _parse_upstream(text: str) -> str:
-    from ..cli import UsageError
-
-    u = urllib.parse.urlsplit(text)
-    if u.scheme not in ("http", "https") or not u.hostname:
-        raise UsageError(f"--upstream must be an http:// or https:// URL, not {text!r}.")
-    try:
-        u.port  # noqa: B018 - raises on a bad port
-    except ValueError:
-        raise UsageError(f"--upstream {text!r} has a bad port.") from None
-    if u.query or u.fragment:
-        raise UsageError(f"--upstream {text!r} must not carry a query or fragment.")
-    return text.rstrip("/")
-
-
-def _parse_listen(text: str) -> tuple[str, int]:
-    from ..cli import UsageError
-
-    host, sep, port = text.rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise UsageError(f"--listen takes HOST:PORT (such as 127.0.0.1:8081), not {text!r}.")
-    return host, int(port)
-
-
 async def _probe(upstream: str) -> str | None:
     """None when the upstream answers HTTP at all (any status), else one sentence saying why not."""
     try:
@@ -324,9 +304,16 @@ async def _probe(upstream: str) -> str | None:
         return _upstream_failure(upstream, e)
 
 
-async def _serve(args: argparse.Namespace, upstream: str, host: str, port: int) -> int:
-    from ..cli import UsageError
+_ERROR_TYPES = {502: "bad_gateway", 503: "overloaded", 408: "request_timeout"}
 
+
+def error_body(status: int, sentence: str) -> bytes:
+    """The proxy's own answers in the OpenAI error form its clients read (the 502 when the upstream is away)."""
+    return json.dumps({"error": {"message": sentence, "type": _ERROR_TYPES.get(status, "invalid_request"),
+                                 "code": status}}).encode()
+
+
+async def _serve(args: argparse.Namespace, upstream: str, host: str, port: int) -> int:
     problem = await _probe(upstream)
     if problem:
         raise UsageError(problem)
@@ -341,43 +328,30 @@ async def _serve(args: argparse.Namespace, upstream: str, host: str, port: int) 
 
 
 async def _proxy(args: argparse.Namespace, upstream: str, host: str, port: int, out: IO[str]) -> int:
-    from ..agent.config import is_loopback_host
-    from ..cli import UsageError
-
     recorder = Recorder(out, args.anonymise)
     proxy = CaptureProxy(upstream, recorder, args.timeout)
     await proxy.start()
     app = web.Application(client_max_size=256 << 20)
     app.router.add_route("*", "/{tail:.*}", proxy.handle)
-    # handler_cancellation: a client that leaves cancels its forwarded request, so the upstream sees it leave too.
-    runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
-    await runner.setup()
     try:
-        sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
-    except OSError as e:
-        await runner.cleanup()
+        # handler_cancellation: a client that leaves cancels its forwarded request, so the upstream sees it leave too.
+        served = await start(app, host, port, flag="--listen", handler_cancellation=True)
+    except BaseException:
         await proxy.close()
-        raise UsageError(f"Cannot listen on {host}:{port}: {e.strerror or e}.") from None
-    await web.SockSite(runner, sock).start()
-    bound_port = sock.getsockname()[1]
-    shown = f"[{host}]" if ":" in host else host
-    print(f"listening on http://{shown}:{bound_port}", flush=True)
+        raise
+    print(f"listening on {served.url}", flush=True)
     print(f"gpuscope capture: forwarding to {upstream}, recording to {args.out}"
           + (" (anonymised)" if args.anonymise else "") + "; Ctrl-C stops.", file=sys.stderr, flush=True)
     if not is_loopback_host(host):
         print(f"gpuscope capture: warning: listening on {host}, reachable from other machines.", file=sys.stderr)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    waiting = asyncio.ensure_future(served.wait())
     try:
-        while not stop.is_set() and not (args.count and recorder.written >= args.count):
-            try:
-                await asyncio.wait_for(stop.wait(), timeout=0.1)
-            except asyncio.TimeoutError:
-                pass
+        while not waiting.done() and not (args.count and recorder.written >= args.count):
+            await asyncio.wait([waiting], timeout=0.1)
     finally:
-        await runner.cleanup()
+        served.stop_soon()
+        await waiting
+        await served.close()
         await proxy.close()
     print(f"gpuscope capture: {recorder.written} requests recorded in {args.out}"
           + (f", {proxy.errors} could not reach the upstream" if proxy.errors else "") + ".", file=sys.stderr)
@@ -385,10 +359,8 @@ async def _proxy(args: argparse.Namespace, upstream: str, host: str, port: int, 
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..cli import UsageError
-
-    upstream = _parse_upstream(args.upstream)
-    host, port = _parse_listen(args.listen)
+    upstream = parse_upstream(args.upstream)
+    host, port = parse_listen(args.listen)
     if args.count < 0:
         raise UsageError(f"--count must be 0 (no limit) or more, not {args.count}.")
     if not args.timeout > 0:

@@ -14,7 +14,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--upstream", required=True, metavar="URL",
                         help="the service to forward to, such as http://127.0.0.1:8000")
     parser.add_argument("--listen", default="127.0.0.1:8081", metavar="HOST:PORT",
-                        help="where clients connect (default 127.0.0.1:8081; port 0 picks a free one)")
+                        help="where clients connect: HOST:PORT, :PORT (127.0.0.1) or [::1]:PORT (default "
+                             "127.0.0.1:8081; port 0 picks a free one)")
     parser.add_argument("--out", default="capture.jsonl", metavar="FILE",
                         help="the JSON Lines file to write, replaced if it exists (default capture.jsonl)")
     parser.add_argument("--anonymise", "--anonymize", action="store_true",
@@ -24,7 +25,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="stop after N requests are recorded (default 0: until interrupted)")
     parser.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
                         help="longest a forwarded request may take (default 600)")
-
 
 
 def run(args: argparse.Namespace) -> int:

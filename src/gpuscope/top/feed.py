@@ -15,7 +15,7 @@ from typing import Any
 
 from .. import viewmodel
 from ..agent.client import ClientError, get_json
-from ..agent.config import is_loopback_host
+from ..http.net import is_loopback_host
 
 log = logging.getLogger(__name__)
 

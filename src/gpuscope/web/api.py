@@ -17,19 +17,17 @@ for reads. The token itself never reaches the page.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
-import json
 import logging
 import math
 import re
 import time
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlencode
 
 from aiohttp import web
 
+from ..http.auth import access
+from ..http.responses import BadRequest, dumps, error_response, json_errors, json_response
 from ..timeparse import TimeError, parse_duration, parse_time
 from .backend import Backend, BackendError, RangeQuery
 
@@ -42,7 +40,6 @@ VENDOR_DIR = HERE / "node_modules" / "uplot" / "dist"
 VENDOR_FILES = {"uPlot.iife.min.js": "application/javascript", "uPlot.min.css": "text/css"}
 STATIC_FILES = {"app.js": "application/javascript", "app.css": "text/css", "favicon.svg": "image/svg+xml"}
 
-COOKIE = "gpuscope_ui"
 AGGS = ("mean", "max", "min", "last")
 MAX_STREAMS = 32
 MAX_POINTS = 10_000          # per series in one range request
@@ -52,7 +49,6 @@ MAX_RANGE_S = 400 * 86400.0
 _NICE_STEPS_S = (0.1, 0.2, 0.5, 1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600,
                  43200, 86400)
 _LABEL = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_LOOPBACK_HOSTS = re.compile(r"^(localhost|127\.[0-9.]+|\[::1\])(:[0-9]+)?$", re.ASCII | re.IGNORECASE)
 # The page loads nothing from anywhere else; nothing may frame it.
 CSP = "default-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'self'"
 
@@ -60,109 +56,6 @@ BACKEND_KEY = web.AppKey("gpuscope_ui_backend", object)
 STREAMS_KEY = web.AppKey("gpuscope_ui_streams", set)
 STOP_KEY = web.AppKey("gpuscope_ui_stop", asyncio.Event)
 INTERVAL_KEY = web.AppKey("gpuscope_ui_interval", float)
-
-
-class BadRequest(Exception):
-    """The request's parameters are wrong; the message is one sentence."""
-
-
-# -- JSON ------------------------------------------------------------------------------------------
-def _finite(o: Any) -> Any:
-    """JSON has no NaN or infinity: they become null."""
-    if isinstance(o, float):
-        return o if math.isfinite(o) else None
-    if isinstance(o, dict):
-        return {k: _finite(v) for k, v in o.items()}
-    if isinstance(o, list | tuple):
-        return [_finite(v) for v in o]
-    return o
-
-
-def dumps(data: Any) -> str:
-    return json.dumps(_finite(data), default=lambda o: _finite(o.tolist()) if hasattr(o, "tolist") else str(o),
-                      allow_nan=False, separators=(",", ":"))
-
-
-def json_response(data: Any, status: int = 200) -> web.Response:
-    return web.Response(text=dumps(data), status=status, content_type="application/json",
-                        headers={"Cache-Control": "no-store"})
-
-
-def error_response(status: int, message: str) -> web.Response:
-    return json_response({"error": message}, status)
-
-
-# -- auth ------------------------------------------------------------------------------------------
-def cookie_value(token: str) -> str:
-    """What the browser keeps instead of the token: useless as a bearer token elsewhere."""
-    return hmac.new(token.encode(), b"gpuscope dashboard session", hashlib.sha256).hexdigest()
-
-
-def authorized(request: web.Request, token: str) -> bool:
-    """The Bearer header for anything; the dashboard cookie for reads (SameSite=Strict keeps other sites'
-    pages from sending it, and reads change nothing)."""
-    header = request.headers.get("Authorization", "")
-    if header.startswith("Bearer ") and hmac.compare_digest(header[7:].strip().encode(), token.encode()):
-        return True
-    cookie = request.cookies.get(COOKIE)
-    return (cookie is not None and request.method in ("GET", "HEAD")
-            and hmac.compare_digest(cookie.encode(), cookie_value(token).encode()))
-
-
-def token_login(request: web.Request, token: str) -> web.StreamResponse | None:
-    """For /ui/?token=...: a redirect to the same URL without the token that sets the cookie (or a 401
-    for a wrong token); None for any other request."""
-    if "token" not in request.query or not request.path.startswith("/ui"):
-        return None
-    given = request.query["token"]
-    if not hmac.compare_digest(given.encode(), token.encode()):
-        return error_response(401, "The token in the URL is not this server's token.")
-    rest = [(k, v) for k, v in request.query.items() if k != "token"]
-    resp = web.HTTPSeeOther(request.path + ("?" + urlencode(rest) if rest else ""))
-    resp.set_cookie(COOKIE, cookie_value(token), httponly=True, samesite="Strict", path="/")
-    resp.headers["Cache-Control"] = "no-store"
-    resp.headers["Referrer-Policy"] = "no-referrer"
-    return resp
-
-
-def unauthorized_message(request: web.Request, token_path: str) -> str:
-    if request.path.startswith("/ui"):
-        return (f"The dashboard needs this server's token: open /ui/?token=TOKEN once (the token is in {token_path}); "
-                "your browser then keeps a cookie.")
-    return (f"This request needs the token: send 'Authorization: Bearer <token>' (the token is in {token_path}).")
-
-
-def make_guard(token: str | None, loopback_only: bool, token_path: str) -> Any:
-    """The agent's rules: a loopback server answers only loopback Host names (DNS rebinding) and its
-    reads are open; beyond loopback every request needs the token (header or dashboard cookie)."""
-
-    @web.middleware
-    async def guard(request: web.Request, handler: Any) -> web.StreamResponse:
-        if loopback_only and not _LOOPBACK_HOSTS.match(request.headers.get("Host", "")):
-            return error_response(403, "This server listens on loopback only and answers requests addressed to "
-                                       "localhost or 127.0.0.1.")
-        if token:
-            login = token_login(request, token)
-            if login is not None:
-                return login
-        needs_token = not loopback_only or request.method not in ("GET", "HEAD", "OPTIONS")
-        if needs_token and not (token and authorized(request, token)):
-            return error_response(401, unauthorized_message(request, token_path))
-        try:
-            return await handler(request)
-        except web.HTTPException as e:
-            if e.status >= 400:
-                return error_response(e.status, {404: f"No such page: {request.path}; the dashboard is at /ui/.",
-                                                 405: f"{request.method} is not allowed on {request.path}."}
-                                      .get(e.status, e.reason))
-            raise
-        except (asyncio.CancelledError, ConnectionResetError):
-            raise
-        except Exception as e:  # noqa: BLE001 - the dashboard keeps serving, and answers in JSON
-            log.exception("request %s failed", request.path)
-            return error_response(500, f"The dashboard failed to answer: {type(e).__name__}.")
-
-    return guard
 
 
 # -- request parsing -------------------------------------------------------------------------------
@@ -380,13 +273,13 @@ def add_ui_routes(app: web.Application, backend: Backend, *, stream_interval_s: 
     r.add_get("/ui/api/stream", stream)
 
 
-def make_ui_app(backend: Backend, *, token: str | None, loopback_only: bool, token_path: str,
+def make_ui_app(backend: Backend, *, token: str | None, loopback_only: bool, token_path: str = "",
                 stream_interval_s: float = 1.0) -> web.Application:
-    """A standalone dashboard app (for `gpuscope dashboard`) with the agent's guard rules; `/` opens
-    the page, and the backend is closed with the app."""
-    if not loopback_only and not token:
-        raise ValueError("A dashboard reachable beyond loopback needs a token.")
-    app = web.Application(middlewares=[make_guard(token, loopback_only, token_path)])
+    """A standalone dashboard app (for `gpuscope dashboard`) with the agent's access rule (gpuscope.http.auth);
+    `/` opens the page, and the backend is closed with the app."""
+    guard = access(token=token, loopback_only=loopback_only, server="dashboard", token_hint=token_path)
+    errors = json_errors(server="dashboard", not_found="No such page: {path}; the dashboard is at /ui/.", log=log)
+    app = web.Application(middlewares=[errors, guard])
     add_ui_routes(app, backend, stream_interval_s=stream_interval_s)
     app.router.add_get("/", _redirect_to_page)
 

@@ -1,0 +1,171 @@
+"""Who may ask: the token file, the dashboard's cookie, and the one middleware of the agent and the dashboard.
+
+The rule: a server bound to loopback answers only requests addressed to a loopback name (a web page
+cannot reach it through a DNS name that resolves to 127.0.0.1: DNS rebinding) and its reads are open;
+bound beyond loopback, every request needs the token (the Authorization header, or the dashboard
+cookie for reads); changes (POST) need the token wherever it is bound.
+
+    token = load_or_create_token(data_dir / "token")          # 0600, made on first start
+    app = web.Application(middlewares=[access(token=token, loopback_only=True, server="agent",
+                                              token_hint=str(path))])
+
+The token file functions are standard library only (clients use find_token); aiohttp is imported by
+the middleware alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import re
+import secrets
+import stat
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .._paths import default_data_dir
+from ..errors import Unavailable
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+__all__ = ["COOKIE", "TokenError", "access", "authorized", "cookie_value", "find_token",
+           "load_or_create_token", "token_login", "unauthorized_message"]
+
+log = logging.getLogger("gpuscope.http")
+
+COOKIE = "gpuscope_ui"
+LOOPBACK_HOSTS = re.compile(r"^(localhost|127\.[0-9.]+|\[::1\])(:[0-9]+)?$", re.ASCII | re.IGNORECASE)
+
+
+class TokenError(Unavailable, RuntimeError):
+    """The token file cannot be made or read; the message is one sentence."""
+
+
+def load_or_create_token(path: Path) -> str:
+    """The bearer token, created on first start with 0600 permissions."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        try:
+            # Through one descriptor, and only for a regular file: `--token-file /tmp` must not chmod
+            # the directory (it did, to 0600), nor a FIFO block the start.
+            rfd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        except OSError as e:
+            raise TokenError(f"The token file {path} cannot be read: {e.strerror}.") from None
+        try:
+            st = os.fstat(rfd)
+            if not stat.S_ISREG(st.st_mode):
+                raise TokenError(f"The token file {path} is not a regular file; name a file.")
+            mode = st.st_mode & 0o777
+            if mode & 0o077:
+                os.fchmod(rfd, 0o600)
+                log.warning("token file %s was readable by others (mode %o); made it 0600", path, mode)
+            with os.fdopen(rfd, "r") as f:
+                rfd = -1
+                token = f.read().strip()
+        except OSError as e:
+            raise TokenError(f"The token file {path} cannot be read: {e.strerror}.") from None
+        finally:
+            if rfd >= 0:
+                os.close(rfd)
+        if len(token) < 16:
+            raise TokenError(f"The token file {path} holds no usable token; delete it to make a new one.") from None
+        return token
+    except OSError as e:
+        raise TokenError(f"The token file {path} cannot be made: {e.strerror}.") from None
+    token = secrets.token_urlsafe(32)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token
+
+
+def find_token(explicit: str | None, data_dir: str | None) -> str | None:
+    """What a client sends: `explicit` (--token), else $GPUSCOPE_TOKEN, else the agent's token file in
+    `data_dir` (default: default_data_dir()); None when there is none to read."""
+    if explicit:
+        return explicit
+    env = os.environ.get("GPUSCOPE_TOKEN")
+    if env:
+        return env
+    path = Path(data_dir).expanduser() / "token" if data_dir else default_data_dir() / "token"
+    try:
+        return path.read_text().strip() or None
+    except OSError:
+        return None
+
+
+# -- the dashboard's cookie ------------------------------------------------------------------------
+def cookie_value(token: str) -> str:
+    """What the browser keeps instead of the token: useless as a bearer token elsewhere."""
+    return hmac.new(token.encode(), b"gpuscope dashboard session", hashlib.sha256).hexdigest()
+
+
+def authorized(request: web.Request, token: str) -> bool:
+    """The Bearer header for anything; the dashboard cookie for reads (SameSite=Strict keeps other sites'
+    pages from sending it, and reads change nothing)."""
+    header = request.headers.get("Authorization", "")
+    if header.startswith("Bearer ") and hmac.compare_digest(header[7:].strip().encode(), token.encode()):
+        return True
+    cookie = request.cookies.get(COOKIE)
+    return (cookie is not None and request.method in ("GET", "HEAD")
+            and hmac.compare_digest(cookie.encode(), cookie_value(token).encode()))
+
+
+def token_login(request: web.Request, token: str) -> web.StreamResponse | None:
+    """For /ui/?token=...: a redirect to the same URL without the token that sets the cookie (or a 401
+    for a wrong token); None for any other request."""
+    from urllib.parse import urlencode
+
+    from aiohttp import web
+
+    from .responses import error_response
+
+    if "token" not in request.query or not request.path.startswith("/ui"):
+        return None
+    given = request.query["token"]
+    if not hmac.compare_digest(given.encode(), token.encode()):
+        return error_response(401, "The token in the URL is not this server's token.")
+    rest = [(k, v) for k, v in request.query.items() if k != "token"]
+    resp = web.HTTPSeeOther(request.path + ("?" + urlencode(rest) if rest else ""))
+    resp.set_cookie(COOKIE, cookie_value(token), httponly=True, samesite="Strict", path="/")
+    resp.headers["Cache-Control"] = "no-store"
+    resp.headers["Referrer-Policy"] = "no-referrer"
+    return resp
+
+
+def unauthorized_message(request: web.Request, token_hint: str) -> str:
+    """The 401 sentence: how to send the token, and where it is kept."""
+    if request.path.startswith("/ui"):
+        return (f"The dashboard needs this server's token: open /ui/?token=TOKEN once (the token is in {token_hint}); "
+                "your browser then keeps a cookie.")
+    return f"This request needs the token: send 'Authorization: Bearer <token>' (the token is in {token_hint})."
+
+
+def access(*, token: str | None, loopback_only: bool, server: str, token_hint: str) -> Any:
+    """The loopback-Host and bearer-token middleware (the rule in this module's docstring). `server` names
+    it in the 403 ("This agent listens on loopback only ..."); `token_hint` says where the token is kept."""
+    from aiohttp import web
+
+    from .responses import error_response
+
+    if not loopback_only and not token:
+        raise ValueError("A server reachable beyond loopback needs a token.")
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+        if loopback_only and not LOOPBACK_HOSTS.match(request.headers.get("Host", "")):
+            return error_response(403, f"This {server} listens on loopback only and answers requests addressed "
+                                       "to localhost or 127.0.0.1.")
+        if token:
+            login = token_login(request, token)  # /ui/?token=...: a cookie for the browser
+            if login is not None:
+                return login
+        needs_token = not loopback_only or request.method not in ("GET", "HEAD", "OPTIONS")
+        if needs_token and not (token and authorized(request, token)):
+            return error_response(401, unauthorized_message(request, token_hint))
+        return await handler(request)
+
+    return middleware
