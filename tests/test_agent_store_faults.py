@@ -112,7 +112,8 @@ def test_a_full_disk_under_the_agent_shows_on_status_readyz_and_metrics_and_reco
     finally:
         err = stop_cleanly(a)
     assert len(re.findall(r"store cannot write", err)) == 1, err
-    assert len(re.findall(r"store recovered: a flush succeeded [0-9.]+ s after", err)) == 1, err
+    # (a line for flushes that were merely slow on a busy machine says '0 failed' and is not this one)
+    assert len(re.findall(r"store recovered: a flush succeeded [0-9.]+ s after .* \([1-9][0-9]* failed", err)) == 1, err
     from gpuscope.store import Store
 
     with Store(a.data / "store", readonly=True) as r:  # nothing the sampler produced before the stop is missing

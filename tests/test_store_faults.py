@@ -297,6 +297,7 @@ DISK_FULL_CHILD = """
     report("full")
     resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))  # space again
     run(1.0)
+    s.flush()  # however busy the machine: one flush has run since
     report("after")
     s.close()
     report("closed")
@@ -315,12 +316,12 @@ def test_a_full_disk_loses_nothing_says_so_while_it_lasts_and_one_line_says_it_r
     assert not full["healthy"] and full["write_errors"] >= 3, full
     assert "cannot write" in full["reason"] and full["last_error"] and full["last_error_at"]
     assert full["last_flush_age_seconds"] >= 2.0  # 3 s of full disk, flushes every 0.2 s: nothing got through
-    assert after["healthy"] and after["failing_for_seconds"] is None and after["last_flush_age_seconds"] < 2.0
+    assert after["healthy"] and after["failing_for_seconds"] is None
     assert after["samples_dropped"] == 0 and after["records_dropped"] == 0
     # one line when it started, one when it recovered (how long it was down), no traceback
     lines = [x for x in err.splitlines() if "gpuscope.store" in x or "store" in x]
     started = [x for x in lines if "cannot write" in x]
-    recovered = [x for x in lines if "recovered" in x]
+    recovered = [x for x in lines if re.search(r"recovered: .* \([1-9][0-9]* failed meanwhile", x)]
     assert len(started) == 1 and len(recovered) == 1, err
     down = float(re.search(r"succeeded ([0-9.]+) s after", recovered[0]).group(1))
     assert down >= full["last_flush_age_seconds"]
@@ -358,6 +359,7 @@ READ_ONLY_CHILD = """
     print("ready", flush=True)
     sys.stdin.readline()  # the test makes the files read-only
     run(1.5)
+    s.flush()  # however busy the machine: one flush has run since
     print("during", json.dumps({"appended": k, **s.health()}), flush=True)
     s.close()
     try:
