@@ -262,16 +262,19 @@ def test_kill_9_loses_at_most_the_last_flush_and_the_store_reopens(tmp_path):
 
     # When the agent last committed a flush, by its own figure (a loaded machine may have delayed it), and what
     # it held up to a flush interval (1 s) before that: all of it was on disk when the kill came.
-    asked_at = time.time()
-    code, body = http(a.port, "/metrics")
-    assert code == 200
-    age = float(re.search(r"^gpuscope_store_last_flush_age_seconds(?:{[^}]*})? (\S+)$", body.decode(), re.M).group(1))
-    flushed_before = asked_at - age - 1.0
-    start = flushed_before - 2.0
-    held = stamps_of(a, start, flushed_before)
-    killed_at = time.time()
-    a.proc.kill()  # SIGKILL mid-ingest: no flush, no cleanup
-    a.proc.wait()
+    try:
+        asked_at = time.time()
+        code, body = http(a.port, "/metrics")
+        assert code == 200
+        age = float(re.search(r"^gpuscope_store_last_flush_age_seconds(?:{[^}]*})? (\S+)$", body.decode(),
+                              re.M).group(1))
+        flushed_before = asked_at - age - 1.0
+        start = flushed_before - 2.0
+        held = stamps_of(a, start, flushed_before)
+        killed_at = time.time()
+    finally:
+        a.proc.kill()  # SIGKILL mid-ingest: no flush, no cleanup
+        a.proc.wait()
     b = AgentProc(tmp_path, "--simulate", "healthy", port=a.port)  # the lock died with the process
     try:
         b.wait_ready()
