@@ -103,9 +103,10 @@ def test_top_at_120x40_shows_every_gpu_sorts_filters_and_quits_cleanly(tmux_fact
                     "only GPU 5's processes after filtering for 'gpu5'")
     t.keys("Enter")
     t.keys("Escape")
-    # The first page by GPU memory may be all GPU 5's (the biggest); the next one is other GPUs'.
+    # The first 12 rows by GPU memory are GPU 5's (the biggest); two pages down (a page is at least
+    # six rows here) the cursor's row is another GPU's.
     t.wait(lambda s: "filter '" not in s, "the filter gone after Escape")
-    t.keys("PageDown")
+    t.keys("PageDown", "PageDown")
     t.wait(lambda s: any(r.split()[2] != "5" for r in _proc_rows(s)), "other GPUs' processes after Escape")
 
     t.keys("q")
