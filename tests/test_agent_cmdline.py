@@ -23,8 +23,9 @@ def _surfaces(a: AgentProc) -> dict[str, str]:
         code, body = http(a.port, path, token)
         assert code == 200, (path, code, body[:200])
         out[path] = body.decode()
+    # --token=T: a token may start with '-' (token_urlsafe), which argparse would take for a flag
     top = subprocess.run([sys.executable, "-m", "gpuscope", "top", "--once", "--json", "--url",
-                          f"http://127.0.0.1:{a.port}", "--token", token or ""],
+                          f"http://127.0.0.1:{a.port}", *([f"--token={token}"] if token else [])],
                          env=env(), capture_output=True, text=True, timeout=60)
     assert top.returncode == 0 and "Traceback" not in top.stderr, top.stderr
     out["top"] = top.stdout
