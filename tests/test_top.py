@@ -224,6 +224,27 @@ def test_the_host_line_shows_cpu_and_memory_bars_from_the_samplers_host_record()
     pilot(bare, none)
 
 
+def test_the_table_stays_on_its_first_row_until_the_cursor_is_moved_then_follows_the_process():
+    before = [proc(100 + i, sm=0.9 - i / 100) for i in range(60)]  # 100 first, 159 last
+    feed = StaticFeed(overview(before))
+    app = TopApp(feed, refresh=0.05)
+
+    async def body(p: Any) -> None:
+        procs = app.query_one("#procs", ProcTable)
+        assert rows(app)[0] == 100 and procs.cursor == 0
+        feed._publish(overview([{**q, "sm_ratio": 1 - q["sm_ratio"]} for q in before]))  # the order turns over
+        await until(p, lambda: rows(app)[0] == 159)
+        assert procs.cursor == 0 and procs.top == 0  # not dragged down to wherever pid 100 went
+        assert procs.text.plain.splitlines()[1].lstrip().startswith("159 ")
+        await p.press("down")  # now the user picked pid 158: it is followed
+        feed._publish(overview(before))
+        await until(p, lambda: rows(app)[0] == 100)
+        assert procs.selected()["pid"] == 158 and procs.cursor == 58
+        assert procs.top <= 58 < procs.top + procs.page
+
+    pilot(app, body)
+
+
 def test_a_nan_in_the_history_is_a_gap_not_a_crash():
     assert model.sparkline([0.5, float("nan"), float("inf"), None, 1.0], 5) == "▄···█"
 

@@ -221,6 +221,17 @@ def test_a_host_line_shows_cpu_and_memory_bars(tmux_factory):
         assert int(found[4]) == 19  # 96 / 512
 
 
+def test_the_table_shows_its_first_rows_until_the_cursor_is_moved(tmux_factory):
+    """The first row is the biggest SM user's (rank 0 of its GPU: a GPU's processes show one SM figure and
+    tie to the pid), after the order changed in the first seconds; the cursor did not drag the page down."""
+    t = tmux_factory(160, 48)
+    titles = lambda s: [ln for ln in s.splitlines() if ln.startswith("GPU ") and "(simulated)" in ln]  # noqa: E731
+    screen = t.wait(lambda s: len(titles(s)) == 8 and not any("gathering" in ln for ln in titles(s)),
+                    "a verdict on every GPU panel (5 s of samples)")
+    first = _proc_rows(screen)[0]
+    assert first.endswith("--rank 0"), screen
+
+
 def test_top_at_80x24_compacts_to_one_line_per_gpu(tmux_factory):
     t = tmux_factory(80, 24)
     # The first frames may come before the process table has its height: wait for the whole layout.

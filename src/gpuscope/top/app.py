@@ -41,7 +41,8 @@ class Lines(Widget):
 
 
 class ProcTable(Lines, can_focus=True):
-    """The process rows, drawing only those that fit; a cursor row that follows its process."""
+    """The process rows, drawing only those that fit; a cursor row that, once moved, follows its process
+    (until then it stays on the first row, so the biggest users stay in sight as the order changes)."""
 
     def __init__(self, **kw: Any) -> None:
         super().__init__(**kw)
@@ -50,7 +51,7 @@ class ProcTable(Lines, can_focus=True):
         self.now_s: float | None = None  # the overview's time, for ELAPSED
         self.cursor = 0
         self.top = 0
-        self._selected_key: str | None = None
+        self._selected_key: str | None = None  # set by the user's first move
 
     def set_rows(self, head: str, rows: list[tuple[str, dict[str, Any]]], now_s: float | None = None) -> None:
         self.head, self.rows, self.now_s = head, rows, now_s
@@ -62,6 +63,8 @@ class ProcTable(Lines, can_focus=True):
 
     def move(self, delta: int) -> None:
         self.cursor = max(0, min(self.cursor + delta, len(self.rows) - 1))
+        if self.rows:
+            self._selected_key = self.rows[self.cursor][1]["key"]
         self.redraw()
 
     @property
@@ -73,8 +76,6 @@ class ProcTable(Lines, can_focus=True):
 
     def redraw(self) -> None:
         width, page = self.size.width or MIN_W, self.page
-        if self.rows:
-            self._selected_key = self.rows[self.cursor][1]["key"]
         # No empty page below the last row: when a filter shrinks the list, an offset left over from a
         # scrolled-down table would hide every match but the last.
         self.top = min(self.top, max(0, len(self.rows) - page))
