@@ -245,6 +245,21 @@ def test_the_table_stays_on_its_first_row_until_the_cursor_is_moved_then_follows
     pilot(app, body)
 
 
+def test_only_the_head_and_the_cursor_row_are_drawn_reversed():
+    from rich.console import Console
+
+    app = TopApp(StaticFeed(overview([proc(100 + i, sm=0.9 - i / 100) for i in range(10)])))
+
+    async def body(p: Any) -> None:
+        await p.press("down", "down")
+        console = Console()
+        lines = app.query_one("#procs", ProcTable).text.split("\n")
+        reversed_ = [i for i, ln in enumerate(lines) if ln.plain and ln.get_style_at_offset(console, 0).reverse]
+        assert reversed_ == [0, 3]  # the head, and the third row where the cursor is
+
+    pilot(app, body)
+
+
 def test_a_nan_in_the_history_is_a_gap_not_a_crash():
     assert model.sparkline([0.5, float("nan"), float("inf"), None, 1.0], 5) == "▄···█"
 

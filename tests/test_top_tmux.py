@@ -40,6 +40,28 @@ class Tmux:
     def screen(self) -> str:
         return self._tmux("capture-pane", "-p")
 
+    def reversed_lines(self) -> list[tuple[str, bool]]:
+        """Each line of the screen, and whether it starts in reverse video (SGR 7), from capture-pane -e."""
+        out, reverse = [], False
+        for line in self._tmux("capture-pane", "-p", "-e").splitlines():
+            plain, starts = "", None
+            for i, part in enumerate(re.split(r"\x1b\[([0-9;]*)m", line)):
+                if i % 2 == 0:
+                    if part and starts is None:
+                        starts = reverse
+                    plain += part
+                    continue
+                params = [int(x) if x else 0 for x in part.split(";")]
+                j = 0
+                while j < len(params):
+                    if params[j] in (38, 48):  # a colour: 5;N or 2;R;G;B follow, not attributes
+                        j += 3 if params[j + 1 : j + 2] == [5] else 5
+                        continue
+                    reverse = {0: False, 7: True, 27: False}.get(params[j], reverse)
+                    j += 1
+            out.append((plain, bool(starts)))
+        return out
+
     def keys(self, *keys: str) -> None:
         self._tmux("send-keys", *keys)
 
@@ -230,6 +252,18 @@ def test_the_table_shows_its_first_rows_until_the_cursor_is_moved(tmux_factory):
                     "a verdict on every GPU panel (5 s of samples)")
     first = _proc_rows(screen)[0]
     assert first.endswith("--rank 0"), screen
+
+
+def test_only_the_table_head_and_the_cursor_row_are_in_reverse_video(tmux_factory):
+    t = tmux_factory(120, 40)
+    t.wait(lambda s: _all_gpus(s) and len(_proc_rows(s)) >= 10, "the panels and a process table")
+    t.keys("Down")
+    t.wait(lambda s: len(_proc_rows(s)) >= 10, "the table after a move")
+    lines = t.reversed_lines()
+    head = next(i for i, (ln, _) in enumerate(lines) if ln.lstrip().startswith("PID USER"))
+    assert lines[head][1], "the table head is not in reverse video"
+    rows = [(ln, rev) for ln, rev in lines[head + 1:] if ln[:7].strip().isdigit()]
+    assert len(rows) >= 10 and sum(rev for _, rev in rows) == 1, [ln[:8] for ln, rev in rows if rev]
 
 
 def test_top_at_80x24_compacts_to_one_line_per_gpu(tmux_factory):

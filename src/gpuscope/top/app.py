@@ -80,7 +80,10 @@ class ProcTable(Lines, can_focus=True):
         # scrolled-down table would hide every match but the last.
         self.top = min(self.top, max(0, len(self.rows) - page))
         self.top = min(max(self.top, self.cursor - page + 1), self.cursor)
-        text = Text(self.head.ljust(width) + "\n", style="bold reverse")
+        # Appended, not Text(head, style=...): that style is the whole text's base, and it reversed every row
+        # (the cursor's row could not be told from the others).
+        text = Text()
+        text.append(self.head.ljust(width) + "\n", style="bold reverse")
         for i in range(self.top, min(self.top + page, len(self.rows))):
             prefix, p = self.rows[i]
             text.append(model.proc_line(prefix, p, width, self.now_s) + "\n", style="reverse" if i == self.cursor else "")
