@@ -430,6 +430,34 @@ def test_too_small_terminal_says_so():
     pilot(app, body, size=(70, 20))
 
 
+def test_a_screenshot_of_the_simulated_mixed_node_says_it_is_simulated():
+    """The README's picture: the TUI on `--simulate mixed --gpus 8 --processes 100`, once every GPU has a
+    verdict. Set GPUSCOPE_RECORD_DIR to keep it (docs/img/top-simulated-mixed.svg is one)."""
+    feed = LocalFeed(Sampler(SamplerConfig(interval=0.1), simulate="mixed", gpus=8, processes=100), 0.25).start()
+    try:
+        app = TopApp(feed, refresh=0.25)
+        svg: list[str] = []
+
+        async def body(p: Any) -> None:
+            await until(p, lambda: screen_text(app).count("GPU ") >= 8 and "gathering" not in screen_text(app)
+                        and app.query_one("#host").display)
+            svg.append(app.export_screenshot(title="gpuscope top --simulate mixed (SIMULATED data, not real GPUs)"))
+
+        pilot(app, body, size=(140, 44))
+    finally:
+        feed.stop()
+    import html
+
+    text = html.unescape(svg[0]).replace("\u00a0", " ")
+    for needle in ("SIMULATED", "SIMULATED 'mixed'", "CPU", "MEM", "ELAPSED", "GiB", "transfer_bound"):
+        assert needle in text, needle
+    if os.environ.get("GPUSCOPE_RECORD_DIR"):
+        out = os.path.join(os.environ["GPUSCOPE_RECORD_DIR"], "top-simulated-mixed.svg")
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        with open(out, "w", encoding="utf-8") as f:
+            f.write(svg[0])
+
+
 # -- sources -------------------------------------------------------------------------------------
 
 def free_port() -> int:
