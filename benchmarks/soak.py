@@ -37,7 +37,8 @@ warm-up (a third of the run, at least 25 min: the sampler's 5 min of in-memory h
 window of 10-20 min fill first; at most 60 % of a short run), in MB/h (MB = 10^6 bytes); the goal is <= 5 MB/h.
 A run shorter than ~40 min therefore measures the filling, not the leak; use it to check the script.
 Exit status: 0 when the run completed (whatever it found), 1 when the agent died or never started, 2 for
-a bad flag.
+a bad flag, 130 when interrupted (the outputs are written for the part that ran). If this script is killed
+outright, the agent gets SIGTERM from the kernel (PR_SET_PDEATHSIG) and its data directory stays in /tmp.
 """
 
 from __future__ import annotations
@@ -172,7 +173,7 @@ class Client:
 class Periodic(threading.Thread):
     """Runs tasks (period_s, fn) on their own grid until `stop`; a late task skips the slots it missed."""
 
-    def __init__(self, name: str, stop: threading.Event, tasks: list[tuple[float, Callable[[], None]]],
+    def __init__(self, name: str, stop: threading.Event, tasks: list[tuple[float, Callable[[], object]]],
                  first_delay: float = 0.0) -> None:
         super().__init__(name=name, daemon=True)
         self.stop, self.tasks, self.first_delay = stop, tasks, first_delay
@@ -247,7 +248,7 @@ CHART_METRICS = ("gpu_sm_active_ratio", "gpu_tensor_active_ratio", "gpu_dram_act
                  "gpu_pcie_rx_bytes_per_second", "gpu_pcie_tx_bytes_per_second")
 
 
-def dashboard_tasks(c: Client) -> list[tuple[float, Callable[[], None]]]:
+def dashboard_tasks(c: Client) -> list[tuple[float, Callable[[], object]]]:
     def charts() -> None:
         for m in CHART_METRICS:
             c.get("ui_range", f"/ui/api/range?metric={m}&step=auto")
@@ -258,13 +259,13 @@ def dashboard_tasks(c: Client) -> list[tuple[float, Callable[[], None]]]:
             (60.0, charts)]
 
 
-def scrape_tasks(c: Client) -> list[tuple[float, Callable[[], None]]]:
+def scrape_tasks(c: Client) -> list[tuple[float, Callable[[], object]]]:
     return [(1.0, lambda: c.request("metrics", "GET", "/metrics", headers={"Accept": "text/plain;version=0.0.4"})),
             (1.0, lambda: c.request("metrics_dcgm", "GET", "/metrics?naming=dcgm",
                                     headers={"Accept": "text/plain;version=0.0.4"}))]
 
 
-def event_tasks(c: Client, token: str) -> list[tuple[float, Callable[[], None]]]:
+def event_tasks(c: Client, token: str) -> list[tuple[float, Callable[[], object]]]:
     rng = random.Random(3)
     seq = [0]
 
@@ -280,7 +281,7 @@ def event_tasks(c: Client, token: str) -> list[tuple[float, Callable[[], None]]]
     return [(3.0, post)]
 
 
-def api_tasks(c: Client) -> list[tuple[float, Callable[[], None]]]:
+def api_tasks(c: Client) -> list[tuple[float, Callable[[], object]]]:
     return [(30.0, lambda: c.get("query_range", "/api/v1/query_range?metric=gpu_sm_active_ratio&start=-10m&step=5s")),
             (30.0, lambda: c.get("query_range_proc",
                                  "/api/v1/query_range?metric=gpu_process_sm_active_ratio&start=-5m&step=30s&gpu=3")),
@@ -303,7 +304,7 @@ class TraceFeeder:
         self.registered = False
         self.since = time.time()
 
-    def tasks(self) -> list[tuple[float, Callable[[], None]]]:
+    def tasks(self) -> list[tuple[float, Callable[[], object]]]:
         return [(60.0, self.ask), (1.0, self.answer)]
 
     def ask(self) -> None:
@@ -425,6 +426,7 @@ class Probe:
             "scrape_p50_ms": round(statistics.median(scrape) * 1e3, 2) if scrape else None,
             "scrape_max_ms": round(max(scrape) * 1e3, 2) if scrape else None,
             "writer_pending": store.get("writer", {}).get("pending"),
+            "last_flush_age_s": store.get("health", {}).get("last_flush_age_seconds"),
             "sampler_missed_ticks": status.get("sampler", {}).get("missed_ticks"),
         }
         self.rows.append(row)
@@ -500,14 +502,22 @@ def analyse(rows: list[dict[str, Any]], census: list[dict[str, Any]], args: argp
     if rss_slope is not None:
         findings.append(f"RSS {'flat' if rss_slope <= GOAL_RSS_MB_PER_H else 'grows'}: {rss_slope:+.1f} MB/h after "
                         f"warm-up (goal <= {GOAL_RSS_MB_PER_H:g} MB/h)")
+    if warm_s < WARMUP_S:
+        findings.append(f"the fits start at {warm_s:.0f} s, before the {WARMUP_S / 60:.0f} min the agent needs to fill "
+                        "its in-memory history and the store's hot window: the slopes measure that filling")
     if bytes_per_series is not None:
-        findings.append(f"RSS grows {bytes_per_series:,.0f} bytes per stored series added "
-                        f"({total_series_slope:+,.0f} series/h, {pids_slope or 0:+,.0f} pids/h)")
+        findings.append(f"RSS slope / series slope = {bytes_per_series:,.0f} bytes per stored series added "
+                        f"({total_series_slope:+,.0f} series/h, {pids_slope or 0:+,.0f} pids/h); an upper bound on "
+                        "the cost of a series (whatever else grew is in it too; compare a --churn 0 run)")
     for name, r in requests.items():
         if r["failed"]:
             findings.append(f"{name}: {r['failed']} of {r['n']} requests failed (last: {r['last_error']})")
-    if rows[-1].get("store_healthy") is False or any(r.get("store_healthy") is False for r in rows):
-        findings.append("the store reported unhealthy at some sample (see samples.csv store_healthy)")
+    unhealthy = [r["t_s"] for r in rows if r.get("store_healthy") is False]
+    if unhealthy:
+        worst = max(rows, key=lambda r: r.get("last_flush_age_s") or 0)
+        findings.append(f"the store reported unhealthy in {len(unhealthy)} of {len(rows)} samples (first at "
+                        f"{unhealthy[0]:.0f} s); the longest wait for a flush seen was {worst.get('last_flush_age_s')} s "
+                        f"at {worst['t_s']:.0f} s, {worst.get('writer_pending')} snapshots pending")
     fd_slope, thr_slope = slope_per_h(warm, "fds"), slope_per_h(warm, "threads")
     if fd_slope is not None and fd_slope > 10:
         findings.append(f"open fds grow {fd_slope:+.0f}/h after warm-up")
@@ -916,7 +926,9 @@ def main(argv: list[str] | None = None) -> int:
         print(report(summary))
         print(f"  outputs in {out}: samples.csv, samples.json, soak.svg, summary.json, agent.log")
     print(json.dumps(summary, separators=(",", ":")))
-    return 1 if "error" in summary or (interrupted.startswith("the agent exited")) else 0
+    if interrupted.startswith("interrupted"):
+        return 130
+    return 1 if "error" in summary or interrupted.startswith("the agent exited") else 0
 
 
 if __name__ == "__main__":
