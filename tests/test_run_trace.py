@@ -67,7 +67,8 @@ def test_a_sync_bound_gpu_gets_a_trace_and_its_certain_verdict(fake, tmp_path):
     report = json.loads(out.read_text())
     [req] = report["trace"]["requests"]
     assert req["gpu"] == "0" and req["family"] == "host" and req["request_id"] and req["note"] is None, req
-    assert req["requested_at_s"] == pytest.approx(10, abs=2.5)
+    # asked at the second verdict in a row: made 5 s apart, so no sooner than 10 s (later on a loaded machine)
+    assert 10 - 0.5 <= req["requested_at_s"] < report["duration_s"]
     assert report["trace"]["kept"] and report["trace"]["dir"] == str(tmp_path / "r-traces")
     assert Path(req["file"]).parent == tmp_path / "r-traces" and Path(req["file"]).exists()
     assert req["verdict"] == "sync_bound" and req["confidence"] >= 0.9 and "sync_heavy.py:9" in req["line"]
