@@ -1,5 +1,8 @@
-# The README's two commands call these targets.
+# The README's two commands call these targets. Everything installs into a virtual environment (system Pythons
+# refuse pip, PEP 668): the active one when there is one (VIRTUAL_ENV), else ./.venv, made on first use.
 PYTHON ?= python3
+VENV ?= $(if $(VIRTUAL_ENV),$(VIRTUAL_ENV),.venv)
+PY := $(VENV)/bin/python
 
 .PHONY: install run test lint bench-sampler web bench-dashboard
 
@@ -7,28 +10,40 @@ PYTHON ?= python3
 web:
 	npm ci --prefix src/gpuscope/web --omit=dev --no-audit --no-fund
 
-install: web
-	$(PYTHON) -m pip install --quiet .
+$(PY):
+	$(PYTHON) -m venv $(VENV)
 
+# Installed again only when the package's files change (a stamp in the venv), not on every `make run`.
+INSTALLED := $(VENV)/.gpuscope-installed
+$(INSTALLED): $(PY) pyproject.toml $(shell find src/gpuscope -name '*.py' -o -name '*.js' -o -name '*.css' -o -name '*.html' 2>/dev/null)
+	$(MAKE) --no-print-directory web
+	$(PY) -m pip install --quiet .
+	touch $@
+
+install: $(INSTALLED)
+
+# Exit 1 is the agent's own one-sentence answer (no driver: it names the --simulate command; the port is
+# taken): it has been said, so make adds no "Error 1" that reads like a failed build.
 run: install
-	gpuscope agent
+	@$(VENV)/bin/gpuscope agent; rc=$$?; [ $$rc -le 1 ] || exit $$rc
 
 # Installs everything the tests need, then runs them (GPU tests are deselected; see `make test-gpu`), on two
 # pytest-xdist workers per core: most tests wait on real servers and processes, not on the CPU. The package is
 # compiled first: with PYTHONDONTWRITEBYTECODE set (as on CI) every `python -m gpuscope` the tests start would
 # compile it again. `pytest tests/test_x.py` alone still runs in one process.
 PYTEST_WORKERS ?= $(shell echo $$(( $$(nproc 2>/dev/null || echo 1) * 2 )))
-test: web
-	$(PYTHON) -m pip install --quiet -e '.[test]'
-	$(PYTHON) -m compileall -q src
-	$(PYTHON) -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal
-	$(PYTHON) -m ruff check src tests benchmarks
+test: web $(PY)
+	$(PY) -m pip install --quiet -e '.[test]'
+	rm -f $(INSTALLED)  # the editable install replaced the one `make install` made
+	$(PY) -m compileall -q src
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal
+	$(PY) -m ruff check src tests benchmarks
 
 test-gpu:
-	$(PYTHON) -m pytest -m gpu tests/gpu -q -s
+	$(PY) -m pytest -m gpu tests/gpu -q -s
 
 bench-sampler:
-	$(PYTHON) benchmarks/bench_sampler.py --seconds 20
+	$(PY) benchmarks/bench_sampler.py --seconds 20
 
 bench-dashboard:
-	$(PYTHON) benchmarks/bench_dashboard.py
+	$(PY) benchmarks/bench_dashboard.py
