@@ -47,6 +47,14 @@ class FakeHostReader:
         self.forgotten.append(set(alive))
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # A pytest-xdist worker runs with COLUMNS=80 and LINES=24 in its environment; a child that sizes itself
+    # to its terminal (shutil.get_terminal_size: `gpuscope top` in tmux) would believe them over the terminal.
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ.pop("COLUMNS", None)
+        os.environ.pop("LINES", None)
+
+
 @pytest.fixture
 def fake_clock() -> FakeClock:
     return FakeClock()
