@@ -114,3 +114,54 @@ def test_a_reader_opened_before_the_deletion_keeps_answering_correctly(tmp_path:
             assert "4242" not in reader.labels()["pid"]
         finally:
             reader.close()
+
+
+def test_chunks_encoded_per_layout_are_the_bytes_of_one_chunk_per_series() -> None:
+    """The seal encodes a layout's series together (encode_chunks); every chunk must be what encode_chunk
+    writes for that series alone: quantised, lossless (no scale, NaN, inf, too large) and integer columns."""
+    from gpuscope.store._codec import decode_chunk, encode_chunk, encode_chunks
+    rng = np.random.default_rng(7)
+    for n in (1, 2, 3, 60, 601):
+        for trial in range(12):
+            k = int(rng.integers(1, 9))
+            v = rng.random((n, k)) * [1.0, 1e3, 1e12, 1e20][trial % 4]
+            if trial % 3 == 0:
+                v[0, 0] = np.nan
+            if trial % 5 == 2:
+                v[-1, -1] = np.inf
+            if trial % 6 == 3:
+                v[:, 0] = np.arange(n) * 3.0  # delta-of-delta wins
+            scales = [[None, 1.0, 1e4, 1e3, 1e6][int(i)] for i in rng.integers(0, 5, k)]
+            cnt = rng.integers(1, 20, n)
+            big = rng.integers(0, 2**40, (n, k))
+            got = encode_chunks([cnt, v, v * 2, big], scales)
+            assert len(got) == k
+            for j in range(k):
+                assert got[j] == encode_chunk([cnt, v[:, j], v[:, j] * 2, big[:, j]], scales[j]), (n, trial, j)
+                assert np.array_equal(decode_chunk(got[j])[0], cnt)
+
+
+def test_a_series_in_two_layouts_of_one_block_is_sealed_whole(tmp_path: Path) -> None:
+    """A GPU whose set of series changes mid-block holds its series in two layouts; the seal merges the
+    pieces of such a series and encodes the others per layout: every value comes back once, in order."""
+    with Store(tmp_path, flush_interval=60, retention=SHORT) as store:
+        for k in range(20):
+            t = T0 + k * SEC
+            vals = {"gpu_power_watts": 100.0 + k, "gpu_sm_active_ratio": k / 100}
+            if k >= 10:
+                vals["gpu_memory_used_bytes"] = float(k)
+            store.append(Snapshot(t, [GpuRecord(identity(0), t, vals)], [], None, [], None, "testhost"))
+            store.flush()
+        store.append(tick(T0 + 700 * SEC, []))  # past the block's end and the grace: it is sealed
+        store.flush()
+        w = store._writer
+        assert w is not None and w.w[0] == T0 + 600 * SEC
+        assert store.query("gpu_power_watts", T0, T0 + 20 * SEC, 1, labels={"gpu": "0"})[0].values.tolist() == \
+            [100.0 + k for k in range(20)]
+        assert store.query("gpu_sm_active_ratio", T0, T0 + 20 * SEC, 1, labels={"gpu": "0"})[0].values.tolist() == \
+            [k / 100 for k in range(20)]
+        assert store.query("gpu_memory_used_bytes", T0, T0 + 20 * SEC, 1, labels={"gpu": "0"})[0].values.tolist() == \
+            [float(k) for k in range(10, 20)]
+    with sqlite3.connect(tmp_path / "gpuscope.db") as c:  # from chunks, not the hot window
+        rows = c.execute("SELECT COUNT(*), SUM(n) FROM chunks WHERE tier = 0 AND t_min < ?", (T0 + 600 * SEC,)).fetchone()
+        assert tuple(rows) == (3, 20 + 20 + 10)  # one chunk per series and block; tick()'s GPUs come at T0 + 700 s

@@ -131,6 +131,17 @@ def rollup(p: Points, res_ns: int) -> Points:
                   np.add.reduceat(p.sm, idx), p.last[ends])
 
 
+def rollup_rows(t: Int64Array, v: FloatArray, res_ns: int) -> tuple[Int64Array, Int64Array, list[FloatArray]]:
+    """rollup() of k raw series sharing sorted stamps t (n,), values v (n, k): bucket starts, counts and
+    [min, max, sum, last] as (m, k) arrays (column j is rollup() of v[:, j])."""
+    b = (t // res_ns) * res_ns
+    idx = _starts(b)
+    ends = np.concatenate((idx[1:], [len(b)])) - 1
+    cnt = np.diff(np.concatenate((idx, [len(b)]))).astype(np.int64)
+    return b[idx], cnt, [np.minimum.reduceat(v, idx, axis=0), np.maximum.reduceat(v, idx, axis=0),
+                         np.add.reduceat(v, idx, axis=0), v[ends]]
+
+
 def aggregate(p: Points, start: int, step_ns: int, agg: str, pct: float | None) -> tuple[Int64Array, FloatArray]:
     """One value per non-empty step bucket [start + i*step, start + (i+1)*step)."""
     if not len(p):

@@ -134,33 +134,109 @@ def _payload_len(kind: int, order: int, width: int, n: int) -> int:
     return max(0, n - order) * width if n > 1 else 0
 
 
+def _encode_col(col: npt.NDArray[np.generic], scale: float | None) -> tuple[bytes, bytes]:
+    """(column head, payload) of one column."""
+    n = len(col)
+    q: Int64Array | None
+    if col.dtype.kind in "iu":
+        kind, q, s = INT, col.astype(np.int64, copy=False), 1.0
+    else:
+        q = quantise(col.astype(np.float64, copy=False), scale)
+        kind, s = (QUANT, float(scale)) if q is not None and scale is not None else (FLOAT, 0.0)
+    if kind == FLOAT:
+        bits = np.ascontiguousarray(col, dtype=np.float64).view(np.int64)
+        x = bits.copy()
+        x[1:] ^= bits[:-1]
+        return _COL.pack(FLOAT, 0, 8, 0.0, 0, 0), x.view(np.uint8).reshape(n, 8).T.tobytes()
+    assert q is not None
+    order, width, first, second, payload = _encode_int(q)
+    return _COL.pack(kind, order, width, s, first, second), payload
+
+
+def _pack(n: int, cols: Sequence[tuple[bytes, bytes]], level: int) -> bytes:
+    body = zlib.compress(b"".join(p for _, p in cols), level)
+    return _HEAD.pack(_MAGIC, n, len(cols), zlib.crc32(body)) + b"".join(h for h, _ in cols) + body
+
+
 def encode_chunk(columns: Sequence[npt.NDArray[np.generic]], scale: float | None = None,
                  level: int = LEVEL) -> bytes:
     """One block: int64 columns exact; float columns quantised by `scale` where they fit, else lossless."""
     n = len(columns[0])
-    heads, parts = [], []
+    if any(len(col) != n for col in columns):
+        raise ValueError("all columns of a chunk must have the same length")
+    return _pack(n, [_encode_col(col, scale) for col in columns], level)
+
+
+def encode_chunks(columns: Sequence[npt.NDArray[np.generic]], scales: Sequence[float | None],
+                  level: int = LEVEL) -> list[bytes]:
+    """k chunks at once, the same bytes as k encode_chunk() calls: column c of chunk j is columns[c][:, j]
+    (an (n, k) array) or columns[c] itself (an (n,) array shared by all k). The series of one layout share
+    their time stamps, so a seal encodes them together: numpy's per-call cost is paid per layout, not per
+    series (under process churn most series are short and that cost was most of a seal)."""
+    k = len(scales)
+    n = len(columns[0])
+    enc: list[list[tuple[bytes, bytes]]] = []
     for col in columns:
         if len(col) != n:
             raise ValueError("all columns of a chunk must have the same length")
-        q: Int64Array | None
-        if col.dtype.kind in "iu":
-            kind, q, s = INT, col.astype(np.int64, copy=False), 1.0
+        if col.ndim == 1:
+            enc.append([_encode_col(col, None)] * k if col.dtype.kind in "iu" else [_encode_col(col, s) for s in scales])
         else:
-            q = quantise(col.astype(np.float64, copy=False), scale)
-            kind, s = (QUANT, float(scale)) if q is not None and scale is not None else (FLOAT, 0.0)
-        if kind == FLOAT:
-            bits = np.ascontiguousarray(col, dtype=np.float64).view(np.int64)
-            x = bits.copy()
-            x[1:] ^= bits[:-1]
-            heads.append(_COL.pack(FLOAT, 0, 8, 0.0, 0, 0))
-            parts.append(x.view(np.uint8).reshape(n, 8).T.tobytes())
-        else:
-            assert q is not None
-            order, width, first, second, payload = _encode_int(q)
-            heads.append(_COL.pack(kind, order, width, s, first, second))
-            parts.append(payload)
-    body = zlib.compress(b"".join(parts), level)
-    return _HEAD.pack(_MAGIC, n, len(columns), zlib.crc32(body)) + b"".join(heads) + body
+            enc.append(_encode_matrix(col, scales))
+    return [_pack(n, [e[j] for e in enc], level) for j in range(k)]
+
+
+def _encode_matrix(m: npt.NDArray[np.generic], scales: Sequence[float | None]) -> list[tuple[bytes, bytes]]:
+    """(head, payload) of each column of m (n, k), as _encode_col(m[:, j], scales[j]) gives them."""
+    n, k = m.shape
+    out: list[tuple[bytes, bytes] | None] = [None] * k
+    if m.dtype.kind in "iu":
+        _encode_ints(m.T.astype(np.int64), [1.0] * k, INT, list(range(k)), out)
+        return out  # type: ignore[return-value]
+    v = m.T.astype(np.float64)  # (k, n), rows contiguous
+    sc = np.array([np.nan if s is None else float(s) for s in scales])
+    with np.errstate(invalid="ignore", over="ignore"):
+        q = np.rint(v * sc[:, None])
+        ok = np.isfinite(q).all(axis=1)
+        ok[ok] = np.abs(q[ok]).max(axis=1, initial=0.0) < _LIMIT
+    if n == 0:
+        ok[:] = False
+    rows = np.flatnonzero(ok).tolist()
+    if rows:
+        _encode_ints(q[rows].astype(np.int64), [float(scales[j]) for j in rows], QUANT, rows, out)  # type: ignore[arg-type]
+    for j in np.flatnonzero(~ok).tolist():
+        out[j] = _encode_col(np.ascontiguousarray(v[j]), None)
+    return out  # type: ignore[return-value]
+
+
+def _encode_ints(q: Int64Array, scales: list[float], kind: int, rows: list[int],
+                 out: list[tuple[bytes, bytes] | None]) -> None:
+    """_encode_int over the rows of q (r, n), into out[rows[i]]."""
+    r, n = q.shape
+    if n == 1:
+        for i, j in enumerate(rows):
+            out[j] = _COL.pack(kind, 1, 1, scales[i], int(q[i, 0]), 0), b""
+        return
+    d = np.diff(q, axis=1)
+    two = np.zeros(r, dtype=bool)
+    if n > 2:
+        d2 = np.diff(d, axis=1)
+        two = np.abs(d2.astype(np.float64)).sum(axis=1) < np.abs(d.astype(np.float64)).sum(axis=1)
+    firsts, seconds = q[:, 0].tolist(), d[:, 0].tolist()
+    for order, sel in ((1, np.flatnonzero(~two)), (2, np.flatnonzero(two))):
+        if not len(sel):
+            continue
+        u = _zigzag(np.ascontiguousarray((d if order == 1 else d2)[sel]))
+        top = u.max(axis=1)
+        width = np.where(top < 1 << 8, 1, np.where(top < 1 << 16, 2, np.where(top < 1 << 32, 4, 8)))
+        for w in (1, 2, 4, 8):
+            pick = np.flatnonzero(width == w)
+            if not len(pick):
+                continue
+            b = u[pick].astype(_UINT[w])
+            for p, i in enumerate(sel[pick].tolist()):
+                out[rows[i]] = (_COL.pack(kind, order, w, scales[i], firsts[i], seconds[i] if order == 2 else 0),
+                                b[p].tobytes())
 
 
 def decode_chunk(blob: bytes, want: Sequence[bool] | None = None) -> list[npt.NDArray[np.generic] | None]:

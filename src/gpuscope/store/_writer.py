@@ -29,8 +29,8 @@ import numpy as np
 
 from .._records import Event, Snapshot
 from .._text import valid_text
-from ._aggregate import INF, Points, rollup
-from ._codec import FloatArray, Int64Array, decode_staging, encode_chunk, encode_staging
+from ._aggregate import INF, Points, rollup, rollup_rows
+from ._codec import FloatArray, Int64Array, decode_staging, encode_chunk, encode_chunks, encode_staging
 from ._config import SECOND_NS, TIERS, Retention
 from ._errors import CorruptChunk, StoreError
 from ._ingest import Decomposer, Group, HotWindow, Layout, Registry
@@ -443,24 +443,62 @@ class Writer:
         self.conn.execute("DELETE FROM late WHERE t_max < ?", (cut,))
 
     def _seal(self, lo: int, hi: int) -> None:
-        """Raw and 1 s chunks for [lo, hi), split at block boundaries; staging rows before hi go."""
-        cols = self.hot.columns(lo, hi)
+        """Raw and 1 s chunks for [lo, hi), split at block boundaries; staging rows before hi go. The series of
+        one layout are encoded together (they share their stamps); a series in several layouts (a GPU whose
+        set of series changed) has its pieces merged first."""
         rows: list[tuple[int, int, int, int, int, int, int, bytes]] = []
-        for sid, (t, v) in cols.items():
-            scale = self.reg.scale.get(sid)
-            for a, b in _block_slices(t, TIERS[0].block_ns):
-                pt, pv = t[a:b], v[a:b]
-                self._chunk(rows, 0, sid, pt, [pv], scale)
-                r = rollup(Points.raw(pt, pv), TIERS[1].resolution_ns)
-                self._chunk(rows, 1, sid, r.t, [r.counts(), r.mn, r.mx, r.sm, r.last], scale)
+        pieces: list[tuple[Layout, Int64Array, FloatArray]] = []
+        seen: dict[int, int] = {}
+        for buf in self.hot.bufs.values():
+            if not len(buf):
+                continue
+            t, v = buf.rows(lo, hi)
+            if not len(t):
+                continue
+            if not buf.ordered and len(t) > 1 and bool((np.diff(t) < 0).any()):
+                order = np.argsort(t, kind="stable")
+                t, v = t[order], v[order]
+            pieces.append((buf.layout, t, v))
+            for sid in buf.layout.col:
+                seen[sid] = seen.get(sid, 0) + 1
+        shared = {sid for sid, c in seen.items() if c > 1}
+        first = hi
+        for lay, t, v in pieces:
+            first = min(first, int(t[0]))
+            own = [(sid, j) for sid, j in lay.col.items() if sid not in shared]
+            if len(own) == v.shape[1]:
+                self._seal_rows(rows, t, v, [sid for sid, _ in own])
+            elif own:
+                self._seal_rows(rows, t, v[:, [j for _, j in own]], [sid for sid, _ in own])
+        if shared:
+            for sid, (t, v) in self.hot.columns(lo, hi, shared).items():
+                self._seal_rows(rows, t, v.reshape(-1, 1), [sid])
         self._insert_chunks(rows)
         hour = TIERS[1].block_ns
-        first = max(lo, min((int(t[0]) for t, _ in cols.values()), default=hi))
+        first = max(lo, first)
         for start in range((first // hour) * hour, hi, hour):  # one 1 s chunk per series and hour
             self._compact(1, start, start + hour)
         self.conn.execute("DELETE FROM staging WHERE t_max < ?", (hi,))
         self._set_meta(("w.0", hi), ("w.1", hi))
         self.decoder.staging.clear()
+
+    def _seal_rows(self, rows: list[tuple[int, int, int, int, int, int, int, bytes]], t: Int64Array, v: FloatArray,
+                   sids: list[int]) -> None:
+        """Raw and 1 s chunks of k series sharing sorted stamps t (n,), values v (n, k), per raw block."""
+        scales = [self.reg.scale.get(sid) for sid in sids]
+        for a, b in _block_slices(t, TIERS[0].block_ns):
+            pt, pv = t[a:b], v[a:b]
+            self._chunks(rows, 0, sids, pt, [pv], scales)
+            bt, cnt, agg = rollup_rows(pt, pv, TIERS[1].resolution_ns)
+            self._chunks(rows, 1, sids, bt, [cnt, *agg], scales)
+
+    def _chunks(self, rows: list[tuple[int, int, int, int, int, int, int, bytes]], tier: int, sids: list[int],
+                t: Int64Array, cols: list[Any], scales: list[float | None]) -> None:
+        tid = self._timeline(tier, t)
+        t0, t1, n = int(t[0]), int(t[-1]), len(t)
+        for sid, blob in zip(sids, encode_chunks(cols, scales), strict=True):
+            rows.append((tier, sid, t0, t1, n, tid, len(blob), blob))
+            self._bytes_new[tier] += len(blob)
 
     def _chunk(self, rows: list[tuple[int, int, int, int, int, int, int, bytes]], tier: int, sid: int,
                t: Int64Array, cols: list[Any], scale: float | None) -> None:
