@@ -147,8 +147,8 @@ def test_stream_limit_and_stop_with_open_streams(tmp_path):
     a.wait_ready()
     socks = []
     try:
-        for _ in range(32):
-            s = socket.create_connection(("127.0.0.1", a.port))
+        for i in range(32):  # 8 clients (127.0.0.2-9: all of 127/8 is loopback) with the most each may hold
+            s = socket.create_connection(("127.0.0.1", a.port), source_address=(f"127.0.0.{2 + i // 8}", 0))
             s.sendall(b"GET /ui/api/stream?interval=5s HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
             assert s.recv(4096).startswith(b"HTTP/1.1 200"), "stream did not open"
             socks.append(s)

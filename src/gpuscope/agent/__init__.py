@@ -239,9 +239,11 @@ class Agent:
         from .server import make_app
 
         a = self.cfg.agent
-        app = make_app(self, a.max_request_bytes)
+        limits = a.limits()
+        app = make_app(self, a.max_request_bytes, streams_per_client=limits.streams_per_client,
+                       stream_stall_s=limits.stream_stall_s)
         try:
-            served = await start(app, a.bind, a.port, flag="--port")
+            served = await start(app, a.bind, a.port, limits=limits, flag="--port")
         except ListenError as e:
             raise AgentError(str(e)) from None
         self.port = served.port
@@ -259,7 +261,9 @@ class Agent:
                       f"  data:            {self.cfg.data_path}\n"
                       + ("" if self.loopback_only else f"  token:           {self.token_path} (needed for every request)\n")
                       + "  stop with Ctrl-C")
-        log.info("agent started", extra={"f_event": "start", "f_port": self.port, "f_bind": a.bind})
+        log.info("agent started", extra={"f_event": "start", "f_port": self.port, "f_bind": a.bind,
+                                          "f_max_connections": served.stats.max_connections,
+                                          "f_open_files": served.stats.fd_limit[1]})
         self._served = served
         await served.wait()
         log.info("stopping: flushing the store", extra={"f_event": "stopping"})

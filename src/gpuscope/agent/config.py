@@ -7,6 +7,11 @@
     log_format = "text"         # or "json" (one JSON object per line)
     log_level = "info"
     max_request_bytes = 65536
+    header_timeout = "10s"      # a request's line and headers must arrive within this, its body within
+    body_timeout = "60s"        # body_timeout of the headers; a slower one is answered 408 and closed
+    max_connections = 4096      # lowered to fit the open-file limit; past it the longest-idle one is closed
+    streams_per_client = 8      # live dashboard streams (SSE) one client address may hold
+    stream_stall = "30s"        # a stream whose client reads nothing this long is closed, its slot freed
 
     [sampler]
     interval = "100ms"          # durations: "250ms", "1s", "5m", "2h", "7d", or a number of seconds
@@ -64,6 +69,7 @@ from .._files import load_toml
 from .._paths import default_data_dir  # re-exported: gpuscope.agent.config.default_data_dir
 from .._redact import redact_url
 from ..errors import UsageError
+from ..http.limits import Limits
 from ..http.net import is_loopback_host
 
 DEFAULT_PORT = 9471
@@ -124,6 +130,17 @@ class AgentSection:
     log_format: str = "text"
     log_level: str = "info"
     max_request_bytes: int = 65536
+    header_timeout: float = Limits.header_timeout_s
+    body_timeout: float = Limits.body_timeout_s
+    max_connections: int = Limits.max_connections
+    streams_per_client: int = Limits.streams_per_client
+    stream_stall: float = Limits.stream_stall_s
+
+    def limits(self) -> Limits:
+        """What the agent's HTTP server holds against slow or greedy clients (gpuscope.http.limits)."""
+        return Limits(header_timeout_s=self.header_timeout, body_timeout_s=self.body_timeout,
+                      max_connections=self.max_connections, streams_per_client=self.streams_per_client,
+                      stream_stall_s=self.stream_stall)
 
 
 @dataclass
@@ -198,7 +215,8 @@ class Config:
         return is_loopback_host(self.agent.bind.strip())
 
 
-_DURATIONS = {("sampler", "interval"), ("sampler", "gpm_window"), ("sampler", "slow"), ("store", "flush_interval"),
+_DURATIONS = {("agent", "header_timeout"), ("agent", "body_timeout"), ("agent", "stream_stall"),
+              ("sampler", "interval"), ("sampler", "gpm_window"), ("sampler", "slow"), ("store", "flush_interval"),
               ("store", "raw"), ("store", "rollup_1s"), ("store", "rollup_1m"), ("store", "rollup_1h"),
               ("remote_write", "interval"), ("alerts", "evaluation_interval")}
 _SIZES = {("store", "max_size")}
@@ -283,6 +301,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"{src}[agent] max_request_bytes must be at least 1024.")
     if not a.bind.strip():
         raise ConfigError(f"{src}[agent] bind must be an address such as 127.0.0.1.")
+    try:
+        a.limits().checked(lambda key: f"{src}[agent] {key}")
+    except UsageError as e:
+        raise ConfigError(str(e)) from None
     if not cfg.sampler.interval > 0:
         raise ConfigError(f"{src}[sampler] interval must be a positive duration, not {cfg.sampler.interval:g}.")
     if cfg.prometheus.top_processes < 0:

@@ -20,7 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from .._version import __version__
-from ..http.auth import access
+from ..http.auth import AGENT_TOKEN_HINT, access
 from ..http.responses import BadRequest, error_response, json_errors, json_response
 from ..timeparse import parse_duration, parse_time
 
@@ -249,7 +249,8 @@ def _prefers_html(accept: str) -> bool:
     return html > max(weights.get("application/json", 0.0), weights.get("application/*", 0.0))
 
 
-def make_app(agent: Any, max_request_bytes: int = 65536) -> web.Application:
+def make_app(agent: Any, max_request_bytes: int = 65536, *, streams_per_client: int | None = None,
+             stream_stall_s: float | None = None) -> web.Application:
     """The agent's app: its API, traces, events and the dashboard, behind the kit's access rule (loopback
     Host names; the token beyond loopback and for changes) and its JSON errors."""
     from ..web.api import add_ui_routes
@@ -258,12 +259,12 @@ def make_app(agent: Any, max_request_bytes: int = 65536) -> web.Application:
     from .trace_api import register as register_traces
 
     api = Api(agent)
-    guard = access(token=agent.token, loopback_only=agent.loopback_only, server="agent",
-                   token_hint=str(agent.token_path))
+    guard = access(token=agent.token, loopback_only=agent.loopback_only, server="agent", token_hint=AGENT_TOKEN_HINT,
+                   token_path=getattr(agent, "token_path", None))
     errors = json_errors(server="agent", not_found="No such endpoint: {path}; see /api/v1/ for the list.", log=log)
     app = web.Application(middlewares=[errors, guard], client_max_size=max_request_bytes)
     api.routes(app)
     register_traces(app, agent)
     register_events(app, agent)
-    add_ui_routes(app, AgentBackend(agent))
+    add_ui_routes(app, AgentBackend(agent), streams_per_client=streams_per_client, stream_stall_s=stream_stall_s)
     return app

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from dataclasses import replace
 from typing import Any
 
+from ..http.limits import Limits, add_limit_args, limits_from_args
 from ..http.net import parse_listen, parse_upstream
 
 HELP = "GPU-aware admission control: check a config, or run the guard as a proxy in front of a service"
@@ -32,6 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--listen", default="127.0.0.1:8090", metavar="HOST:PORT",
                    help="where the proxy listens: HOST:PORT, :PORT (127.0.0.1) or [::1]:PORT (default "
                         "127.0.0.1:8090; port 0 picks a free one)")
+    add_limit_args(p)
 
 
 def _config(path: str):  # noqa: ANN202 - GuardConfig, imported late
@@ -61,16 +64,17 @@ def run(args: argparse.Namespace) -> int:
         return 0
     host, port = parse_listen(args.listen, example="127.0.0.1:8090")
     upstream = parse_upstream(args.upstream)
-    return asyncio.run(_serve(cfg, upstream, host, port))
+    limits = replace(limits_from_args(args), fds_per_connection=2)  # the client's socket and the upstream's
+    return asyncio.run(_serve(cfg, upstream, host, port, limits))
 
 
-async def _serve(cfg: Any, upstream: str, host: str, port: int) -> int:
+async def _serve(cfg: Any, upstream: str, host: str, port: int, limits: Limits) -> int:
     from ..http.serve import start
     from ._core import Guard
-    from .proxy import make_app
+    from .proxy import error_body, make_app
 
     app = make_app(Guard.from_config(cfg), upstream)
-    served = await start(app, host, port, flag="--listen")
+    served = await start(app, host, port, limits=limits, flag="--listen", error_body=error_body)
     print(f"gpuscope guard: proxying {served.url} -> {upstream} (metrics at /guard/metrics)", flush=True)
     await served.wait()
     await served.close()

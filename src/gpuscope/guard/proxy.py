@@ -39,7 +39,8 @@ _HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-autho
 
 
 def error_body(status: int, message: str) -> bytes:
-    """The proxy's own errors in the OpenAI form: {"error": {"message": sentence, "type": "proxy_error"}}."""
+    """The proxy's own errors in the OpenAI form: {"error": {"message": sentence, "type": "proxy_error"}}
+    (also the kit's 408, 414, 431 and 503 answers: gpuscope.http.serve)."""
     return json.dumps({"error": {"message": message, "type": "proxy_error", "code": status}}).encode()
 
 

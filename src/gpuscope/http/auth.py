@@ -3,11 +3,12 @@
 The rule: a server bound to loopback answers only requests addressed to a loopback name (a web page
 cannot reach it through a DNS name that resolves to 127.0.0.1: DNS rebinding) and its reads are open;
 bound beyond loopback, every request needs the token (the Authorization header, or the dashboard
-cookie for reads); changes (POST) need the token wherever it is bound.
+cookie for reads); changes (POST) need the token wherever it is bound. A refusal never says where the
+token file is (that path goes to the server's own log).
 
     token = load_or_create_token(data_dir / "token")          # 0600, made on first start
     app = web.Application(middlewares=[access(token=token, loopback_only=True, server="agent",
-                                              token_hint=str(path))])
+                                              token_hint=AGENT_TOKEN_HINT, token_path=path)])
 
 The token file functions are standard library only (clients use find_token); aiohttp is imported by
 the middleware alone.
@@ -22,6 +23,7 @@ import os
 import re
 import secrets
 import stat
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,13 +33,15 @@ from ..errors import Unavailable
 if TYPE_CHECKING:
     from aiohttp import web
 
-__all__ = ["COOKIE", "TokenError", "access", "authorized", "cookie_value", "find_token",
+__all__ = ["AGENT_TOKEN_HINT", "COOKIE", "TokenError", "access", "authorized", "cookie_value", "find_token",
            "load_or_create_token", "token_login", "unauthorized_message"]
 
 log = logging.getLogger("gpuscope.http")
 
 COOKIE = "gpuscope_ui"
+AGENT_TOKEN_HINT = "the file 'token' in the agent's data directory (see 'gpuscope agent --help')"
 LOOPBACK_HOSTS = re.compile(r"^(localhost|127\.[0-9.]+|\[::1\])(:[0-9]+)?$", re.ASCII | re.IGNORECASE)
+_SAY_PATH_EVERY_S = 60.0
 
 
 class TokenError(Unavailable, RuntimeError):
@@ -137,22 +141,25 @@ def token_login(request: web.Request, token: str) -> web.StreamResponse | None:
 
 
 def unauthorized_message(request: web.Request, token_hint: str) -> str:
-    """The 401 sentence: how to send the token, and where it is kept."""
+    """The 401 sentence: how to send the token, and where it is kept in words (never the file's path)."""
     if request.path.startswith("/ui"):
         return (f"The dashboard needs this server's token: open /ui/?token=TOKEN once (the token is in {token_hint}); "
                 "your browser then keeps a cookie.")
     return f"This request needs the token: send 'Authorization: Bearer <token>' (the token is in {token_hint})."
 
 
-def access(*, token: str | None, loopback_only: bool, server: str, token_hint: str) -> Any:
+def access(*, token: str | None, loopback_only: bool, server: str, token_hint: str,
+           token_path: str | os.PathLike[str] | None = None) -> Any:
     """The loopback-Host and bearer-token middleware (the rule in this module's docstring). `server` names
-    it in the 403 ("This agent listens on loopback only ..."); `token_hint` says where the token is kept."""
+    it in the 403 ("This agent listens on loopback only ..."); `token_hint` says where the token is kept,
+    in words; `token_path` goes to the log with the first refusal a minute, not to the client."""
     from aiohttp import web
 
     from .responses import error_response
 
     if not loopback_only and not token:
         raise ValueError("A server reachable beyond loopback needs a token.")
+    said_at = [-_SAY_PATH_EVERY_S]
 
     @web.middleware
     async def middleware(request: web.Request, handler: Any) -> web.StreamResponse:
@@ -165,6 +172,11 @@ def access(*, token: str | None, loopback_only: bool, server: str, token_hint: s
                 return login
         needs_token = not loopback_only or request.method not in ("GET", "HEAD", "OPTIONS")
         if needs_token and not (token and authorized(request, token)):
+            now = time.monotonic()
+            if token_path is not None and now - said_at[0] >= _SAY_PATH_EVERY_S:
+                said_at[0] = now
+                log.info("refused %s %s from %s without the token (it is in %s)", request.method, request.path,
+                         request.remote, token_path)
             return error_response(401, unauthorized_message(request, token_hint))
         return await handler(request)
 

@@ -1,28 +1,56 @@
-"""Start a gpuscope HTTP server: one way to listen, one sentence when it cannot, one way to stop.
+"""Start a gpuscope HTTP server: one way to listen, one sentence when it cannot, one way to stop, and
+the defences every server needs against slow or greedy clients.
 
-    served = await start(app, "127.0.0.1", 9471, flag="--port")   # ListenError: one sentence, exit 1
+    served = await start(app, "127.0.0.1", 9471, limits=Limits(), flag="--port")   # ListenError: a sentence
     print(f"listening on {served.url}")
     await served.wait()     # until SIGTERM or SIGINT (or served.stop_soon())
     await served.close()    # graceful: the app's on_shutdown, open requests finish, then cleanup
 
-Malformed requests are logged as one line per interval with a count (gpuscope._serverlog).
+What `start` adds to aiohttp (the figures: docs/RELIABILITY.md, "Servers under exhaustion"):
+- deadlines: the request line and headers within `limits.header_timeout_s` (a slow one gets a 408
+  sentence and the connection is closed), the body within `limits.body_timeout_s` of the headers;
+- a connection cap below the open-file limit (raised from its soft to its hard value at start): past
+  it the longest-idle connection is closed for the newcomer, and when none is idle the newcomer gets a
+  503 sentence and is closed, so the server keeps answering;
+- a request line or header over 8,190 bytes, or any request that is not HTTP, is answered in the
+  server's JSON error form (431/414/400), not aiohttp's plain text;
+- malformed requests and asyncio's accept errors are logged as one line per interval with a count.
 """
 
 from __future__ import annotations
 
 import asyncio
 import errno
+import logging
+import resource
 import signal
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError, LineTooLong
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_server import Server
 
-from .._serverlog import server_logger
+from .._serverlog import loop_exception_handler, server_logger
 from ..errors import Unavailable
+from .limits import Limits
 from .net import format_host
+from .responses import error_bytes
 
-__all__ = ["ListenError", "Served", "start"]
+__all__ = ["ErrorBody", "ListenError", "Served", "Stats", "raise_fd_limit", "start"]
+
+log = logging.getLogger("gpuscope.http")
+
+#: open files kept free for the server's own work (its store, logs, upstream lookups) below the cap
+RESERVED_FDS = 64
+#: (status, sentence) -> the body bytes of an answer written below aiohttp's handlers
+ErrorBody = Callable[[int, str], bytes]
+
+_REASONS = {400: "Bad Request", 408: "Request Timeout", 414: "URI Too Long", 431: "Request Header Fields Too Large",
+            500: "Internal Server Error", 503: "Service Unavailable", 504: "Gateway Timeout"}
 
 
 class ListenError(Unavailable):
@@ -30,12 +58,240 @@ class ListenError(Unavailable):
 
 
 @dataclass
+class Stats:
+    """What the defences did, for tests and status pages."""
+
+    max_connections: int = 0
+    open_connections: int = 0
+    header_timeouts: int = 0
+    body_timeouts: int = 0
+    evicted_idle: int = 0
+    refused_over_cap: int = 0
+    fd_limit: tuple[int, int] = (0, 0)  # (soft before, soft now)
+
+
+def raise_fd_limit() -> tuple[int, int]:
+    """Raise RLIMIT_NOFILE's soft limit to its hard limit (capped at 1,048,576); (before, after)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = min(hard if hard != resource.RLIM_INFINITY else 1 << 20, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError):  # a container may refuse: keep what we have
+            return soft, soft
+        return soft, want
+    return soft, soft
+
+
+def connection_cap(limits: Limits, fd_soft: int) -> int:
+    """`limits.max_connections`, lowered so that the connections' files fit below the open-file limit."""
+    room = max(1, (fd_soft - RESERVED_FDS) // max(1, limits.fds_per_connection))
+    return max(1, min(limits.max_connections, room))
+
+
+def raw_answer(status: int, body: bytes) -> bytes:
+    """A whole HTTP/1.1 response that closes the connection, for answers written straight to the socket."""
+    head = (f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nCache-Control: no-store\r\nConnection: close\r\n\r\n")
+    return head.encode("ascii") + body
+
+
+@dataclass
+class _Kit:
+    limits: Limits
+    error_body: ErrorBody
+    max_connections: int
+    stats: Stats
+    conns: dict[_Handler, None] = field(default_factory=dict)  # oldest first
+
+    def admit(self, h: _Handler) -> None:
+        self.conns[h] = None
+        self.stats.open_connections = len(self.conns)
+        if len(self.conns) <= self.max_connections:
+            return
+        victim = next((c for c in self.conns if c is not h and c.idle()), None)
+        if victim is not None:  # the longest-idle connection makes room: a new request is about to come
+            self.stats.evicted_idle += 1
+            self.forget(victim)
+            victim.force_close()
+            return
+        self.stats.refused_over_cap += 1
+        self.forget(h)
+        h.answer_and_close(503, f"This server has {self.max_connections} connections open, its limit, and none "
+                                "is idle; retry in a few seconds.")
+
+    def forget(self, h: _Handler) -> None:
+        self.conns.pop(h, None)
+        self.stats.open_connections = len(self.conns)
+
+
+class _Handler(RequestHandler):
+    """aiohttp's connection handler with the header and body deadlines, the connection cap and JSON errors."""
+
+    _kit: _Kit | None = None
+    _header_timer: asyncio.TimerHandle | None = None
+    _body_timer: asyncio.TimerHandle | None = None
+    _header_bytes = 0
+    _payload: Any = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._kit = getattr(self._manager, "kit", None)
+        if self._kit is None:
+            return
+        self._arm_header_timer()
+        self._kit.admit(self)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._cancel_timers()
+        if self._kit is not None:
+            self._kit.forget(self)
+        super().connection_lost(exc)
+
+    def idle(self) -> bool:
+        """No request being answered and none whose body is still coming: closing it loses nothing."""
+        return (not self._request_in_progress and not self._messages and not self._force_close
+                and (self._payload is None or self._payload.is_eof()))
+
+    def data_received(self, data: bytes) -> None:
+        before = self._request_count
+        super().data_received(data)
+        kit = self._kit
+        if kit is None or self._force_close or self.transport is None:
+            return
+        if self._request_count > before:  # a request's headers are complete
+            self._header_bytes = 0
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+            self._payload = self._messages[-1][1] if self._messages else None
+            if self._payload is not None and not self._payload.is_eof() and self._body_timer is None:
+                self._body_timer = self._loop.call_later(kit.limits.body_timeout_s, self._body_late)
+        elif data:
+            if self._payload is not None and not self._payload.is_eof():
+                pass  # body bytes
+            elif self._header_timer is None and not self._request_in_progress and not self._messages:
+                self._arm_header_timer()  # the first bytes of the next request on a kept-alive connection
+            self._header_bytes += len(data)
+        if self._body_timer is not None and (self._payload is None or self._payload.is_eof()):
+            self._body_timer.cancel()
+            self._body_timer = None
+
+    def _arm_header_timer(self) -> None:
+        assert self._kit is not None
+        self._header_timer = self._loop.call_later(self._kit.limits.header_timeout_s, self._headers_late)
+
+    def _cancel_timers(self) -> None:
+        for t in (self._header_timer, self._body_timer):
+            if t is not None:
+                t.cancel()
+        self._header_timer = self._body_timer = None
+
+    def _headers_late(self) -> None:
+        self._header_timer = None
+        if self._kit is None or self.transport is None or self._request_in_progress or self._messages:
+            return
+        self._kit.stats.header_timeouts += 1
+        if self._header_bytes:  # a request began: say why it ends (a connection that sent nothing just closes)
+            self.answer_and_close(408, f"The request's headers did not arrive within "
+                                       f"{self._kit.limits.header_timeout_s:g} s; the connection is closed.")
+        else:
+            self.force_close()
+
+    def _body_late(self) -> None:
+        self._body_timer = None
+        if self._kit is None or self.transport is None or self._payload is None or self._payload.is_eof():
+            return
+        self._kit.stats.body_timeouts += 1
+        # A handler reading the body gets a ConnectionResetError now, the exception it gets for a client that
+        # left (a read after the close below would raise a bare RuntimeError instead).
+        self._payload.set_exception(ConnectionResetError("The request body did not arrive in time."))
+        req = self._current_request
+        if req is not None and req.writer is not None and req.writer.output_size == 0:
+            self.answer_and_close(408, f"The request's body did not arrive within {self._kit.limits.body_timeout_s:g} s "
+                                       "of its headers; the connection is closed.")
+        else:
+            self.force_close()  # an answer has begun: cutting it is all that is left
+
+    def answer_and_close(self, status: int, sentence: str) -> None:
+        """Write a whole JSON answer straight to the socket and close it once flushed."""
+        kit = self._kit
+        transport = self.transport
+        if transport is not None and not transport.is_closing():
+            body = kit.error_body(status, sentence) if kit is not None else error_bytes(status, sentence)
+            transport.write(raw_answer(status, body))
+        self.force_close()  # transport.close() flushes what was written, then closes
+
+    def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        """aiohttp's answer to a request it could not parse (or a handler that raised past every
+        middleware), in the server's JSON form; the log line stays aiohttp's (rate-limited by
+        server_logger)."""
+        if isinstance(exc, ConnectionError) and (self.transport is None or self._force_close):
+            # the client left, or a deadline closed the connection under a handler reading the body: no
+            # one reads this answer, and it is no server error worth a traceback
+            self.log_debug("a handler saw its connection close: %r", exc)
+        elif self._request_count == 1 and isinstance(exc, BadHttpMethod):
+            self.logger.debug("Error handling request from %s", request.remote, exc_info=exc)
+        else:
+            self.log_exception("Error handling request from %s", request.remote, exc_info=exc)
+        if request.writer.output_size > 0:
+            raise ConnectionError("Response is sent already, cannot send another response with the error message")
+        status, sentence = _error_sentence(status, exc, self.max_line_size, self.max_field_size)
+        kit = self._kit
+        body = kit.error_body(status, sentence) if kit is not None else error_bytes(status, sentence)
+        resp = web.Response(status=status, body=body, content_type="application/json",
+                            headers={"Cache-Control": "no-store"})
+        resp.force_close()
+        return resp
+
+
+def _error_sentence(status: int, exc: BaseException | None, max_line: int, max_field: int) -> tuple[int, str]:
+    if isinstance(exc, LineTooLong):
+        line = exc.args[0] if exc.args else b""
+        if isinstance(line, bytearray):  # aiohttp's parser keeps the request line in a bytearray
+            return 414, f"The request line is longer than {max_line} bytes; send a shorter URL."
+        return 431, f"A request header is longer than {max_field} bytes; send shorter headers."
+    if isinstance(exc, HttpProcessingError):
+        why = next((ln.strip() for ln in str(exc.message).splitlines() if ln.strip()), "").rstrip(":.")
+        if "too many headers" in why.lower():
+            return 431, "The request has too many headers."
+        return 400, f"The request is not valid HTTP: {why[:120] or type(exc).__name__}."
+    if status == 504:
+        return 504, "The server did not answer in time."
+    if status >= 500:
+        return status, f"The server failed to answer: {type(exc).__name__ if exc else 'an error'}."
+    return status, "The request is not valid HTTP."
+
+
+class _KitServer(Server):
+    kit: _Kit
+
+    def __call__(self) -> RequestHandler:
+        return _Handler(self, loop=self._loop, **self._kwargs)
+
+
+class _Runner(web.AppRunner):
+    def __init__(self, app: web.Application, kit: _Kit, **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        self._kit = kit
+
+    async def _make_server(self) -> Server:
+        base = await super()._make_server()
+        server = _KitServer(base.request_handler, request_factory=base.request_factory,
+                            handler_cancellation=base.handler_cancellation, loop=base._loop, **base._kwargs)
+        server.kit = self._kit
+        return server
+
+
+@dataclass
 class Served:
-    """A started server: where it listens, and how to stop it."""
+    """A started server: where it listens, what its defences did, and how to stop it."""
 
     runner: web.AppRunner
     host: str
     port: int
+    stats: Stats
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -66,21 +322,35 @@ class Served:
         await self.runner.cleanup()
 
 
-async def start(app: web.Application, host: str, port: int, *, flag: str = "--port",
-                handler_cancellation: bool = False, shutdown_timeout_s: float = 60.0) -> Served:
-    """Serve `app` on host:port (port 0: a free one, see .port); ListenError with one sentence naming
-    `flag` when it cannot listen."""
-    runner = web.AppRunner(app, access_log=None, handle_signals=False, logger=server_logger(),
-                           handler_cancellation=handler_cancellation, shutdown_timeout=shutdown_timeout_s)
+async def start(app: web.Application, host: str, port: int, *, limits: Limits | None = None,
+                flag: str = "--port", error_body: ErrorBody = error_bytes, handler_cancellation: bool = False,
+                shutdown_timeout_s: float = 60.0) -> Served:
+    """Serve `app` on host:port (port 0: a free one, see .port) with the kit's defences; ListenError with
+    one sentence naming `flag` when it cannot listen. `error_body` writes the server's JSON error form."""
+    limits = (limits or Limits()).checked()
+    before, after = raise_fd_limit()
+    if after != before:
+        log.info("open-file limit raised from %d to %d", before, after)
+    stats = Stats(fd_limit=(before, after))
+    stats.max_connections = connection_cap(limits, after)
+    if stats.max_connections < limits.max_connections:
+        log.warning("at most %d connections (not %d): the open-file limit is %d", stats.max_connections,
+                    limits.max_connections, after)
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(loop_exception_handler(limits.log_interval_s))
+    kit = _Kit(limits, error_body, stats.max_connections, stats)
+    runner = _Runner(app, kit, access_log=None, handle_signals=False, logger=server_logger(limits.log_interval_s),
+                     keepalive_timeout=limits.idle_timeout_s, handler_cancellation=handler_cancellation,
+                     shutdown_timeout=shutdown_timeout_s)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_address=True)
+    site = web.TCPSite(runner, host, port, reuse_address=True, backlog=1024)
     try:
         await site.start()
     except OSError as e:
         await runner.cleanup()
         raise ListenError(_listen_sentence(host, port, flag, e)) from None
     bound = next((a[1] for a in runner.addresses if isinstance(a, tuple)), port)
-    return Served(runner, host, bound)
+    return Served(runner, host, bound, stats)
 
 
 def _listen_sentence(host: str, port: int, flag: str, e: OSError) -> str:

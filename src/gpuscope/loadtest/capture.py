@@ -22,12 +22,14 @@ import sys
 import time
 import urllib.parse
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import IO, Any
 
 import aiohttp
 from aiohttp import web
 
 from ..errors import UsageError
+from ..http.limits import limits_from_args
 from ..http.net import is_loopback_host, parse_listen, parse_upstream
 from ..http.serve import start
 
@@ -229,7 +231,7 @@ class CaptureProxy:
         seq, t_start = self.recorder.begin()
         try:
             raw = await request.read()
-        except BaseException:  # the client left before its body ended
+        except BaseException:  # the client left, or its body missed the kit's body deadline
             self.recorder.finish(seq, None)  # the requests after it are still written
             raise
         content_type = request.headers.get("Content-Type", "")
@@ -308,7 +310,8 @@ _ERROR_TYPES = {502: "bad_gateway", 503: "overloaded", 408: "request_timeout"}
 
 
 def error_body(status: int, sentence: str) -> bytes:
-    """The proxy's own answers in the OpenAI error form its clients read (the 502 when the upstream is away)."""
+    """The proxy's own answers in the OpenAI error form its clients read: the 502 when the upstream is away,
+    the kit's 408, 414, 431 and 503 (gpuscope.http.serve)."""
     return json.dumps({"error": {"message": sentence, "type": _ERROR_TYPES.get(status, "invalid_request"),
                                  "code": status}}).encode()
 
@@ -333,9 +336,11 @@ async def _proxy(args: argparse.Namespace, upstream: str, host: str, port: int, 
     await proxy.start()
     app = web.Application(client_max_size=256 << 20)
     app.router.add_route("*", "/{tail:.*}", proxy.handle)
+    limits = replace(limits_from_args(args), fds_per_connection=2)  # the client's socket and the upstream's
     try:
         # handler_cancellation: a client that leaves cancels its forwarded request, so the upstream sees it leave too.
-        served = await start(app, host, port, flag="--listen", handler_cancellation=True)
+        served = await start(app, host, port, limits=limits, flag="--listen", error_body=error_body,
+                             handler_cancellation=True)
     except BaseException:
         await proxy.close()
         raise
@@ -365,4 +370,5 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--count must be 0 (no limit) or more, not {args.count}.")
     if not args.timeout > 0:
         raise UsageError(f"--timeout must be more than 0 seconds, not {args.timeout:g}.")
+    limits_from_args(args)  # bad limits are refused before the upstream is probed
     return asyncio.run(_serve(args, upstream, host, port))

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from ..http.limits import add_limit_args
+
 HELP = "record a live service's requests through a local proxy, for 'gpuscope loadtest --replay'"
 DESCRIPTION = ("A reverse proxy on --listen that forwards every request to --upstream, streams each answer "
                "back unchanged and writes one JSON line per request to --out (format: docs/loadtest-replay.md). "
@@ -25,6 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="stop after N requests are recorded (default 0: until interrupted)")
     parser.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
                         help="longest a forwarded request may take (default 600)")
+    add_limit_args(parser)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -20,6 +20,7 @@ import asyncio
 import logging
 import math
 import re
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from typing import Any
 from aiohttp import web
 
 from ..http.auth import access
+from ..http.limits import Limits
 from ..http.responses import BadRequest, dumps, error_response, json_errors, json_response
 from ..timeparse import TimeError, parse_duration, parse_time
 from .backend import Backend, BackendError, RangeQuery
@@ -42,6 +44,7 @@ STATIC_FILES = {"app.js": "application/javascript", "app.css": "text/css", "favi
 
 AGGS = ("mean", "max", "min", "last")
 MAX_STREAMS = 32
+STREAM_SNDBUF_BYTES = 64 << 10
 MAX_POINTS = 10_000          # per series in one range request
 AUTO_POINTS = 1000           # what step=auto aims at
 MAX_RANGE_S = 400 * 86400.0
@@ -54,6 +57,9 @@ CSP = "default-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 
 
 BACKEND_KEY = web.AppKey("gpuscope_ui_backend", object)
 STREAMS_KEY = web.AppKey("gpuscope_ui_streams", set)
+PEERS_KEY = web.AppKey("gpuscope_ui_streams_per_peer", dict)
+LIMITS_KEY = web.AppKey("gpuscope_ui_limits", Limits)
+STALLED_KEY = web.AppKey("gpuscope_ui_streams_stalled", list)  # [count]
 STOP_KEY = web.AppKey("gpuscope_ui_stop", asyncio.Event)
 INTERVAL_KEY = web.AppKey("gpuscope_ui_interval", float)
 
@@ -166,7 +172,11 @@ async def timeline(request: web.Request) -> web.Response:
 
 async def stream(request: web.Request) -> web.StreamResponse:
     """Server-sent events: `event: overview` with the overview JSON every `interval` (0.25-10 s); a
-    comment line when nothing changed, so proxies and the browser see the connection alive."""
+    comment line when nothing changed, so proxies and the browser see the connection alive.
+
+    At most MAX_STREAMS on the server and `streams_per_client` per peer address (a 429 past it); a
+    client that reads nothing for `stream_stall_s` (one write waiting that long) is cut off and gives
+    its slot back."""
     try:
         interval = parse_duration(request.query.get("interval", ""), "interval") if "interval" in request.query \
             else request.app[INTERVAL_KEY]
@@ -175,6 +185,12 @@ async def stream(request: web.Request) -> web.StreamResponse:
     if not 0.25 <= interval <= 10:
         return error_response(400, "interval must be between 250ms and 10s.")
     streams = request.app[STREAMS_KEY]
+    per_peer: dict[str, int] = request.app[PEERS_KEY]
+    limits: Limits = request.app[LIMITS_KEY]
+    peer = request.remote or "?"
+    if per_peer.get(peer, 0) >= limits.streams_per_client:
+        return error_response(429, f"Too many live dashboards ({limits.streams_per_client}) are open from {peer}, "
+                                   "the most one client may hold; close one and reload.", {"Retry-After": "10"})
     if len(streams) >= MAX_STREAMS:
         return error_response(503, f"Too many live dashboards ({MAX_STREAMS}) are open on this server; "
                                    "close one and reload.")
@@ -183,9 +199,20 @@ async def stream(request: web.Request) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-store",
                                        "X-Accel-Buffering": "no"})
     streams.add(resp)
+    per_peer[peer] = per_peer.get(peer, 0) + 1
+
+    async def write(data: bytes) -> None:
+        # A client that stops reading blocks a write once the socket's buffers are full; bounded, so its
+        # slot comes back (the kernel's buffer is kept small for streams: see _small_send_buffer).
+        try:
+            await asyncio.wait_for(resp.write(data), limits.stream_stall_s)
+        except asyncio.TimeoutError:
+            raise _Stalled from None
+
     try:
         await resp.prepare(request)
-        await resp.write(f"retry: {int(max(interval, 1.0) * 2000)}\n: gpuscope overview stream\n\n".encode())
+        _small_send_buffer(request)
+        await write(f"retry: {int(max(interval, 1.0) * 2000)}\n: gpuscope overview stream\n\n".encode())
         last = None
         while not stop.is_set():
             try:
@@ -195,19 +222,42 @@ async def stream(request: web.Request) -> web.StreamResponse:
                 data, event = {"error": e.message}, "error"
             stamp = (event, data.get("time_ns"))
             if stamp == last:
-                await resp.write(b": keep-alive\n\n")
+                await write(b": keep-alive\n\n")
             else:
-                await resp.write(f"event: {event}\ndata: {dumps(data)}\n\n".encode())
+                await write(f"event: {event}\ndata: {dumps(data)}\n\n".encode())
                 last = stamp
             try:
                 await asyncio.wait_for(stop.wait(), interval)
             except asyncio.TimeoutError:
                 pass
+    except _Stalled:  # one write waited stream_stall_s: the client reads nothing
+        request.app[STALLED_KEY][0] += 1
+        log.info("a dashboard stream from %s read nothing for %g s; closed it", peer, limits.stream_stall_s)
+        if request.transport is not None:
+            request.transport.abort()  # close() would wait to flush what the client will never read
     except ConnectionResetError:
         pass  # the browser went away
     finally:
         streams.discard(resp)
+        per_peer[peer] -= 1
+        if not per_peer[peer]:
+            del per_peer[peer]
     return resp
+
+
+class _Stalled(Exception):
+    """A stream's write waited stream_stall_s."""
+
+
+def _small_send_buffer(request: web.Request) -> None:
+    """A stream sends a few kB a second: 64 KiB of kernel buffer is plenty, and a client that stops reading
+    then blocks a write within seconds rather than after megabytes of autotuned buffer."""
+    sock = request.transport.get_extra_info("socket") if request.transport is not None else None
+    if sock is not None:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SNDBUF_BYTES)
+        except OSError:
+            pass
 
 
 # -- the page and its assets -----------------------------------------------------------------------
@@ -248,11 +298,17 @@ async def _redirect_to_page(request: web.Request) -> web.StreamResponse:
     raise web.HTTPFound("/ui/" + ("?" + request.query_string if request.query_string else ""))
 
 
-def add_ui_routes(app: web.Application, backend: Backend, *, stream_interval_s: float = 1.0) -> None:
+def add_ui_routes(app: web.Application, backend: Backend, *, stream_interval_s: float = 1.0,
+                  streams_per_client: int | None = None, stream_stall_s: float | None = None) -> None:
     """The page, its assets and /ui/api/* over `backend`; the app's own middleware guards them. Live
     streams end when the app shuts down, so a stopping server does not wait on open dashboards."""
+    d = Limits()
     app[BACKEND_KEY] = backend
     app[STREAMS_KEY] = set()
+    app[PEERS_KEY] = {}
+    app[STALLED_KEY] = [0]
+    app[LIMITS_KEY] = Limits(streams_per_client=streams_per_client or d.streams_per_client,
+                             stream_stall_s=stream_stall_s or d.stream_stall_s).checked()
     app[STOP_KEY] = asyncio.Event()
     app[INTERVAL_KEY] = float(stream_interval_s)
 
@@ -273,14 +329,20 @@ def add_ui_routes(app: web.Application, backend: Backend, *, stream_interval_s: 
     r.add_get("/ui/api/stream", stream)
 
 
+DASHBOARD_TOKEN_HINT = "the dashboard's token file (--token-file; see 'gpuscope dashboard --help')"
+
+
 def make_ui_app(backend: Backend, *, token: str | None, loopback_only: bool, token_path: str = "",
-                stream_interval_s: float = 1.0) -> web.Application:
+                token_hint: str = DASHBOARD_TOKEN_HINT, stream_interval_s: float = 1.0,
+                streams_per_client: int | None = None, stream_stall_s: float | None = None) -> web.Application:
     """A standalone dashboard app (for `gpuscope dashboard`) with the agent's access rule (gpuscope.http.auth);
-    `/` opens the page, and the backend is closed with the app."""
-    guard = access(token=token, loopback_only=loopback_only, server="dashboard", token_hint=token_path)
+    `/` opens the page, and the backend is closed with the app. `token_path` goes to the log only."""
+    guard = access(token=token, loopback_only=loopback_only, server="dashboard", token_hint=token_hint,
+                   token_path=token_path or None)
     errors = json_errors(server="dashboard", not_found="No such page: {path}; the dashboard is at /ui/.", log=log)
     app = web.Application(middlewares=[errors, guard])
-    add_ui_routes(app, backend, stream_interval_s=stream_interval_s)
+    add_ui_routes(app, backend, stream_interval_s=stream_interval_s, streams_per_client=streams_per_client,
+                  stream_stall_s=stream_stall_s)
     app.router.add_get("/", _redirect_to_page)
 
     async def close_backend(app: web.Application) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import Unavailable, UsageError
+from ..http.limits import add_limit_args, limits_from_args
 from ..http.net import format_host, is_loopback_host, parse_upstream
 
 DEFAULT_PORT = 9472
@@ -38,6 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-file", metavar="PATH",
                    help=f"the token beyond loopback (default ~/.local/share/gpuscope/{TOKEN_NAME}, made on first use)")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for Prometheus (default 10)")
+    add_limit_args(p, streams=True)
 
 
 def check_url(url: str) -> str:
@@ -74,9 +76,11 @@ async def _serve(backend: Any, args: argparse.Namespace, token: str | None, path
         await backend.close()
         raise DashboardError(e.message) from None
     loopback = is_loopback_host(args.bind)
-    app = make_ui_app(backend, token=token, loopback_only=loopback, token_path=str(path))
+    limits = limits_from_args(args)
+    app = make_ui_app(backend, token=token, loopback_only=loopback, token_path=str(path),
+                      streams_per_client=limits.streams_per_client, stream_stall_s=limits.stream_stall_s)
     try:
-        served = await start(app, args.bind, args.port, flag="--port")
+        served = await start(app, args.bind, args.port, limits=limits, flag="--port")
     except ListenError as e:
         raise DashboardError(str(e)) from None
     found = (f"{gpus} GPU(s) there now" if gpus else
@@ -99,6 +103,7 @@ def run(args: argparse.Namespace, announce: Any = print) -> int:
         raise UsageError(f"--port must be between 0 and 65535, not {args.port}.")
     if not 0 < args.timeout < 86400:  # inf once reached aiohttp as a traceback (OverflowError)
         raise UsageError(f"--timeout must be a number of seconds between 0 and 86400, not {args.timeout:g}.")
+    limits_from_args(args)  # bad limits are refused before anything is made
     path = token_path(args.token_file)
     token = None if is_loopback_host(args.bind) and not args.token_file else _token(path)
     backend = PrometheusBackend(url, timeout=args.timeout)
