@@ -30,6 +30,7 @@ from aiohttp import web
 from .._records import Event
 from .._text import valid_text
 from ..http.responses import BadRequest, error_response, json_response
+from ._face import AgentFace
 
 MAX_EVENTS = 100
 MAX_BODY_BYTES = 64 << 10
@@ -168,7 +169,7 @@ def hand_to_sampler(sampler: Any, events: list[Event]) -> None:
 
 
 class EventsApi:
-    def __init__(self, agent: Any) -> None:
+    def __init__(self, agent: AgentFace) -> None:
         self.agent = agent
         self.limiter = RateLimiter()
         self.accepted_total = 0
@@ -208,5 +209,5 @@ class EventsApi:
         return json_response({"accepted": len(events)}, status=202)
 
 
-def register(app: web.Application, agent: Any) -> None:
+def register(app: web.Application, agent: AgentFace) -> None:
     app.router.add_post("/api/v1/events", EventsApi(agent).post)

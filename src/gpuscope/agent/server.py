@@ -23,6 +23,7 @@ from .._version import __version__
 from ..http.auth import AGENT_TOKEN_HINT, access
 from ..http.responses import BadRequest, error_response, json_errors, json_response
 from ..timeparse import parse_duration, parse_time
+from ._face import AgentFace
 
 log = logging.getLogger("gpuscope.agent.http")
 
@@ -42,7 +43,7 @@ class Api:
     """Handlers. `agent` provides: sampler, store, token, loopback_only, naming, top_processes,
     render_metrics(mode) -> bytes, status() -> dict."""
 
-    def __init__(self, agent: Any) -> None:
+    def __init__(self, agent: AgentFace) -> None:
         self.agent = agent
 
     # -- routes --------------------------------------------------------------------------------
@@ -225,7 +226,7 @@ class Api:
 
 
     async def alerts(self, request: web.Request) -> web.Response:
-        svc = getattr(self.agent, "alerts", None)
+        svc = self.agent.alerts
         if svc is None:
             return json_response({"enabled": False, "firing": [], "pending": [], "resolved": [], "rules": []})
         return json_response({"enabled": True, "simulated": self.agent.sampler.simulated, **svc.alerts()})
@@ -249,7 +250,7 @@ def _prefers_html(accept: str) -> bool:
     return html > max(weights.get("application/json", 0.0), weights.get("application/*", 0.0))
 
 
-def make_app(agent: Any, max_request_bytes: int = 65536, *, streams_per_client: int | None = None,
+def make_app(agent: AgentFace, max_request_bytes: int = 65536, *, streams_per_client: int | None = None,
              stream_stall_s: float | None = None) -> web.Application:
     """The agent's app: its API, traces, events and the dashboard, behind the kit's access rule (loopback
     Host names; the token beyond loopback and for changes) and its JSON errors."""
@@ -260,7 +261,7 @@ def make_app(agent: Any, max_request_bytes: int = 65536, *, streams_per_client: 
 
     api = Api(agent)
     guard = access(token=agent.token, loopback_only=agent.loopback_only, server="agent", token_hint=AGENT_TOKEN_HINT,
-                   token_path=getattr(agent, "token_path", None))
+                   token_path=agent.token_path)
     errors = json_errors(server="agent", not_found="No such endpoint: {path}; see /api/v1/ for the list.", log=log)
     app = web.Application(middlewares=[errors, guard], client_max_size=max_request_bytes)
     api.routes(app)

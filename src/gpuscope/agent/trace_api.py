@@ -35,6 +35,7 @@ from aiohttp import web
 from ..http.responses import BadRequest, error_response, json_response
 from ..timeparse import TimeError, parse_duration
 from ..trace import ondemand as od
+from ._face import AgentFace
 
 log = logging.getLogger("gpuscope.agent.traces")
 
@@ -118,7 +119,7 @@ def store_rows(kernels: list[dict[str, Any]]) -> tuple[list[tuple[str, dict[str,
 class Traces:
     """The agent's side: requests out, traces in, their kernel statistics into the store."""
 
-    def __init__(self, agent: Any) -> None:
+    def __init__(self, agent: AgentFace) -> None:
         self.agent = agent
         self.requests_dir = str(agent.cfg.data_path / "trace-requests")
         self.traces_dir = str(agent.cfg.data_path / "traces")
@@ -330,7 +331,7 @@ def _parse_request(doc: Any) -> tuple[float, list[int] | str]:
     return duration_s, sorted(set(pids))
 
 
-def register(app: web.Application, agent: Any) -> None:
+def register(app: web.Application, agent: AgentFace) -> None:
     """The trace routes on the agent's app, and the ingest thread for its lifetime."""
     traces = Traces(agent)
     app.router.add_post("/api/v1/trace", traces.request_trace)
