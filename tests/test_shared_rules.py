@@ -108,3 +108,13 @@ def test_sample_verb_runs(capsys):
 
     assert cli.main(["sample", "--simulate", "healthy", "--gpus", "1", "--count", "1", "--every", "0.3s"]) == 0
     assert "GPU 0" in capsys.readouterr().out
+
+
+def test_new_tokens_never_read_as_a_flag(monkeypatch):
+    import secrets
+
+    from gpuscope.http import auth
+
+    monkeypatch.setattr(secrets, "token_urlsafe", lambda n: "-" + "A" * 42)
+    token = auth.new_token()
+    assert not token.startswith("-") and len(token) == 43 and token[1:] == "A" * 42

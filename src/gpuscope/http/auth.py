@@ -80,10 +80,17 @@ def load_or_create_token(path: Path) -> str:
         return token
     except OSError as e:
         raise TokenError(f"The token file {path} cannot be made: {e.strerror}.") from None
-    token = secrets.token_urlsafe(32)
+    token = new_token()
     with os.fdopen(fd, "w") as f:
         f.write(token + "\n")
     return token
+
+
+def new_token() -> str:
+    """256 random bits, URL-safe, never starting with '-': `--token $(cat token)` must not read as a flag
+    (a token_urlsafe string starts with '-' one time in 64)."""
+    token = secrets.token_urlsafe(32)
+    return token if token[0] != "-" else secrets.choice("abcdefghijklmnopqrstuvwxyz") + token[1:]
 
 
 def find_token(explicit: str | None, data_dir: str | None) -> str | None:
