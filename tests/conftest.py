@@ -10,9 +10,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from host_fakes import FakeHostReader  # noqa: F401 - the fixtures below build it; tests import host_fakes
 
 from gpuscope import Sampler, SamplerConfig
-from gpuscope._hostproc import HostProcInfo
 from gpuscope._nvml import Nvml
 from gpuscope.sources.device import Device, discover
 
@@ -29,22 +29,6 @@ class FakeClock:
     def advance(self, dt: float) -> float:
         self.t += dt
         return self.t
-
-
-class FakeHostReader:
-    """The HostReader protocol: pids in `infos` are visible on the host, every other pid is not."""
-
-    def __init__(self, infos: dict[int, HostProcInfo] | None = None) -> None:
-        self.infos = dict(infos or {})
-        self.reads: list[int] = []
-        self.forgotten: list[set[int]] = []
-
-    def read(self, pid: int) -> HostProcInfo | None:
-        self.reads.append(pid)
-        return self.infos.get(pid)
-
-    def forget(self, alive: set[int]) -> None:
-        self.forgotten.append(set(alive))
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -232,7 +232,7 @@ def test_a_clock_that_jumps_a_day_ahead_and_back_loses_nothing_and_retention_kee
 
 # -- a GPU lost mid-run -------------------------------------------------------------------------------------
 def test_a_gpu_that_falls_off_the_bus_mid_run_loses_nothing_the_sampler_produced(tmp_path: Path) -> None:
-    from conftest import FakeHostReader
+    from host_fakes import FakeHostReader
 
     from gpuscope import Sampler, SamplerConfig
     from gpuscope.testing import lost_gpu

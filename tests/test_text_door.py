@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import FakeHostReader
+from host_fakes import FakeHostReader
 
 from gpuscope._hostproc import HostProcessReader, HostProcInfo
 from gpuscope._text import valid_text

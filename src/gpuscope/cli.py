@@ -15,8 +15,8 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from ._version import __version__
 from ._args import Parser
+from ._version import __version__
 from .errors import EXIT_OK, EXIT_USAGE, UsageError, UserError
 
 # In the order `gpuscope --help` lists them.

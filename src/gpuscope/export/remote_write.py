@@ -42,8 +42,8 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlparse
 
-from .._version import __version__
 from .._records import Snapshot
+from .._version import __version__
 from ._model import CANONICAL, Ctx, Family, Labels, Model, sorted_labels
 
 __all__ = ["RemoteWriter", "encode_write_request"]
