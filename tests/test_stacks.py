@@ -170,8 +170,10 @@ def test_run_samples_only_its_own_processes():
     root = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
                              "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(20)']); time.sleep(20)"])
     try:
-        time.sleep(1.0)
         import psutil
+        deadline = time.monotonic() + 30
+        while not psutil.Process(root.pid).children() and time.monotonic() < deadline:  # a loaded machine is slow
+            time.sleep(0.05)
         grandchild = psutil.Process(root.pid).children()[0].pid
         procs = RunProcesses(root.pid)
         assert procs.ours(root.pid) and procs.ours(grandchild)
