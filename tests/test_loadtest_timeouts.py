@@ -70,7 +70,26 @@ def test_back_to_back_timeouts_each_fire_at_their_own_deadline(srv) -> None:
     recs = execute(cfg, 1).records
     assert len(recs) >= 6 * 4 and {r.error for r in recs} == {"timeout"}
     waited = sorted(r.t_failed - r.t_intended for r in recs)
-    assert waited[0] >= TIMEOUT_S and statistics.median(waited) - TIMEOUT_S < MAX_MEDIAN_LATE_S, waited
+    # What this machine's loop adds to any timer right now (a loaded CI machine: tens of ms) is measured in the
+    # same way and allowed on top; a periodic sweep would still be late by half its period more.
+    lag = _timer_lag_s()
+    assert waited[0] >= TIMEOUT_S and statistics.median(waited) - TIMEOUT_S < MAX_MEDIAN_LATE_S + lag, (lag, waited)
+
+
+def _timer_lag_s(n: int = 20, delay_s: float = 0.05) -> float:
+    """The median lateness of n timers of delay_s on a fresh worker loop (seconds)."""
+    async def probe() -> float:
+        loop = asyncio.get_running_loop()
+        late = []
+        for _ in range(n):
+            fut = loop.create_future()
+            t0 = loop.time()
+            loop.call_later(delay_s, fut.set_result, None)
+            await fut
+            late.append(loop.time() - t0 - delay_s)
+        return statistics.median(late)
+
+    return _on_loop(probe)[0]
 
 
 def _on_loop(main):  # type: ignore[no-untyped-def]

@@ -187,7 +187,8 @@ class Agent:
         self.baselines = Tracker(self.sampler, path, baselines=baselines).start()
 
     def _start_alerts(self) -> None:
-        """Rules were validated with the config; the service evaluates on its own thread."""
+        """Rules were validated with the config; the service evaluates on its own thread, started by _serve once
+        the port is bound (its alerts link to it, and nothing is sent when the port turns out to be taken)."""
         al = self.cfg.alerts
         if not al.enabled:
             return
@@ -195,7 +196,7 @@ class Agent:
 
         rules = load_rules(al.rule_files, builtins=al.builtins)
         notifiers = build_notifiers(al)
-        self.alerts = AlertService(self.sampler, rules, notifiers, interval=al.evaluation_interval).start()
+        self.alerts = AlertService(self.sampler, rules, notifiers, interval=al.evaluation_interval)
         log.info("alerts: %d rule(s) every %g s, notifying %s", len(rules), al.evaluation_interval,
                  describe_notifiers(notifiers), extra={"f_event": "alerts"})
 
@@ -251,6 +252,7 @@ class Agent:
         if self.alerts is not None:
             self.alerts.engine.generator_url = (self.cfg.alerts.external_url
                                                 or f"http://{self.sampler.hostname}:{self.port}/api/v1/alerts")
+            self.alerts.start()
         what = (f"SIMULATED node, scenario '{self.sampler.simulated}'" if self.sampler.simulated
                 else f"{len(self.sampler.devices)} GPU(s)")
         self.announce(f"gpuscope agent {__version__}: sampling {what} every "
