@@ -146,8 +146,10 @@ class Forwarder:
                 return
             if signum == signal.SIGINT and _terminal_reaches(os.getpgid(child.pid)):
                 return
-            child.send_signal(signum)
+            # The tree is listed before the child is signalled: a child that exits on the signal at once
+            # leaves its children to init, and they would no longer be found as its descendants.
             tree = list(self.descendants(child))
+            child.send_signal(signum)
         except Exception:  # the command ended meanwhile; its processes are reaped by the caller's clean-up
             return
         for p in tree:
