@@ -57,14 +57,10 @@ def _size(n: int) -> str:
     return f"{n / 2**20:g} MiB" if n >= 2**20 else f"{n / 2**10:g} KiB" if n >= 2**10 else f"{n} bytes"
 
 
-def read_bytes(path: str | os.PathLike[str], what: str, *, max_bytes: int = MAX_FILE_BYTES,
-               error: type[Exception] = InputFileError) -> bytes:
-    """The file's bytes, at most `max_bytes`; a missing, unreadable or larger file raises `error`.
-
-    `what` names the file in the sentence: "the rule file rules.yaml"."""
+def _open(path: str | os.PathLike[str], what: str, error: type[Exception]) -> Any:
+    """The file opened for reading bytes; a missing, unreadable file or a bad name raises `error`."""
     try:
-        with open(path, "rb") as f:
-            data = f.read(max_bytes + 1)
+        return open(path, "rb")  # noqa: SIM115 - the callers close it
     except FileNotFoundError:
         raise error(f"{_cap(what)} does not exist.") from None
     except IsADirectoryError:
@@ -73,6 +69,20 @@ def read_bytes(path: str | os.PathLike[str], what: str, *, max_bytes: int = MAX_
         raise error(f"{_cap(what)} cannot be read: {e.strerror or e}.") from None
     except ValueError:  # a path with a NUL byte
         raise error(f"{_cap(what)} cannot be read: its name holds a NUL byte.") from None
+
+
+def read_bytes(path: str | os.PathLike[str], what: str, *, max_bytes: int = MAX_FILE_BYTES,
+               error: type[Exception] = InputFileError) -> bytes:
+    """The file's bytes, at most `max_bytes`; a missing, unreadable or larger file raises `error`.
+
+    `what` names the file in the sentence: "the rule file rules.yaml"."""
+    f = _open(path, what, error)
+    try:
+        data = f.read(max_bytes + 1)
+    except OSError as e:
+        raise error(f"{_cap(what)} cannot be read: {e.strerror or e}.") from None
+    finally:
+        f.close()
     if len(data) > max_bytes:
         raise error(f"{_cap(what)} is larger than {_size(max_bytes)}, the most such a file may be.")
     return data
@@ -206,16 +216,7 @@ def read_lines(path: str | os.PathLike[str], what: str, *, max_line_bytes: int =
     """(line number, bytes) of each non-blank line, read as a stream: the file as a whole has no cap (a
     run's records need not fit in memory), each line has `max_line_bytes`. Missing, unreadable files and a
     longer line raise `error`."""
-    try:
-        f = open(path, "rb")  # noqa: SIM115 - closed in the finally below, also when the caller stops early
-    except FileNotFoundError:
-        raise error(f"{_cap(what)} does not exist.") from None
-    except IsADirectoryError:
-        raise error(f"{_cap(what)} is a directory, not a file.") from None
-    except OSError as e:
-        raise error(f"{_cap(what)} cannot be read: {e.strerror or e}.") from None
-    except ValueError:
-        raise error(f"{_cap(what)} cannot be read: its name holds a NUL byte.") from None
+    f = _open(path, what, error)  # closed in the finally below, also when the caller stops early
     try:
         n = 0
         while True:
