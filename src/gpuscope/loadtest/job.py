@@ -19,6 +19,7 @@ from typing import Any
 
 import orjson
 
+from .._files import MAX_LINE_BYTES, InputFileError, read_text
 from ..errors import UsageError
 from . import schedule as S
 from .client import Client, Target, UrlError, classify_connect_error, shown_url
@@ -140,13 +141,8 @@ def _protocol(args: argparse.Namespace) -> tuple[Protocol, str]:
                              "one line of Latin-1 text.")
         headers[name] = value
     body = args.body or ""
-    if args.body_file:
-        try:
-            body = Path(args.body_file).read_text()
-        except OSError as e:
-            raise SetupError(f"Cannot read --body-file {args.body_file}: {e.strerror or e}.") from None
-        except UnicodeDecodeError:
-            raise SetupError(f"--body-file {args.body_file} is not UTF-8 text.") from None
+    if args.body_file:  # as large as one line of a --request-file may be
+        body = read_text(args.body_file, f"--body-file {args.body_file}", max_bytes=MAX_LINE_BYTES, error=SetupError)
     try:
         Template(body)
         requests = load_request_file(args.request_file) if args.request_file else None
@@ -163,9 +159,9 @@ def _protocol(args: argparse.Namespace) -> tuple[Protocol, str]:
         prompts = None
         if args.prompt_file:
             try:
-                prompts = load_prompts(args.prompt_file)
-            except (OSError, ValueError) as e:
-                raise SetupError(f"Cannot use --prompt-file: {getattr(e, 'strerror', None) or e}.") from None
+                prompts = load_prompts(args.prompt_file, f"--prompt-file {args.prompt_file}")
+            except InputFileError as e:
+                raise SetupError(str(e)) from None
         kind = f"openai-{args.openai}"
         return Protocol(kind=kind, headers=headers, model=args.model, prompt_tokens=args.prompt_tokens,
                         max_tokens=args.max_tokens, prompts=prompts), kind

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import orjson
 
+from .._files import InputFileError, read_text
 from .records import RequestRecord
 
 # Frequent English words that are single tokens in common BPE vocabularies (leading space included).
@@ -35,25 +36,33 @@ def prompt_of(tokens: int, rng: random.Random) -> str:
     return " ".join(rng.choice(_WORDS) for _ in range(max(tokens, 1)))
 
 
-def load_prompts(path: str | Path) -> list[str]:
-    """A prompt file: one prompt per line, or JSON lines with a "prompt" (or "text") field."""
+#: A prompt file is read whole and its prompts go to every worker: 64 MiB is some 10 million words.
+MAX_PROMPT_FILE_BYTES = 64 << 20
+
+
+def load_prompts(path: str | Path, what: str = "", *, max_bytes: int = MAX_PROMPT_FILE_BYTES) -> list[str]:
+    """A prompt file: one prompt per line, or JSON lines with a "prompt" (or "text") field.
+
+    A missing, unreadable, larger or non-UTF-8 file, a bad JSON line or a file without prompts raises
+    InputFileError (a ValueError) with one sentence naming the file as `what` (default "the prompt file PATH")."""
+    what = what or f"the prompt file {path}"
     out = []
-    for line in Path(path).read_text().splitlines():
+    for n, line in enumerate(read_text(path, what, max_bytes=max_bytes).splitlines(), 1):
         if not line.strip():
             continue
         if line.lstrip().startswith("{"):
             try:
                 obj = orjson.loads(line)
             except orjson.JSONDecodeError:
-                raise ValueError(f"a line of the prompt file {path} is not valid JSON") from None
+                raise InputFileError(f"Line {n} of {what} is not valid JSON.") from None
             text = obj.get("prompt") or obj.get("text") if isinstance(obj, dict) else None
             if not isinstance(text, str):
-                raise ValueError(f"a JSON line of the prompt file {path} has no \"prompt\" string")
+                raise InputFileError(f"Line {n} of {what} is JSON without a \"prompt\" string.")
             out.append(text)
         else:
             out.append(line)
     if not out:
-        raise ValueError(f"the prompt file {path} holds no prompts")
+        raise InputFileError(f"{what[:1].upper()}{what[1:]} holds no prompts.")
     return out
 
 
