@@ -5,6 +5,7 @@ and series ids are never reused (a returning pid gets a new series, never anothe
 from __future__ import annotations
 
 import sqlite3
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -165,3 +166,48 @@ def test_a_series_in_two_layouts_of_one_block_is_sealed_whole(tmp_path: Path) ->
     with sqlite3.connect(tmp_path / "gpuscope.db") as c:  # from chunks, not the hot window
         rows = c.execute("SELECT COUNT(*), SUM(n) FROM chunks WHERE tier = 0 AND t_min < ?", (T0 + 600 * SEC,)).fetchone()
         assert tuple(rows) == (3, 20 + 20 + 10)  # one chunk per series and block; tick()'s GPUs come at T0 + 700 s
+
+
+def layout_rows(path: Path) -> int:
+    with sqlite3.connect(path / "gpuscope.db") as c:
+        return int(c.execute("SELECT COUNT(*) FROM layouts").fetchone()[0])
+
+
+def test_memory_follows_the_series_in_use_while_the_store_keeps_every_series_history(tmp_path: Path) -> None:
+    """Default retention (years): ended processes' series stay stored and queryable, but the writer lets go
+    of them once they are past the hot window, and so does the layouts table: memory is flat round after
+    round while the series table grows by the new jobs' series."""
+    gap = 25 * 60 * SEC  # past a 10-minute seal and the 10-minute hot window
+    with Store(tmp_path, flush_interval=60) as store:
+        w = store._writer
+        assert w is not None
+        sizes, rows = [], []
+        for r in range(10):
+            pids = [20_000 + 10 * r + i for i in range(3)]
+            run_round(store, T0 + r * gap, pids, sm=(r + 1) / 16)
+            sizes.append((len(w.reg.metric), len(w.reg.layouts), len(w.reg.by_key), len(w.dec._proc),
+                          layout_rows(tmp_path)))
+            rows.append(series_rows(tmp_path))
+        assert all(s == sizes[2] for s in sizes[2:]), sizes  # flat once the first rounds are past the window
+        assert max(sizes[-1][0], sizes[-1][2]) < rows[-1] - 4 * 3 * 7  # memory holds far fewer than stored
+        assert [b - a for a, b in pairwise(rows[2:])] == [12] * 7  # the store keeps every job's series
+        assert w.reg.parked >= 4 * 3 * 8
+        # Every job is still listed and its data served, from any reader.
+        listed = {int(s["labels"]["pid"]) for s in store.series(SM)}
+        assert listed == {20_000 + 10 * r + i for r in range(10) for i in range(3)}
+        got = store.query(SM, T0, T0 + 10 * SEC, 1, labels={"pid": "20001"})
+        assert len(got) == 1 and got[0].values.tolist() == [1 / 16] * 5
+        # The newest values are the last snapshot's processes only.
+        snap = store._reader.latest()
+        assert snap is not None and {p.pid for p in snap.processes} == {20_090, 20_091, 20_092}
+        # A job seen again after it was let go is found by its key: one series, both periods.
+        first = {sid for sid, _, _ in store._reader.find(SM, {"pid": "20000"})}
+        back = T0 + 10 * gap
+        run_round(store, back, [20_000], sm=0.75)
+        assert w.reg.found >= 4
+        assert {sid for sid, _, _ in store._reader.find(SM, {"pid": "20000"})} == first
+        both = store.query(SM, T0, back + 10 * SEC, 1, labels={"pid": "20000"}, agg="count")
+        assert len(both) == 1 and np.nansum(both[0].values) == 10
+    with Store(tmp_path, readonly=True) as reader:  # a fresh reader sees the same
+        assert len(reader.series(SM)) == 30
+        assert reader._reader.labels()["pid"][:2] == ["20000", "20001"]

@@ -48,12 +48,17 @@ class Group:
 
 
 class Registry:
-    """Series and layouts the writer knows; new ones are inserted with the next flush's transaction.
+    """The series and layouts the writer is using now; new ones are inserted with the next flush's transaction.
 
-    Retention deletes the series whose data is gone everywhere (and the layouts that hold them) and
-    `evict()`s them here, so a key seen again later gets a new id. Ids are never reused: the next
-    free ids are kept in `meta` ('series.next', 'layouts.next'), since max(id) + 1 would hand a
-    deleted id out again after a restart, to readers that may still have it cached."""
+    Only the working set is held in memory: the series of the layouts that rows arrived for lately (the hot
+    window, the late rows, staging). `park()` lets go of the rest after each seal; they stay in the store,
+    queryable, and a key seen again is found there (`series_id` looks it up by key), so a node that runs
+    thousands of short jobs keeps memory flat while its store keeps their history for the retention.
+
+    Retention deletes the series whose data is gone everywhere and `evict()`s them here, so a key seen again
+    later gets a new id. Ids are never reused: the next free ids are kept in `meta` ('series.next',
+    'layouts.next'), since max(id) + 1 would hand a deleted id out again after a restart, to readers that may
+    still have it cached."""
 
     def __init__(self) -> None:
         self.by_key: dict[str, int] = {}
@@ -67,17 +72,29 @@ class Registry:
         self.new_series: list[tuple[int, str, str, str]] = []
         self.repaired = 0  # series whose metric or labels were not valid text
         self.new_layouts: list[Layout] = []
+        self.found = 0  # series found in the store again after they were parked
+        self.parked = 0  # series let go from memory (still stored)
+        self._conn: sqlite3.Connection | None = None
         self._next_sid = 1
         self._next_layout = 1
 
     def load(self, conn: sqlite3.Connection) -> None:
-        for sid, key, metric, labels in conn.execute("SELECT id, key, metric, labels FROM series"):
-            self._remember(sid, key, metric, json.loads(labels))
-        for lid, blob in conn.execute("SELECT id, sids FROM layouts"):
-            self._add_layout(Layout(lid, np.frombuffer(blob, dtype=np.int64).copy()))
+        """The layouts that unsealed rows (staging, late) use, and their series; the next free ids."""
+        self._conn = conn
+        lids = [lid for (lid,) in conn.execute("SELECT DISTINCT layout FROM staging UNION SELECT DISTINCT layout FROM late")]
+        for part in _batches(lids):
+            q = f"SELECT id, sids FROM layouts WHERE id IN ({','.join('?' * len(part))})"
+            for lid, blob in conn.execute(q, part):
+                self._add_layout(Layout(lid, np.frombuffer(blob, dtype=np.int64).copy()))
+        for part in _batches(sorted(self.sid_layouts)):
+            q = f"SELECT id, key, metric, labels FROM series WHERE id IN ({','.join('?' * len(part))})"
+            for sid, key, metric, labels in conn.execute(q, part):
+                self._remember(sid, key, metric, json.loads(labels))
         meta = dict(conn.execute("SELECT key, value FROM meta WHERE key IN ('series.next', 'layouts.next')"))
-        self._next_sid = max(max(self.metric, default=0) + 1, int(meta.get("series.next", 1)))
-        self._next_layout = max(max(self.layouts, default=0) + 1, int(meta.get("layouts.next", 1)))
+        top_sid = conn.execute("SELECT MAX(id) FROM series").fetchone()[0] or 0
+        top_layout = conn.execute("SELECT MAX(id) FROM layouts").fetchone()[0] or 0
+        self._next_sid = max(int(top_sid) + 1, int(meta.get("series.next", 1)))
+        self._next_layout = max(int(top_layout) + 1, int(meta.get("layouts.next", 1)))
 
     def next_ids(self) -> tuple[int, int]:
         """The next series and layout ids: persisted with deletions so that no id is handed out twice."""
@@ -89,6 +106,17 @@ class Registry:
         self.metric[sid] = metric
         self.labels[sid] = labels
         self.scale[sid] = scale_for(metric)
+
+    def _stored(self, key: str) -> int | None:
+        """The id of a stored series with this key that is not in memory (parked), made resident again."""
+        if self._conn is None:
+            return None
+        row = self._conn.execute("SELECT id, metric, labels FROM series WHERE key = ?", (key,)).fetchone()
+        if row is None:
+            return None
+        self._remember(int(row[0]), key, row[1], json.loads(row[2]))
+        self.found += 1
+        return int(row[0])
 
     def series_id(self, metric: str, labels: Mapping[str, str]) -> int:
         labels = {str(k): str(v) for k, v in labels.items()}
@@ -103,6 +131,9 @@ class Registry:
                 if sid is not None:
                     return sid
                 self.repaired += 1
+            sid = self._stored(key)
+            if sid is not None:
+                return sid
             sid = self._next_sid
             self._next_sid += 1
             self._remember(sid, key, metric, labels)
@@ -127,24 +158,56 @@ class Registry:
             self.sid_layouts.setdefault(s, set()).add(lay.id)
 
     def layouts_of(self, sids: Iterable[int]) -> set[int]:
-        """Ids of the layouts that hold any of `sids`."""
+        """Ids of the layouts in memory that hold any of `sids`."""
         return {lid for s in sids for lid in self.sid_layouts.get(s, ())}
+
+    def scales(self, sids: Sequence[int]) -> list[float | None]:
+        """The encoding scale of each series, also of those not in memory (rollups of series long parked)."""
+        got = self.scale
+        missing = [s for s in sids if s not in got]
+        if not missing or self._conn is None:
+            return [got.get(s) for s in sids]
+        found: dict[int, float | None] = {}
+        for part in _batches(missing):
+            q = f"SELECT id, metric FROM series WHERE id IN ({','.join('?' * len(part))})"
+            found.update((int(sid), scale_for(metric)) for sid, metric in self._conn.execute(q, part))
+        return [got[s] if s in got else found.get(s) for s in sids]
+
+    def park(self, keep: set[int]) -> set[int]:
+        """Let go of every layout not in `keep` and every series no kept layout holds (nor about to be
+        inserted); they stay stored. Returns the ids of the layouts let go."""
+        gone = set(self.layouts) - keep - {lay.id for lay in self.new_layouts}
+        if not gone:
+            return set()
+        pending = {s for s, *_ in self.new_series}
+        for lid in gone:
+            self._forget_layout(lid)
+        idle = [sid for sid in self.metric if sid not in self.sid_layouts and sid not in pending]
+        self._forget_series(idle)
+        self.parked += len(idle)
+        return gone
 
     def evict(self, sids: Iterable[int], lids: Iterable[int]) -> None:
         """Forget deleted series and layouts (after the deleting transaction committed)."""
         for lid in lids:
-            lay = self.layouts.pop(lid, None)
-            if lay is None:
-                continue
-            shape = tuple(int(s) for s in lay.sids)
-            if self.layout_by_sids.get(shape) is lay:
-                del self.layout_by_sids[shape]
-            for s in lay.col:
-                held = self.sid_layouts.get(s)
-                if held is not None:
-                    held.discard(lid)
-                    if not held:
-                        del self.sid_layouts[s]
+            self._forget_layout(lid)
+        self._forget_series(sids)
+
+    def _forget_layout(self, lid: int) -> None:
+        lay = self.layouts.pop(lid, None)
+        if lay is None:
+            return
+        shape = tuple(int(s) for s in lay.sids)
+        if self.layout_by_sids.get(shape) is lay:
+            del self.layout_by_sids[shape]
+        for s in lay.col:
+            held = self.sid_layouts.get(s)
+            if held is not None:
+                held.discard(lid)
+                if not held:
+                    del self.sid_layouts[s]
+
+    def _forget_series(self, sids: Iterable[int]) -> None:
         for sid in sids:
             key = self.key.pop(sid, None)
             if key is not None and self.by_key.get(key) == sid:
@@ -166,6 +229,12 @@ class Registry:
     def committed(self) -> None:
         self.new_series.clear()
         self.new_layouts.clear()
+
+
+def _batches(ids: Sequence[int], n: int = 500) -> list[list[int]]:
+    """`ids` in lists short enough for one IN (...) of bound parameters."""
+    ids = list(ids)
+    return [ids[i:i + n] for i in range(0, len(ids), n)]
 
 
 class Decomposer:

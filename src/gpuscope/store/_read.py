@@ -32,6 +32,7 @@ from ._schema import DB_NAME
 log = logging.getLogger("gpuscope.store")
 
 MAX_POINTS = 100_000
+SERIES_CACHE = 50_000  # parsed labels of this many series, per reader
 Columns = dict[int, tuple[Int64Array, FloatArray]]
 # (series ids, lo, hi) -> (raw watermark, columns with t >= max(lo, watermark)): the writer's hot window.
 Tail = Callable[[set[int], int, int], tuple[int, Columns]]
@@ -182,12 +183,11 @@ class Reader:
         self._conns: list[sqlite3.Connection] = []
         self._conns_lock = threading.Lock()
         self.decoder = ChunkDecoder()
-        # Series and layouts, read incrementally (ids only grow and are never reused); retention deletes
-        # dead ones and bumps meta 'series.deleted', upon which both are reloaded whole.
-        self._series: dict[int, tuple[str, dict[str, str]]] = {}
-        self._series_top = 0
+        # Series are looked up in the store per query (a node that ran many jobs keeps millions); their
+        # parsed labels are cached, bounded (ids are never reused, so an entry is never wrong). Layouts
+        # are kept for the staging rows only, the ones not sealed yet.
+        self._series: _LRU = _LRU(SERIES_CACHE)
         self._series_gen: str | None = None
-        self._layouts_gen: str | None = None
         self._layouts: dict[int, Layout] = {}
         self._sid_layouts: dict[int, list[int]] = {}
         self._mirror = HotWindow()  # staging rows already read, per layout
@@ -221,44 +221,54 @@ class Reader:
             self._conns.clear()
         self._local = threading.local()
 
-    def _refresh_series(self, conn: sqlite3.Connection) -> dict[int, tuple[str, dict[str, str]]]:
-        with self._cache_lock:
-            gen = _deletions(conn)
-            if gen != self._series_gen:  # the writer deleted series: drop them from the cache
-                self._series.clear()
-                self._series_top = 0
-                self._series_gen = gen
-            for sid, metric, labels in conn.execute("SELECT id, metric, labels FROM series WHERE id > ?",
-                                                    (self._series_top,)):
-                self._series[sid] = (metric, json.loads(labels))
-                self._series_top = max(self._series_top, sid)
-            return dict(self._series)  # a copy: other request threads add series while we iterate
+    def _rows(self, conn: sqlite3.Connection, q: str, args: list[object]) -> list[tuple[int, str, dict[str, str]]]:
+        """(id, metric, labels) of the series rows the query selects (id, metric, labels text)."""
+        out = []
+        cache = self._series
+        gen = _deletions(conn)
+        if gen != self._series_gen:  # the writer deleted series: no use keeping them
+            with cache.lock:
+                cache.clear()
+            self._series_gen = gen
+        for sid, metric, text in conn.execute(q, args):
+            lab = cache.get(sid)
+            if lab is None:
+                lab = json.loads(text)
+                cache.put(sid, lab)
+            out.append((sid, metric, lab))
+        return out
 
     # -- catalogue ---------------------------------------------------------------------------------
     def find(self, metric: str | None, filters: dict[str, object]) -> list[tuple[int, str, dict[str, str]]]:
+        want = {str(k): str(v) for k, v in filters.items()}
+        q = "SELECT id, metric, labels FROM series WHERE 1"
+        args: list[object] = []
+        if metric is not None:
+            q, args = q + " AND metric = ?", [metric]
+        for k, v in want.items():  # a prefilter on the key (canonical: sorted labels, escaped); checked exactly below
+            frag = series_key("x", **{k: v})[2:-1]
+            q, args = q + " AND (instr(key, ?) > 0 OR instr(key, ?) > 0)", [*args, "{" + frag, "," + frag]
         with self.tx() as conn:
-            series = self._refresh_series(conn)
-        want = {k: str(v) for k, v in filters.items()}
-        out = [(sid, m, lab) for sid, (m, lab) in series.items()
-               if (metric is None or m == metric) and all(lab.get(k) == v for k, v in want.items())]
-        if metric is not None and not out and metric not in CATALOG and all(m != metric for m, _ in series.values()):
+            rows = self._rows(conn, q, args)
+            known = metric is None or bool(rows) or metric in CATALOG or conn.execute(
+                "SELECT 1 FROM series WHERE metric = ? LIMIT 1", (metric,)).fetchone() is not None
+        if not known:
             raise QueryError(f"Unknown metric {metric!r}: it is neither in the catalog nor stored here "
-                             "(Store.series() lists what is stored).")
+                             "(the agent's /api/v1/series lists what is stored).")
+        out = [(sid, m, lab) for sid, m, lab in rows if all(lab.get(k) == v for k, v in want.items())]
         return sorted(out, key=lambda r: (r[1], sorted(r[2].items())))
 
     def labels(self) -> dict[str, list[str]]:
         with self.tx() as conn:
-            series = self._refresh_series(conn)
+            pairs = conn.execute("SELECT DISTINCT j.key, j.value FROM series, json_each(series.labels) AS j").fetchall()
         out: dict[str, set[str]] = {}
-        for _, lab in series.values():
-            for k, v in lab.items():
-                out.setdefault(k, set()).add(v)
+        for k, v in pairs:
+            out.setdefault(str(k), set()).add(str(v))
         return {k: sorted(v, key=_natural) for k, v in sorted(out.items())}
 
     def metrics(self) -> list[str]:
         with self.tx() as conn:
-            series = self._refresh_series(conn)
-        return sorted({m for m, _ in series.values()})
+            return [m for (m,) in conn.execute("SELECT DISTINCT metric FROM series ORDER BY metric")]
 
     # -- the range fetch ---------------------------------------------------------------------------
     def fetch(self, sids: list[int], start: int, end: int, pref: int,
@@ -302,19 +312,23 @@ class Reader:
         """Unsealed rows of the layouts holding `sids`, mirrored in memory: each staging row is read
         and decoded once per reader, not once per query."""
         with self._cache_lock:
-            gen = _deletions(conn)
-            if gen != self._layouts_gen:  # layouts were deleted: reload them, forget the dead ones
-                self._layouts_gen = gen
-                self._layouts.clear()
-                self._sid_layouts.clear()
-                alive = {lid for (lid,) in conn.execute("SELECT id FROM layouts")}
-                self._mirror.drop(set(self._mirror.bufs) - alive)
-                self._mirror_last = {k: v for k, v in self._mirror_last.items() if k in alive}
-            for lid, blob in conn.execute("SELECT id, sids FROM layouts WHERE id > ?", (max(self._layouts, default=0),)):
-                lay = Layout(lid, np.frombuffer(blob, dtype=np.int64).copy())
-                self._layouts[lid] = lay
-                for s in lay.col:
-                    self._sid_layouts.setdefault(s, []).append(lid)
+            staged = {lid for (lid,) in conn.execute("SELECT DISTINCT layout FROM staging WHERE t_max >= ?", (w0,))}
+            if set(self._layouts) - staged:  # layouts whose rows were sealed: forget them
+                self._layouts = {k: v for k, v in self._layouts.items() if k in staged}
+                self._sid_layouts = {}
+                for lay in self._layouts.values():
+                    for s in lay.col:
+                        self._sid_layouts.setdefault(s, []).append(lay.id)
+                self._mirror_last = {k: v for k, v in self._mirror_last.items() if k in staged}
+            new = sorted(staged - set(self._layouts))
+            for k in range(0, len(new), 500):
+                part = new[k:k + 500]
+                for lid, blob in conn.execute(f"SELECT id, sids FROM layouts WHERE id IN ({','.join('?' * len(part))})",
+                                              part):
+                    lay = Layout(lid, np.frombuffer(blob, dtype=np.int64).copy())
+                    self._layouts[lid] = lay
+                    for s in lay.col:
+                        self._sid_layouts.setdefault(s, []).append(lid)
             lids = {lid for s in sids for lid in self._sid_layouts.get(s, ())}
             mirror = self._mirror
             if w0 > self._mirror_w0:  # sealed rows go, with one block of slack for older snapshots
@@ -390,12 +404,13 @@ class Reader:
 
     def latest(self) -> Snapshot | None:
         with self.tx() as conn:
-            series = self._refresh_series(conn)
-            rows = conn.execute("SELECT series_id, time_ns, value FROM latest").fetchall()
-        if not rows:
+            got = conn.execute("SELECT l.series_id, l.time_ns, l.value, s.metric, s.labels FROM latest AS l "
+                               "JOIN series AS s ON s.id = l.series_id").fetchall()
+        if not got:
             return None
-        node = self.node()
-        return snapshot_from_latest(rows, series, node)
+        rows = [(sid, t, v) for sid, t, v, _, _ in got]
+        series = {sid: (m, json.loads(lab)) for sid, _, _, m, lab in got}
+        return snapshot_from_latest(rows, series, self.node())
 
     def stats(self) -> dict[str, Any]:
         tiers: dict[str, dict[str, Any]] = {}

@@ -6,9 +6,11 @@ after each seal. Watermarks in `meta` say how far each tier is complete; they mo
 transaction as the data, so a crash at any instant leaves a consistent store.
 
 Retention also deletes the series whose data it removed last (no chunk in any tier, no staging row,
-nothing in the hot window: a process that ended long ago), their `latest` rows and the layouts that
-hold them, in the same transaction, then evicts them from the registry; 'series.deleted' in `meta`
-counts the deleted series, so readers know to reload their series cache."""
+nothing in the hot window: a process that ended long ago) and their `latest` rows, in the same
+transaction; 'series.deleted' in `meta` counts the deleted series, so readers know to drop them from
+their caches. After it, the writer lets go of the series and layouts no row in memory needs (a process
+that ended more than the hot window ago): memory follows the series in use, while the store keeps every
+series' history for its retention (see Registry)."""
 
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ from ._aggregate import INF, Points, rollup, rollup_rows
 from ._codec import FloatArray, Int64Array, decode_staging, encode_chunk, encode_chunks, encode_staging
 from ._config import SECOND_NS, TIERS, Retention
 from ._errors import CorruptChunk, StoreError
-from ._ingest import Decomposer, Group, HotWindow, Layout, Registry
+from ._ingest import PROCESS_METRICS, Decomposer, Group, HotWindow, Layout, Registry
 from ._read import ChunkDecoder, Columns, identity_from_dict, oldest, read_meta, watermarks
 from ._schema import DB_NAME
 
@@ -429,8 +431,8 @@ class Writer:
         and 1 h tiers where those already hold the block (elsewhere the cascade rolls the 1 s chunk up).
         Rollups merge exactly (count, min, max, sum), so readers merge overlapping chunks as one."""
         rows: list[tuple[int, int, int, int, int, int, int, bytes]] = []
-        for sid, (t, v) in self.late.columns(INT64[0], cut).items():
-            scale = self.reg.scale.get(sid)
+        cols = self.late.columns(INT64[0], cut)
+        for (sid, (t, v)), scale in zip(cols.items(), self.reg.scales(list(cols)), strict=True):
             for a, b in _block_slices(t, TIERS[0].block_ns):
                 pt, pv = t[a:b], v[a:b]
                 self._chunk(rows, 0, sid, pt, [pv], scale)
@@ -485,7 +487,7 @@ class Writer:
     def _seal_rows(self, rows: list[tuple[int, int, int, int, int, int, int, bytes]], t: Int64Array, v: FloatArray,
                    sids: list[int]) -> None:
         """Raw and 1 s chunks of k series sharing sorted stamps t (n,), values v (n, k), per raw block."""
-        scales = [self.reg.scale.get(sid) for sid in sids]
+        scales = self.reg.scales(sids)
         for a, b in _block_slices(t, TIERS[0].block_ns):
             pt, pv = t[a:b], v[a:b]
             self._chunks(rows, 0, sids, pt, [pv], scales)
@@ -541,11 +543,11 @@ class Writer:
         self.decoder.load_timelines(self.conn, {r[2] for rs in merge.values() for r in rs})
         out: list[tuple[int, int, int, int, int, int, int, bytes]] = []
         gone: list[tuple[int]] = []
-        for sid, rs in merge.items():
+        for (sid, rs), scale in zip(merge.items(), self.reg.scales(list(merge)), strict=True):
             parts = [self.decoder.points(tier, cid, tid, n, blob) for _, cid, tid, n, _, blob in rs]
             p = Points.concat([x for x in parts if x is not None])
             if len(p):
-                self._chunk(out, tier, sid, p.t, [p.counts(), p.mn, p.mx, p.sm, p.last], self.reg.scale.get(sid))
+                self._chunk(out, tier, sid, p.t, [p.counts(), p.mn, p.mx, p.sm, p.last], scale)
             gone.extend((r[1],) for r in rs)
             self._bytes_new[tier] -= sum(r[4] for r in rs)
         self.conn.executemany("DELETE FROM chunks WHERE id = ?", gone)
@@ -591,9 +593,9 @@ class Writer:
             if p is not None:
                 parts.setdefault(sid, []).append(p)
         out: list[tuple[int, int, int, int, int, int, int, bytes]] = []
-        for sid, ps in parts.items():
+        for (sid, ps), scale in zip(parts.items(), self.reg.scales(list(parts)), strict=True):
             r = rollup(Points.concat(ps), tier.resolution_ns)
-            self._chunk(out, k, sid, r.t, [r.counts(), r.mn, r.mx, r.sm, r.last], self.reg.scale.get(sid))
+            self._chunk(out, k, sid, r.t, [r.counts(), r.mn, r.mx, r.sm, r.last], scale)
         self._insert_chunks(out)
 
     def _meta(self, groups: list[Group]) -> None:
@@ -653,7 +655,6 @@ class Writer:
         now = self._retention_now()
         freed = [0] * len(TIERS)
         self._dropped_sids = set()
-        dead: tuple[list[int], set[int]] = ([], set())
         try:
             conn.execute("BEGIN IMMEDIATE")
             for tier, age_s, cap in zip(TIERS, r.ages_s(), r.caps(), strict=True):
@@ -675,7 +676,8 @@ class Writer:
                 if b:
                     floor = oldest(conn, i)
                     self._set_meta((f"floor.{i}", floor if floor is not None else self.w[i]))
-            dead = self._delete_dead_series()
+            live_lids = self._live_layouts()
+            dead = self._delete_dead_series(live_lids)
             conn.execute("COMMIT")
         except Exception as e:  # noqa: BLE001 - retried after the next seal
             self._rollback()
@@ -684,8 +686,7 @@ class Writer:
         finally:
             self._dropped_sids = set()
         self._swept = True
-        if dead[0]:
-            self._evict(*dead)
+        self._park(dead, live_lids)
         for i, b in enumerate(freed):
             self.tier_bytes[i] -= b
         if any(freed):
@@ -695,43 +696,59 @@ class Writer:
             except sqlite3.Error as e:
                 self._log_once("vacuum", e)
 
-    def _delete_dead_series(self) -> tuple[list[int], set[int]]:
+    def _live_layouts(self) -> set[int]:
+        """Layouts rows are held for: the hot window, the late rows, rows waiting for a retry, staging."""
+        live = set(self.hot.bufs) | set(self.late.bufs) | {g.layout.id for g in self._unstaged + self._unstaged_late}
+        live.update(lid for (lid,) in self.conn.execute("SELECT DISTINCT layout FROM staging UNION "
+                                                        "SELECT DISTINCT layout FROM late"))
+        return live
+
+    def _delete_dead_series(self, live_lids: set[int]) -> list[int]:
         """Delete (in the open retention transaction) the series whose data is gone from every tier,
-        from staging and from the hot window, with their `latest` rows and the layouts holding them."""
+        from staging and from the hot window, with their `latest` rows; and the layouts no row needs."""
         reg = self.reg
-        cand = set(reg.metric) if not self._swept else self._dropped_sids
-        if not cand:
-            return [], set()
+        if self._swept:
+            cand = self._dropped_sids
+        else:  # the first retention checks every stored series (stores written before deletion existed)
+            cand = {s for (s,) in self.conn.execute("SELECT id FROM series")}
         pending = {s for s, *_ in reg.new_series}
-        live_lids = set(self.hot.bufs) | set(self.late.bufs) | {g.layout.id for g in self._unstaged + self._unstaged_late}
-        live_lids.update(lid for (lid,) in self.conn.execute("SELECT DISTINCT layout FROM staging UNION "
-                                                             "SELECT DISTINCT layout FROM late"))
         live: set[int] = set()
         for lid in live_lids:
-            lay = reg.layouts.get(lid) or (self.hot.bufs[lid].layout if lid in self.hot.bufs else None)
+            lay = reg.layouts.get(lid) or next((w.bufs[lid].layout for w in (self.hot, self.late) if lid in w.bufs), None)
             if lay is not None:
                 live.update(lay.col)
+        for g in self._unstaged + self._unstaged_late:
+            live.update(g.layout.col)
         q = "SELECT 1 FROM chunks INDEXED BY chunks_series WHERE series_id = ? LIMIT 1"
-        dead = sorted(s for s in cand if s in reg.metric and s not in live and s not in pending
+        dead = sorted(s for s in cand if s not in live and s not in pending
                       and self.conn.execute(q, (s,)).fetchone() is None)
+        # A layout only matters while rows are written or staged for it: the others go (a series seen again
+        # gets a layout anew). The writer lets go of the same ones from memory after the commit (_park).
+        keep = live_lids | {lay.id for lay in reg.new_layouts}
+        stale = [(lid,) for (lid,) in self.conn.execute("SELECT id FROM layouts") if lid not in keep]
+        self.conn.executemany("DELETE FROM layouts WHERE id = ?", stale)
+        # The newest values of processes that are gone: Reader.latest() shows the last snapshot's processes.
+        idle = [(s,) for s, m in reg.metric.items() if m in PROCESS_METRICS and s not in live and s not in pending]
+        self.conn.executemany("DELETE FROM latest WHERE series_id = ?", idle)
         if not dead:
-            return [], set()
-        lids = reg.layouts_of(dead) - live_lids
+            return []
         rows = [(s,) for s in dead]
         self.conn.executemany("DELETE FROM series WHERE id = ?", rows)
         self.conn.executemany("DELETE FROM latest WHERE series_id = ?", rows)
-        self.conn.executemany("DELETE FROM layouts WHERE id = ?", [(lid,) for lid in lids])
         nsid, nlid = reg.next_ids()
         self._set_meta(("series.next", nsid), ("layouts.next", nlid),
                        ("series.deleted", self.deleted_series + len(dead)))
-        return dead, lids
+        return dead
 
-    def _evict(self, sids: list[int], lids: set[int]) -> None:
-        """After the deletion committed: forget the series and layouts everywhere the writer caches them."""
-        self.deleted_series += len(sids)
-        self.reg.evict(sids, lids)
-        self.dec.forget(lids)
-        self._batch_layouts = {k: v for k, v in self._batch_layouts.items() if v[1].id not in lids}
+    def _park(self, dead: list[int], live_lids: set[int]) -> None:
+        """After retention committed: forget the deleted series, and let go of the layouts and series no row
+        in memory needs (they stay stored), everywhere the writer caches them."""
+        self.deleted_series += len(dead)
+        self.reg.evict(dead, ())
+        gone = self.reg.park(live_lids)
+        self.dec.forget(gone)
+        if gone:
+            self._batch_layouts = {k: v for k, v in self._batch_layouts.items() if v[1].id not in gone}
 
     def _guard(self, tier: int) -> int:
         """A tier keeps what the next tier has not rolled up yet."""
