@@ -435,3 +435,42 @@ def test_an_export_after_a_clock_step_back_is_in_time_order(tmp_path: Path) -> N
     rows = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
     stamps = [r["time_ns"] for r in rows]
     assert n == len(rows) == len(appended) and stamps == sorted(stamps) and set(stamps) == set(appended)
+
+
+def test_a_long_flush_under_way_is_busy_not_unhealthy_until_it_is_stuck(tmp_path: Path) -> None:
+    """Sealing a block of many series can take seconds on a loaded node: /readyz must not flap for it,
+    yet a flush that never ends (a lock held elsewhere) is reported, and the longest flush is kept."""
+    import threading
+
+    from gpuscope.store import _writer
+
+    clocks = Clocks()
+    entered, release = threading.Event(), threading.Event()
+    # Its own flush thread (every second) enters the slow flush; health is read on the test's clocks.
+    with Store(tmp_path, flush_interval=1, clock=clocks.monotonic, wall_clock_ns=clocks.wall_ns) as s:
+        w = s._writer
+        assert w is not None
+        feed(s, clocks, 5, {})
+        real = w._flush_slice
+
+        def slow(items: list) -> None:  # type: ignore[type-arg]
+            entered.set()
+            release.wait(60)
+            real(items)
+
+        w._flush_slice = slow  # type: ignore[method-assign]
+        try:
+            assert entered.wait(30)
+            clocks.tick(30)  # 30 s into the flush: busy
+            h = s.health()
+            assert h["healthy"] and h["flush_running_seconds"] == 30 and h["last_flush_age_seconds"] >= 30
+            clocks.tick(_writer.BUSY_MAX_S)  # past the bound: stuck
+            h = s.health()
+            assert not h["healthy"] and "no flush of the store has completed" in h["reason"]
+        finally:
+            release.set()
+        w._flush_slice = real  # type: ignore[method-assign]
+        s.flush()  # waits for the slow one (the flush lock), then flushes
+        h = s.health()
+        assert h["healthy"] and h["flush_running_seconds"] is None
+        assert h["longest_flush_seconds"] >= 30 + _writer.BUSY_MAX_S

@@ -217,9 +217,11 @@ class Store:
         'failing_for_seconds', 'last_error' and 'last_error_at' (unix seconds; kept after a recovery),
         'write_errors', 'records_repaired' (text made valid), 'records_dropped' (records it could not store),
         'snapshots_dropped' (queue full), 'samples_dropped' (memory bound while writes failed),
-        'late_samples' (stamped before the sealed block: kept), 'flush_thread_alive'}. Unhealthy while writes
-        fail, when no flush has completed for three flush intervals (plus 2 s), or when the flush thread is
-        gone. A reader is healthy while it is open."""
+        'late_samples' (stamped before the sealed block: kept), 'flush_thread_alive', 'flush_running_seconds'
+        (None when idle) and 'longest_flush_seconds'}. Unhealthy while writes fail, when no flush has completed
+        for three flush intervals (plus 2 s) unless one is under way for less than BUSY_MAX_S (sealing a block of
+        many series takes seconds; the samples wait in memory meanwhile), or when the flush thread is gone. A
+        reader is healthy while it is open."""
         w = self._writer
         if w is None:
             if self.readonly and not self._closed:

@@ -45,6 +45,7 @@ INT64 = (-(2**63), 2**63 - 1)
 RETRY_MAX_GROUPS = 10_000  # rows kept for the next flush while writes fail (they are in memory meanwhile)
 REMIND_S = 60.0  # while writes keep failing, one reminder line a minute
 CLOCK_SLACK_NS = 60 * 1_000_000_000  # stamps this close to the store's clock are 'now'
+BUSY_MAX_S = 120.0  # a flush running longer than this (sealing, retention) is stuck, not busy
 REANCHOR_S = 3600.0  # stamps ahead of the store's clock for this long: the host clock was behind, follow it
 
 
@@ -87,6 +88,8 @@ class Writer:
         self.stale_after_s = stale_after_s
         self.last_ok = clock()  # monotonic seconds of the last committed flush
         self.failing_since: float | None = None  # monotonic seconds of the first failure since then
+        self.flushing_since: float | None = None  # monotonic seconds the flush under way started
+        self.longest_flush_s = 0.0
         self.failed_flushes = 0  # in the current episode
         self.write_errors = 0
         self.last_error: str | None = None
@@ -178,13 +181,18 @@ class Writer:
     def flush(self) -> None:
         """Commit everything queued so far (in slices, to bound the memory a burst takes)."""
         with self.flush_lock:
-            left = len(self.pending)
-            while True:
-                n = min(left, 2048)
-                left -= n
-                self._flush_slice([self.pending.popleft() for _ in range(n)])
-                if left <= 0:
-                    break
+            self.flushing_since = self.clock()
+            try:
+                left = len(self.pending)
+                while True:
+                    n = min(left, 2048)
+                    left -= n
+                    self._flush_slice([self.pending.popleft() for _ in range(n)])
+                    if left <= 0:
+                        break
+            finally:
+                self.longest_flush_s = max(self.longest_flush_s, self.clock() - self.flushing_since)
+                self.flushing_since = None
 
     def _flush_slice(self, items: list[Snapshot | Batch]) -> None:
         t0 = time.perf_counter()
@@ -532,14 +540,19 @@ class Writer:
 
     def _compact(self, tier: int, lo: int, hi: int) -> None:
         """Merge each series' chunks of `tier` with t_max in [lo, hi) into one."""
-        rows = self.conn.execute("SELECT series_id, id, timeline, n, nbytes, data FROM chunks WHERE tier = ? "
-                                 "AND t_max >= ? AND t_max < ? ORDER BY series_id, t_min", (tier, lo, hi)).fetchall()
-        by_sid: dict[int, list[tuple[Any, ...]]] = {}
-        for r in rows:
-            by_sid.setdefault(r[0], []).append(r)
-        merge = {sid: rs for sid, rs in by_sid.items() if len(rs) > 1}
-        if not merge:
+        multi = [sid for (sid,) in self.conn.execute(
+            "SELECT series_id FROM chunks WHERE tier = ? AND t_max >= ? AND t_max < ? GROUP BY series_id "
+            "HAVING COUNT(*) > 1", (tier, lo, hi))]  # a series with one chunk there (a short job) has nothing to merge
+        if not multi:
             return
+        merge: dict[int, list[tuple[Any, ...]]] = {}
+        for k in range(0, len(multi), 500):
+            part = multi[k:k + 500]
+            for r in self.conn.execute(
+                    "SELECT series_id, id, timeline, n, nbytes, data FROM chunks INDEXED BY chunks_series WHERE "
+                    f"series_id IN ({','.join('?' * len(part))}) AND tier = ? AND t_max >= ? AND t_max < ? "
+                    "ORDER BY series_id, t_min", (*part, tier, lo, hi)):
+                merge.setdefault(r[0], []).append(r)
         self.decoder.load_timelines(self.conn, {r[2] for rs in merge.values() for r in rs})
         out: list[tuple[int, int, int, int, int, int, int, bytes]] = []
         gone: list[tuple[int]] = []
@@ -814,7 +827,7 @@ class Writer:
     def _succeeded(self) -> None:
         now = self.clock()
         down = now - self.last_ok
-        if self.failing_since is not None or down > self.stale_after_s:
+        if self.failing_since is not None or down > BUSY_MAX_S:
             log.warning("store recovered: a flush succeeded %.1f s after the last successful one (%d failed "
                         "meanwhile; last error: %s)", down, self.failed_flushes,
                         self.last_error if self.failing_since is not None else "none, the flushes were slow")
@@ -838,17 +851,20 @@ class Writer:
         """Whether the writer can write, and what it had to repair, drop or retry; see Store.health()."""
         now = self.clock()
         age = now - self.last_ok
+        busy = self.flushing_since
         if not thread_alive:
             reason: str | None = "the store's flush thread has stopped"
         elif self.failing_since is not None:
             reason = f"the store cannot write: {self.last_error}"
-        elif age > self.stale_after_s:
+        elif age > self.stale_after_s and (busy is None or now - busy > BUSY_MAX_S):
             reason = f"no flush of the store has completed for {age:.0f} s"
-        else:
+        else:  # idle, or a long flush under way (a block being sealed): the samples wait in memory meanwhile
             reason = None
         return {
             "healthy": reason is None, "reason": reason,
             "last_flush_age_seconds": round(age, 3),
+            "flush_running_seconds": None if busy is None else round(now - busy, 3),
+            "longest_flush_seconds": round(self.longest_flush_s, 3),
             "failing_for_seconds": None if self.failing_since is None else round(now - self.failing_since, 3),
             "last_error": self.last_error, "last_error_at": self.last_error_at,
             "write_errors": self.write_errors, "records_repaired": self.reg.repaired + self._events_repaired,
