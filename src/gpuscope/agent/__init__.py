@@ -95,6 +95,8 @@ class Agent:
             if self.alerts is not None:
                 extra.update(self.alerts.self_metrics())
             extra.update(self.store.self_metrics())  # gpuscope_store_healthy, ..._last_flush_age_seconds, ...
+            if self._served is not None:  # gpuscope_http_refusals_total{reason}, ..._open_connections, ...
+                extra.update(self._served.stats.self_metrics())
             body = render(snap, mode=mode, top_processes=self.top_processes, extra=extra)
             self._render_cache[mode] = (snap.time_ns, body)
             return body
@@ -115,6 +117,8 @@ class Agent:
                 "evaluation_interval_s": self.alerts.interval},
             "bind": f"{self.cfg.agent.bind}:{self.port}", "auth": "token for every request" if not self.loopback_only
             else "token for changes only (loopback)",
+            # the HTTP kit's limits and what they refused, by reason (gpuscope.http.serve.REFUSALS)
+            "http": self._served.stats.status() if self._served is not None else None,
         }
 
     @property
@@ -248,6 +252,7 @@ class Agent:
         except ListenError as e:
             raise AgentError(str(e)) from None
         self.port = served.port
+        self._served = served
         host = format_host(a.bind)
         if self.alerts is not None:
             self.alerts.engine.generator_url = (self.cfg.alerts.external_url
@@ -266,7 +271,6 @@ class Agent:
         log.info("agent started", extra={"f_event": "start", "f_port": self.port, "f_bind": a.bind,
                                           "f_max_connections": served.stats.max_connections,
                                           "f_open_files": served.stats.fd_limit[1]})
-        self._served = served
         await served.wait()
         log.info("stopping: flushing the store", extra={"f_event": "stopping"})
         await served.close()

@@ -14,7 +14,9 @@ What `start` adds to aiohttp (the figures: docs/RELIABILITY.md, "Servers under e
   503 sentence and is closed, so the server keeps answering;
 - a request line or header over 8,190 bytes, or any request that is not HTTP, is answered in the
   server's JSON error form (431/414/400), not aiohttp's plain text;
-- malformed requests and asyncio's accept errors are logged as one line per interval with a count.
+- malformed requests and asyncio's accept errors are logged as one line per interval with a count;
+- every refusal is counted by its reason (`Served.stats`, REFUSALS; the dashboard's streams count theirs
+  through `stats_of(request)`): the agent shows them in /api/v1/status and on /metrics.
 """
 
 from __future__ import annotations
@@ -35,12 +37,13 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_server import Server
 
 from .._serverlog import loop_exception_handler, server_logger
+from ..catalog import series_key
 from ..errors import Unavailable
 from .limits import Limits
 from .net import format_host
 from .responses import error_bytes
 
-__all__ = ["ErrorBody", "ListenError", "Served", "Stats", "raise_fd_limit", "start"]
+__all__ = ["REFUSALS", "ErrorBody", "ListenError", "Served", "Stats", "raise_fd_limit", "start", "stats_of"]
 
 log = logging.getLogger("gpuscope.http")
 
@@ -57,17 +60,53 @@ class ListenError(Unavailable):
     """The server cannot listen where it was told: one sentence (exit 1)."""
 
 
+#: Why a server refused a request or closed a connection, the `reason` of gpuscope_http_refusals_total.
+REFUSALS = {
+    "header_timeout": "the request line and headers took longer than header_timeout (408, or closed if nothing came)",
+    "body_timeout": "the request body took longer than body_timeout (408)",
+    "connection_cap": "max_connections were open and none was idle: the newcomer got a 503",
+    "idle_evicted": "max_connections were open: the longest-idle one was closed for a newcomer",
+    "uri_too_long": "a request line over 8,190 bytes (414)",
+    "headers_too_large": "a header over 8,190 bytes, or too many headers (431)",
+    "malformed": "a request that is not valid HTTP (400)",
+    "streams_per_client": "a live dashboard stream past streams_per_client from one address (429)",
+    "streams_server_full": "a live dashboard stream past the server's 32 (503)",
+    "stream_stalled": "a live dashboard stream whose client read nothing for stream_stall was cut",
+}
+
+
 @dataclass
 class Stats:
-    """What the defences did, for tests and status pages."""
+    """What the defences did: the connection cap, open connections, the open-file limit, and a count per
+    refusal (REFUSALS). Counted on the server's event loop; `status()` and `self_metrics()` may be read
+    from any thread."""
 
     max_connections: int = 0
     open_connections: int = 0
-    header_timeouts: int = 0
-    body_timeouts: int = 0
-    evicted_idle: int = 0
-    refused_over_cap: int = 0
     fd_limit: tuple[int, int] = (0, 0)  # (soft before, soft now)
+    refused: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REFUSALS, 0))
+
+    def count(self, reason: str) -> None:
+        self.refused[reason] += 1
+
+    def status(self) -> dict[str, Any]:
+        """The `http` section of a status page."""
+        return {"max_connections": self.max_connections, "open_connections": self.open_connections,
+                "open_files_limit": self.fd_limit[1], "refused": dict(self.refused)}
+
+    def self_metrics(self) -> dict[str, float]:
+        """The same as a server's own series: gpuscope_http_refusals_total{reason} (every reason, 0 included,
+        so that rate() works from the start), gpuscope_http_open_connections, gpuscope_http_max_connections."""
+        out = {series_key("gpuscope_http_refusals_total", reason=k): float(v) for k, v in self.refused.items()}
+        out["gpuscope_http_open_connections"] = float(self.open_connections)
+        out["gpuscope_http_max_connections"] = float(self.max_connections)
+        return out
+
+
+def stats_of(request: web.BaseRequest) -> Stats | None:
+    """The Stats of the server answering `request`: None when it was not started by `start` (a test client)."""
+    kit = getattr(request.protocol, "_kit", None)
+    return kit.stats if isinstance(kit, _Kit) else None
 
 
 def raise_fd_limit() -> tuple[int, int]:
@@ -111,11 +150,11 @@ class _Kit:
             return
         victim = next((c for c in self.conns if c is not h and c.idle()), None)
         if victim is not None:  # the longest-idle connection makes room: a new request is about to come
-            self.stats.evicted_idle += 1
+            self.stats.count("idle_evicted")
             self.forget(victim)
             victim.force_close()
             return
-        self.stats.refused_over_cap += 1
+        self.stats.count("connection_cap")
         self.forget(h)
         h.answer_and_close(503, f"This server has {self.max_connections} connections open, its limit, and none "
                                 "is idle; retry in a few seconds.")
@@ -191,7 +230,7 @@ class _Handler(RequestHandler):
         self._header_timer = None
         if self._kit is None or self.transport is None or self._request_in_progress or self._messages:
             return
-        self._kit.stats.header_timeouts += 1
+        self._kit.stats.count("header_timeout")
         if self._header_bytes:  # a request began: say why it ends (a connection that sent nothing just closes)
             self.answer_and_close(408, f"The request's headers did not arrive within "
                                        f"{self._kit.limits.header_timeout_s:g} s; the connection is closed.")
@@ -202,7 +241,7 @@ class _Handler(RequestHandler):
         self._body_timer = None
         if self._kit is None or self.transport is None or self._payload is None or self._payload.is_eof():
             return
-        self._kit.stats.body_timeouts += 1
+        self._kit.stats.count("body_timeout")
         # A handler reading the body gets a ConnectionResetError now, the exception it gets for a client that
         # left (a read after the close below would raise a bare RuntimeError instead).
         self._payload.set_exception(ConnectionResetError("The request body did not arrive in time."))
@@ -239,6 +278,8 @@ class _Handler(RequestHandler):
             raise ConnectionError("Response is sent already, cannot send another response with the error message")
         status, sentence = _error_sentence(status, exc, self.max_line_size, self.max_field_size)
         kit = self._kit
+        if kit is not None and isinstance(exc, HttpProcessingError):  # the client's request, not a server error
+            kit.stats.count({414: "uri_too_long", 431: "headers_too_large"}.get(status, "malformed"))
         body = kit.error_body(status, sentence) if kit is not None else error_bytes(status, sentence)
         resp = web.Response(status=status, body=body, content_type="application/json",
                             headers={"Cache-Control": "no-store"})

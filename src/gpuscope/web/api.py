@@ -30,6 +30,7 @@ from aiohttp import web
 from ..http.auth import access
 from ..http.limits import Limits
 from ..http.responses import BadRequest, dumps, error_response, json_errors, json_response
+from ..http.serve import stats_of
 from ..timeparse import TimeError, parse_duration, parse_time
 from .backend import Backend, BackendError, RangeQuery
 
@@ -188,10 +189,15 @@ async def stream(request: web.Request) -> web.StreamResponse:
     per_peer: dict[str, int] = request.app[PEERS_KEY]
     limits: Limits = request.app[LIMITS_KEY]
     peer = request.remote or "?"
+    stats = stats_of(request)
     if per_peer.get(peer, 0) >= limits.streams_per_client:
+        if stats is not None:
+            stats.count("streams_per_client")
         return error_response(429, f"Too many live dashboards ({limits.streams_per_client}) are open from {peer}, "
                                    "the most one client may hold; close one and reload.", {"Retry-After": "10"})
     if len(streams) >= MAX_STREAMS:
+        if stats is not None:
+            stats.count("streams_server_full")
         return error_response(503, f"Too many live dashboards ({MAX_STREAMS}) are open on this server; "
                                    "close one and reload.")
     stop = request.app[STOP_KEY]
@@ -232,6 +238,8 @@ async def stream(request: web.Request) -> web.StreamResponse:
                 pass
     except _Stalled:  # one write waited stream_stall_s: the client reads nothing
         request.app[STALLED_KEY][0] += 1
+        if stats is not None:
+            stats.count("stream_stalled")
         log.info("a dashboard stream from %s read nothing for %g s; closed it", peer, limits.stream_stall_s)
         if request.transport is not None:
             request.transport.abort()  # close() would wait to flush what the client will never read
