@@ -60,6 +60,27 @@ def test_a_lasting_change_becomes_the_new_normal():
     assert not flagged[-1]  # learnt after a while: 400 W is this job's normal now
 
 
+def test_jobs_that_all_differ_keep_memory_and_the_file_bounded_and_the_recent_job_keeps_its_baseline(tmp_path):
+    """A run id in every command line makes every job a workload of its own: at most max_jobs per GPU are
+    remembered (the one seen longest ago goes), so a node that runs thousands of them stays bounded."""
+    b = Baselines(min_windows=5, sustain=1, max_jobs=8)
+    for _ in range(10):
+        b.observe([window(power=690, noise=1, job="python serve.py --model llama")])
+    for k in range(500):
+        b.observe([window(job=f"python train.py --run-id run-{chr(97 + k % 26)}{chr(97 + k // 26 % 26)}x")])
+        if k % 5 == 0:  # the long-lived service keeps being seen
+            b.observe([window(power=690, noise=1, job="python serve.py --model llama")])
+    jobs = {j for _, _, j in b._hist}
+    assert len(jobs) <= 8 and "python serve.py --model llama" in jobs
+    assert b.forgotten >= 500 - 8
+    path = tmp_path / "baselines.json"
+    b.save(path)
+    again = Baselines.load(path, min_windows=5, sustain=1, max_jobs=8)
+    assert len({s["job"] for s in again.to_dict()["series"]}) <= 8
+    found = again.observe([window(power=500, noise=1, job="python serve.py --model llama")])
+    assert [f.metric for f in found] == ["gpu_power_watts"]  # its history survived the churn
+
+
 def test_baselines_survive_a_restart_and_a_damaged_file_says_so(tmp_path):
     b = Baselines(min_windows=5, sustain=1)
     for _ in range(10):

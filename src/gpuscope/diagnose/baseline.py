@@ -29,7 +29,7 @@ import statistics
 import tempfile
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,12 +118,30 @@ def _window_medians(w: Any) -> dict[str, float]:
 
 
 class Baselines:
-    """Per GPU x metric x workload, the medians of the last `keep` windows; persisted as JSON."""
+    """Per GPU x metric x workload, the medians of the last `keep` windows; persisted as JSON.
 
-    def __init__(self, keep: int = 500, min_windows: int = 20, z: float = 4.0, sustain: int = 3) -> None:
+    At most `max_jobs` workloads per GPU are remembered: past it, the one seen longest ago is forgotten,
+    so a node whose jobs all differ (a run id in every command line) keeps a bounded memory and file."""
+
+    def __init__(self, keep: int = 500, min_windows: int = 20, z: float = 4.0, sustain: int = 3,
+                 max_jobs: int = 64) -> None:
         self.keep, self.min_windows, self.z, self.sustain = keep, min_windows, z, sustain
+        self.max_jobs = max_jobs
+        self.forgotten = 0  # workloads forgotten to keep the bound
         self._hist: dict[tuple[str, str, str], deque[float]] = {}
         self._streak: dict[tuple[str, str, str], int] = {}
+        self._jobs: dict[str, OrderedDict[str, None]] = {}  # per GPU, its workloads, the one seen last at the end
+
+    def _seen(self, gpu: str, job: str) -> None:
+        jobs = self._jobs.setdefault(gpu, OrderedDict())
+        jobs[job] = None
+        jobs.move_to_end(job)
+        while len(jobs) > self.max_jobs:
+            old, _ = jobs.popitem(last=False)
+            self.forgotten += 1
+            for m in METRICS:
+                self._hist.pop((gpu, m, old), None)
+                self._streak.pop((gpu, m, old), None)
 
     def observe(self, windows: Iterable[Any], learn: bool = True) -> list[Finding]:
         """Compare each window with its baseline, then (with `learn`) add it to the baseline.
@@ -136,6 +154,7 @@ class Baselines:
             if not getattr(w, "healthy", True):
                 continue
             job = workload_key(w.processes)
+            self._seen(w.gpu, job)
             for m, value in _window_medians(w).items():
                 key = (w.gpu, m, job)
                 hist = self._hist.setdefault(key, deque(maxlen=self.keep))
@@ -188,6 +207,7 @@ class Baselines:
                 if s["metric"] in METRICS:
                     b._hist[(str(s["gpu"]), s["metric"], str(s["job"]))] = deque(
                         (float(x) for x in s["medians"]), maxlen=b.keep)
+                    b._seen(str(s["gpu"]), str(s["job"]))
         except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
             raise ValueError(f"The baselines file {path} is damaged ({e.__class__.__name__}); "
                              "move it away to start new baselines.") from None

@@ -205,5 +205,8 @@ class Profiler:
         except Exception as e:  # noqa: BLE001 - evidence gathering must never break a diagnosis
             result = (None, f"stack sampling failed: {e}")
         with self._lock:
-            self._cache[pid] = (time.monotonic(), *result)
+            now = time.monotonic()
+            if len(self._cache) > 256:  # pids churn: forget the results too old to be served again
+                self._cache = {k: v for k, v in self._cache.items() if now - v[0] < self.every_s}
+            self._cache[pid] = (now, *result)
         return result
