@@ -32,7 +32,7 @@ from ._schema import DB_NAME
 log = logging.getLogger("gpuscope.store")
 
 MAX_POINTS = 100_000
-SERIES_CACHE = 50_000  # parsed labels of this many series, per reader
+SERIES_CACHE = 10_000  # parsed labels of this many series, per reader (about 5 MB)
 Columns = dict[int, tuple[Int64Array, FloatArray]]
 # (series ids, lo, hi) -> (raw watermark, columns with t >= max(lo, watermark)): the writer's hot window.
 Tail = Callable[[set[int], int, int], tuple[int, Columns]]
