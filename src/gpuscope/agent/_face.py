@@ -14,7 +14,7 @@ class AgentFace(AgentView, Protocol):
 
     cfg: Any  # gpuscope.agent.config.Config (the trace API reads cfg.data_path)
     baselines: Any  # gpuscope.diagnose.baseline.Tracker, or None when baselines are off
-    naming: str  # 'canonical' or 'dcgm': the default names on /metrics
+    naming: str  # 'canonical', 'dcgm' or 'canonical,dcgm' (both): the default names on /metrics
     loopback_only: bool  # bound to a loopback address: no token needed for reads
     token: str | None
     token_path: Any  # where the token is kept (logged, never sent to a client)

@@ -34,7 +34,7 @@
     max_size = "10GiB"
 
     [prometheus]
-    naming = "canonical"        # or "dcgm": DCGM_FI_* names so DCGM dashboards work unchanged
+    naming = "canonical"        # or "dcgm": DCGM_FI_* names so DCGM dashboards work unchanged; "canonical,dcgm": both
     top_processes = 16          # per GPU; the rest are summed as process="other"
 
     [remote_write]
@@ -222,7 +222,7 @@ _DURATIONS = {("agent", "header_timeout"), ("agent", "body_timeout"), ("agent", 
 _SIZES = {("store", "max_size")}
 _CHOICES = {("agent", "log_format"): ("text", "json"),
             ("agent", "log_level"): ("debug", "info", "warning", "error"),
-            ("prometheus", "naming"): ("canonical", "dcgm"),
+            ("prometheus", "naming"): ("canonical", "dcgm", "canonical,dcgm"),
             ("processes", "cmdline"): ("redacted", "name-only", "hidden")}
 
 

@@ -20,6 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from .._version import __version__
+from ..export.exposition import MODES as NAMINGS
 from ..http.auth import AGENT_TOKEN_HINT, access
 from ..http.responses import BadRequest, error_response, json_errors, json_response
 from ..timeparse import parse_duration, parse_time
@@ -71,7 +72,7 @@ class Api:
             "gpuscope": __version__,
             "simulated": self.agent.sampler.simulated,
             "endpoints": {
-                "/metrics": "Prometheus exposition (?naming=canonical|dcgm)",
+                "/metrics": "Prometheus exposition (?naming=canonical|dcgm|canonical,dcgm)",
                 "/api/v1/status": "agent status, sampler overhead, store statistics and health",
                 "/healthz": "liveness: 200 while the agent answers",
                 "/readyz": "readiness: 200 while the store can write, else 503 with the reason",
@@ -95,8 +96,8 @@ class Api:
 
     async def metrics(self, request: web.Request) -> web.Response:
         mode = request.query.get("naming", self.agent.naming)
-        if mode not in ("canonical", "dcgm"):
-            raise BadRequest(f"naming must be canonical or dcgm, not {mode!r}.")
+        if mode not in NAMINGS:  # canonical,dcgm: both in one exposition, for DCGM dashboards and ours at once
+            raise BadRequest(f"naming must be canonical, dcgm or canonical,dcgm, not {mode!r}.")
         body = self.agent.render_metrics(mode)
         return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 

@@ -17,7 +17,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bind", help="address to listen on (default 127.0.0.1; anything else requires the token)")
     p.add_argument("--data-dir", help="where the history and the token live")
     p.add_argument("--interval", type=interval, help="sampling interval (default 100ms)")
-    p.add_argument("--naming", choices=("canonical", "dcgm"), help="metric names on /metrics")
+    p.add_argument("--naming", choices=("canonical", "dcgm", "canonical,dcgm"),
+                   help="metric names on /metrics: gpuscope's, dcgm-exporter's (DCGM_FI_*), or both in one exposition")
     p.add_argument("--log-format", choices=("text", "json"), help="log lines as text or JSON")
     add_source_args(p, processes=True)
     p.add_argument("--churn", type=interval, metavar="SECONDS",

@@ -25,7 +25,10 @@ Labels = tuple[tuple[str, str], ...]
 Row = tuple["Ctx", Labels, float]
 
 CANONICAL, DCGM = "canonical", "dcgm"
-MODES = (CANONICAL, DCGM)
+#: Both in one exposition: the names cannot clash (every DCGM family is DCGM_FI_*, no canonical one is), and
+#: the agent's own series, which both modes carry, are written once, with the canonical `hostname` label.
+BOTH = "canonical,dcgm"
+MODES = (CANONICAL, DCGM, BOTH)
 _MAX_CACHE = 20_000  # contexts and series kept; past it the caches start afresh (pid churn)
 _NAME_RE = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 _LABEL_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
@@ -182,7 +185,7 @@ class Model:
              ) -> list[tuple[Family, list[Row]]]:
         """Families in a stable order, each with its rows. Values are final (DCGM units in DCGM mode)."""
         if mode not in MODES:
-            raise ValueError(f"Unknown exposition mode {mode!r}; use 'canonical' or 'dcgm'.")
+            raise ValueError(f"Unknown exposition mode {mode!r}; use 'canonical', 'dcgm' or 'canonical,dcgm'.")
         if top_processes < 0:
             raise ValueError(f"top_processes must be 0 or more, got {top_processes}.")
         if len(self._ctx) > _MAX_CACHE:
@@ -195,12 +198,12 @@ class Model:
         host = hostname or (snapshot.hostname if snapshot is not None else "") or _local_hostname()
         sim = snapshot.simulated if snapshot is not None else None
         if snapshot is not None:
-            if mode == CANONICAL:
+            if mode != DCGM:
                 self._canonical(snapshot, host, sim, top_processes, buckets)
-            else:
+            if mode != CANONICAL:
                 self._dcgm(snapshot, host, sim, buckets)
         if extra:
-            hctx = self._host_ctx(host, sim, mode)
+            hctx = self._host_ctx(host, sim, DCGM if mode == DCGM else CANONICAL)
             for key, v in extra.items():
                 parsed = self._extra_keys.get(key)
                 if parsed is None:

@@ -44,6 +44,12 @@ labels `gpu`, `UUID`, `pci_bus_id`, `device` (nvidia<N>), `modelName`, `Hostname
   PCIE_LINK_GEN, PCIE_LINK_WIDTH, CLOCKS_EVENT_REASONS, ROW_REMAP_PENDING;
 - violation counters in ns: POWER_, THERMAL_, SYNC_BOOST_, BOARD_LIMIT_, LOW_UTIL_, RELIABILITY_VIOLATION.
 
+Both in one exposition (`mode="canonical,dcgm"`): the canonical series and the DCGM ones side by side, so
+one Prometheus job feeds a DCGM Grafana dashboard and gpuscope's own views (per-process and host series,
+verdicts, the agent's health). No name is in both sets (every DCGM family starts with `DCGM_FI_`, none of
+the catalog's does), and the agent's own series (`extra`), which each mode carries, are written once,
+with the canonical `hostname` label: no series is duplicated.
+
 Where we differ from dcgm-exporter:
 
 - not emitted: NVLINK_BANDWIDTH_TOTAL (its unit is undocumented; see gpu_nvlink_*_bytes_total),
@@ -76,9 +82,9 @@ prometheus_client stays useful in tests as an independent parser of what we emit
 from __future__ import annotations
 
 from .._records import Snapshot
-from ._model import CANONICAL, Ctx, Family, Labels, Model, escape
+from ._model import BOTH, CANONICAL, DCGM, MODES, Ctx, Family, Labels, Model, escape
 
-__all__ = ["CONTENT_TYPE", "Exposition", "render"]
+__all__ = ["BOTH", "CANONICAL", "CONTENT_TYPE", "DCGM", "MODES", "Exposition", "render"]
 
 #: The Content-Type header for what render() returns.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -142,7 +148,8 @@ def render(snapshot: Snapshot | None, *, mode: str = CANONICAL, top_processes: i
            extra: dict[str, float] | None = None, hostname: str | None = None) -> bytes:
     """Prometheus text exposition 0.0.4 of `snapshot`.
 
-    mode: 'canonical' (catalog names) or 'dcgm' (dcgm-exporter's names, units and labels).
+    mode: 'canonical' (catalog names), 'dcgm' (dcgm-exporter's names, units and labels) or 'canonical,dcgm'
+    (both, the agent's own series once).
     top_processes: per GPU, how many processes (largest GPU memory first) get their own series; the
     rest are summed into pid="other". extra: the agent's own metrics, name (or series key) -> value.
     hostname: the `hostname` label; default the snapshot's, else this machine's.
