@@ -31,8 +31,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "MAX_LINE_BYTES", "InputFileError", "load_json", "load_toml",
-           "load_yaml", "parse_json", "parse_toml", "parse_yaml", "read_bytes", "read_lines", "read_text"]
+__all__ = ["MAX_DEPTH", "MAX_FILE_BYTES", "MAX_LINE_BYTES", "InputFileError", "kind_of", "load_json", "load_toml",
+           "load_yaml", "parse_json", "parse_toml", "parse_yaml", "read_bytes", "read_lines", "read_text", "shown"]
 
 #: The largest config, rule, guard or stage file: real ones are a few kB; 1 MiB of YAML already takes
 #: seconds to parse in pure Python.
@@ -47,6 +47,40 @@ _INT_BOUND = 1 << 63
 
 class InputFileError(UsageError, ValueError):
     """A file the user gave cannot be used: one sentence naming it."""
+
+
+def kind_of(value: Any) -> str:
+    """What a value read from JSON, TOML or YAML is, in the formats' words rather than Python's type names
+    (a sentence says "not a list", never "not list" or "not NoneType").
+
+    >>> kind_of([1]), kind_of({}), kind_of("x"), kind_of(5), kind_of(True), kind_of(None)
+    ('a list', 'a mapping', 'a string', 'a number', 'true or false', 'null')
+    """
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true or false"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list | tuple):
+        return "a list"
+    if isinstance(value, dict):
+        return "a mapping"
+    return "a date or time" if hasattr(value, "isoformat") else "a value of another kind"  # TOML/YAML dates
+
+
+def shown(value: Any) -> str:
+    """A value read from a file, written back as the user wrote it: true, false and null rather than Python's
+    True, False and None (strings and numbers as repr shows them, quoted as the rest of a sentence quotes).
+
+    >>> shown(True), shown(None), shown("1s"), shown(5)
+    ('true', 'null', "'1s'", '5')
+    """
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return "null" if value is None else repr(value)
 
 
 def _cap(what: str) -> str:
