@@ -217,7 +217,8 @@ def test_unwritable_data_dir(tmp_path):
     p = subprocess.run([sys.executable, "-m", "gpuscope.cli", "agent", "--simulate", "healthy",
                         "--data-dir", str(blocker / "sub"), "--port", str(free_port())],
                        env=env(), capture_output=True, text=True, timeout=30)
-    assert p.returncode == 1 and "not writable" in p.stderr and "Traceback" not in p.stderr
+    # A --data-dir below a file is the user's typing (exit 2), named as such; it read "not writable: Not a directory".
+    assert p.returncode == 2 and "which is a file, not a directory" in p.stderr and "Traceback" not in p.stderr
 
 
 def test_query_cli_against_the_agent(agent):

@@ -137,7 +137,7 @@ def test_straggler_among_ranks():
     (b'{"traceEvents": [{"ph": "X", "ts": 1', "is not valid JSON"),
     (b"[]", "no traceEvents"),
     (b'{"schemaVersion": 1}', "no traceEvents"),
-    (b'{"traceEvents": 5}', "traceEvents is a int"),
+    (b'{"traceEvents": 5}', "traceEvents is a number, not a list"),
     (b'{"traceEvents": [5]}', "not an event object"),
     (b'{"traceEvents": [{"ph": "X", "cat": "kernel", "name": "k", "ts": "12", "dur": 1}]}', "\"ts\" is '12'"),
     (b'{"traceEvents": [{"ph": "X", "cat": "kernel", "name": "k", "dur": 1}]}', "has no \"ts\""),

@@ -22,11 +22,12 @@ import os
 import time
 from collections.abc import Sequence
 
+from ._choices import did_you_mean
 from .errors import UsageError
 from .timeparse import TimeError, parse_duration, parse_time
 
-__all__ = ["Parser", "add_source_args", "check_not_input", "check_sim", "check_writable", "interval",
-           "time_range"]
+__all__ = ["Parser", "add_source_args", "check_data_dir", "check_not_input", "check_sim", "check_writable",
+           "interval", "time_range"]
 
 
 class Parser(argparse.ArgumentParser):
@@ -79,8 +80,8 @@ def check_sim(args: argparse.Namespace) -> None:
     if args.gpus is not None and args.simulate is None:
         raise UsageError("--gpus only applies to a simulated node; add --simulate SCENARIO.")
     if args.simulate is not None and args.simulate.replace("-", "_") not in SCENARIOS:
-        raise UsageError(str(UnknownScenario(
-            f"Unknown scenario '{args.simulate}'; choose one of: {', '.join(SCENARIOS)}.")))
+        raise UsageError(str(UnknownScenario(f"Unknown scenario '{args.simulate}'; " + did_you_mean(
+            args.simulate.replace("-", "_"), SCENARIOS, f"choose one of: {', '.join(SCENARIOS)}."))))
     if args.gpus is not None and not 1 <= args.gpus <= 64:
         raise UsageError(f"--gpus must be between 1 and 64, not {args.gpus}.")
     processes = getattr(args, "processes", None)
@@ -113,3 +114,18 @@ def check_writable(flag: str, path: str | None) -> None:
         raise UsageError(f"{flag} {path}: {parent} is not an existing directory.")
     if not os.access(parent, os.W_OK):
         raise UsageError(f"{flag} {path}: the directory {parent} is not writable.")
+
+
+def check_data_dir(path: str | None, flag: str = "--data-dir") -> None:
+    """One sentence when a data directory the user named is a file, or lies below one (mkdir would say
+    'File exists' or 'Not a directory'). A directory that does not exist yet is left to the caller."""
+    if not path:
+        return
+    full = os.path.abspath(os.path.expanduser(path))
+    below = full
+    while not os.path.lexists(below) and os.path.dirname(below) != below:
+        below = os.path.dirname(below)
+    if os.path.lexists(below) and not os.path.isdir(below):
+        if below == full:
+            raise UsageError(f"{flag} {path} is a file, not a directory.")
+        raise UsageError(f"{flag} {path} lies below {below}, which is a file, not a directory.")

@@ -40,7 +40,11 @@ VERBS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="gpuscope", description="The truth about how well NVIDIA GPUs are used.")
+    p = Parser(prog="gpuscope", description="The truth about how well NVIDIA GPUs are used.",
+               epilog="Start with 'gpuscope doctor' (what this machine can measure); without a GPU, try "
+                      "'gpuscope top --simulate mixed'. 'gpuscope VERB --help' explains each verb. "
+                      "Exit status: 0 done, 1 the machine cannot do it (no driver, no agent, nothing there), "
+                      "2 bad usage or input.")
     p.add_argument("--version", action="version", version=f"gpuscope {__version__}")
     p.add_argument("-v", "--verbose", action="store_true", help="log what the sampler does")
     sub = p.add_subparsers(dest="verb", metavar="VERB", parser_class=Parser)

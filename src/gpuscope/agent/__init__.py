@@ -134,8 +134,9 @@ class Agent:
             probe.write_text("")
             probe.unlink()
         except OSError as e:
-            raise AgentError(f"The data directory {path} is not writable: {e.strerror}; "
-                             "choose another with --data-dir.") from None
+            why = ("is a file, not a directory" if path.exists() and not path.is_dir()
+                   else f"is not writable: {e.strerror}")
+            raise AgentError(f"The data directory {path} {why}; choose another with --data-dir.") from None
         self.token = load_or_create_token(self.token_path)
 
     def _open_store(self) -> None:

@@ -65,7 +65,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .._files import load_toml
+from .._choices import closest, did_you_mean
+from .._files import load_toml, shown
 from .._paths import default_data_dir  # re-exported: gpuscope.agent.config.default_data_dir
 from .._redact import redact_url
 from ..errors import UsageError
@@ -92,14 +93,14 @@ def parse_duration(v: Any, where: str) -> float:
     if isinstance(v, int | float) and not isinstance(v, bool):
         s = float(v)
         if not (s > 0 and math.isfinite(s)):
-            raise ConfigError(f"{where} must be a positive duration, not {v!r}.")
+            raise ConfigError(f"{where} must be a positive duration, not {shown(v)}.")
         return s
     if isinstance(v, str):
         try:
             return parse_text(v, where)
         except TimeError:
             pass
-    raise ConfigError(f"{where} must be a duration such as \"250ms\" or \"1s\", not {v!r}.")
+    raise ConfigError(f"{where} must be a duration such as \"250ms\" or \"1s\", not {shown(v)}.")
 
 
 def _is_http_url(url: str) -> bool:
@@ -119,7 +120,7 @@ def parse_size(v: Any, where: str) -> int:
         n = int(float(m.group(1)) * _SIZE_UNITS[m.group(2)])
         if n > 0:
             return n
-    raise ConfigError(f"{where} must be a size such as \"10GiB\" or a number of bytes, not {v!r}.")
+    raise ConfigError(f"{where} must be a size such as \"10GiB\" or a number of bytes, not {shown(v)}.")
 
 
 @dataclass
@@ -233,24 +234,24 @@ def _coerce(section: str, key: str, value: Any, default: Any, where: str) -> Any
         return parse_size(value, where)
     if isinstance(default, bool):
         if not isinstance(value, bool):
-            raise ConfigError(f"{where} must be true or false, not {value!r}.")
+            raise ConfigError(f"{where} must be true or false, not {shown(value)}.")
         return value
     if isinstance(default, int):
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where} must be a whole number, not {value!r}.")
+            raise ConfigError(f"{where} must be a whole number, not {shown(value)}.")
         return value
     if isinstance(default, str):
         if not isinstance(value, str):
-            raise ConfigError(f"{where} must be a string, not {value!r}.")
+            raise ConfigError(f"{where} must be a string, not {shown(value)}.")
         choices = _CHOICES.get((section, key))
         if choices and value not in choices:
-            raise ConfigError(f"{where} must be one of {', '.join(choices)}, not {value!r}.")
+            raise ConfigError(f"{where} must be one of {', '.join(choices)}, not {shown(value)}.")
         return value
     if isinstance(default, list):
         if isinstance(value, str):  # one file or URL needs no brackets
             value = [value]
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise ConfigError(f"{where} must be a list of strings, such as [\"a\", \"b\"], not {value!r}.")
+            raise ConfigError(f"{where} must be a list of strings, such as [\"a\", \"b\"], not {shown(value)}.")
         return list(value)
     if isinstance(default, dict):
         if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
@@ -262,16 +263,22 @@ def _coerce(section: str, key: str, value: Any, default: Any, where: str) -> Any
 def from_dict(data: dict[str, Any], source: str = "<dict>") -> Config:
     cfg = Config(source=source)
     for section, table in data.items():
-        if section not in {f.name for f in fields(Config)} - {"source"}:
-            known = ", ".join(f"[{f.name}]" for f in fields(Config) if f.name != "source")
-            raise ConfigError(f"{source}: unknown section [{section}]; the sections are {known}.")
+        sections = [f.name for f in fields(Config) if f.name != "source"]
+        if section not in sections:
+            known = ", ".join(f"[{name}]" for name in sections)
+            near = closest(section, sections)
+            raise ConfigError(f"{source}: unknown section [{section}]; "
+                              + (f"did you mean [{near}]?" if near else f"the sections are {known}."))
         if not isinstance(table, dict):
             raise ConfigError(f"{source}: {section} must be a table ([{section}]), not a value.")
         target = getattr(cfg, section)
         names = {f.name: f for f in fields(target)}
         for key, value in table.items():
             if key not in names:
-                raise ConfigError(f"{source}: unknown key {key!r} in [{section}]; known keys: {', '.join(names)}.")
+                home = [other for other in sections if key in {f.name for f in fields(getattr(cfg, other))}]
+                raise ConfigError(f"{source}: unknown key {key!r} in [{section}]; " + (
+                    f"it belongs in {' or '.join(f'[{h}]' for h in home)}." if home
+                    else did_you_mean(key, names, f"known keys: {', '.join(names)}.")))
             where = f"{source}: [{section}] {key}"
             setattr(target, key, _coerce(section, key, value, getattr(target, key), where))
     validate(cfg)

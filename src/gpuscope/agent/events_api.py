@@ -27,6 +27,8 @@ from typing import Any
 
 from aiohttp import web
 
+from .._choices import did_you_mean
+from .._files import kind_of
 from .._records import Event
 from .._text import valid_text
 from ..http.responses import BadRequest, error_response, json_response
@@ -117,10 +119,11 @@ def _text(ev: dict[str, Any], key: str, where: str, limit: int, pattern: re.Patt
 
 def _event(ev: Any, where: str, now_s: float) -> Event:
     if not isinstance(ev, dict):
-        raise BadRequest(f"{where.rstrip('.') or 'The event'} must be a JSON object, not {type(ev).__name__}.")
+        raise BadRequest(f"{where.rstrip('.') or 'The event'} must be a JSON object, not {kind_of(ev)}.")
     unknown = sorted(str(k) for k in ev if k not in FIELDS)
     if unknown:
-        raise BadRequest(f"{where}{unknown[0]} is not an event field; an event has {', '.join(FIELDS)}.")
+        raise BadRequest(f"{where}{unknown[0]} is not an event field; "
+                         + did_you_mean(unknown[0], FIELDS, f"an event has {', '.join(FIELDS)}."))
     if ev.get("kind") != "guard":
         raise BadRequest(f"{where}kind must be 'guard' (the only kind other processes may post), "
                               f"not {ev.get('kind')!r}.")

@@ -19,6 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
+from .._choices import no_such_gpu
 from .._version import __version__
 from ..export.exposition import MODES as NAMINGS
 from ..http.auth import AGENT_TOKEN_HINT, access
@@ -83,7 +84,7 @@ class Api:
                 "/api/v1/query_range": "?metric=NAME&start=-1h&end=now&step=1s&agg=mean|max|min|last|count|sum|p50|p99"
                                        "&LABEL=VALUE",
                 "/api/v1/events": "?start=-1h&end=now&kind=xid&gpu=0; POST (token): one event of kind guard, "
-                                  "or a list of them (events_api.py)",
+                                  "or a list of them",
                 "/api/v1/diagnose": "verdicts over the last ?window=30s (the in-memory history), or over a past "
                                     "?start=&end= range from the store (spans, share, overall)",
                 "/api/v1/alerts": "firing, pending and recently resolved alerts, the rules and the notifiers",
@@ -166,6 +167,10 @@ class Api:
             return store.query(metric, start, end, step, agg, labels=q or None)
 
         results = await asyncio.get_running_loop().run_in_executor(None, run)
+        if not results and "gpu" in q:  # a GPU that is not there is no "no data": name the GPUs there are
+            known = (await asyncio.get_running_loop().run_in_executor(None, store.labels)).get("gpu", [])
+            if q["gpu"] not in known:
+                raise BadRequest(no_such_gpu(q["gpu"], known, "this agent"))
         return json_response({
             "metric": metric, "start_ns": start, "end_ns": end, "step_s": step, "agg": agg,
             "simulated": self.agent.sampler.simulated,

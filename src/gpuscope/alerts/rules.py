@@ -29,7 +29,6 @@ The file (TOML shown; YAML has the same keys, `rules:` a list of mappings):
 
 from __future__ import annotations
 
-import difflib
 import math
 import os
 import re
@@ -39,7 +38,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from .._files import load_toml, load_yaml
+from .._choices import did_you_mean
+from .._files import load_toml, load_yaml, shown
 from ..catalog import CATALOG, Kind
 from ..errors import UsageError
 from ..timeparse import TimeError, parse_duration
@@ -192,10 +192,8 @@ BUILTIN_RULES: tuple[Rule, ...] = (
 def _unknown(where: str, what: str, word: str, choices: Iterable[str], listing: str | None = None) -> RuleError:
     """'WHERE: unknown WHAT 'x'; did you mean 'y'?' or, with nothing close, the list of choices."""
     choices = list(choices)
-    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
-    if close:
-        return RuleError(f"{where}: unknown {what} {word!r}; did you mean {close[0]!r}?")
-    return RuleError(f"{where}: unknown {what} {word!r}; " + (listing or f"choose one of {', '.join(choices)}."))
+    return RuleError(f"{where}: unknown {what} {word!r}; "
+                     + did_you_mean(word, choices, listing or f"choose one of {', '.join(choices)}."))
 
 
 def _duration(v: Any, where: str, allow_zero: bool = True) -> float:
@@ -209,33 +207,33 @@ def _duration(v: Any, where: str, allow_zero: bool = True) -> float:
     elif isinstance(v, int | float) and not isinstance(v, bool):
         s = float(v)
     if s is None:
-        raise RuleError(f"{where} must be a duration such as \"30s\", \"5m\" or \"1h\", not {v!r}.")
+        raise RuleError(f"{where} must be a duration such as \"30s\", \"5m\" or \"1h\", not {shown(v)}.")
     if not math.isfinite(s) or s < 0 or (s == 0 and not allow_zero):
-        raise RuleError(f"{where} must be a {'non-negative' if allow_zero else 'positive'} duration, not {v!r}.")
+        raise RuleError(f"{where} must be a {'non-negative' if allow_zero else 'positive'} duration, not {shown(v)}.")
     return s
 
 
 def _number(v: Any, where: str) -> float:
     if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(float(v)):
-        raise RuleError(f"{where} must be a number, not {v!r}.")
+        raise RuleError(f"{where} must be a number, not {shown(v)}.")
     return float(v)
 
 
 def _string(v: Any, where: str) -> str:
     if not isinstance(v, str):
-        raise RuleError(f"{where} must be a string, not {v!r}.")
+        raise RuleError(f"{where} must be a string, not {shown(v)}.")
     return v
 
 
 def _string_table(v: Any, where: str, what: str) -> dict[str, str]:
     if not isinstance(v, dict):
-        raise RuleError(f"{where} must be a table of {what}, such as {{ team = \"ml\" }}, not {v!r}.")
+        raise RuleError(f"{where} must be a table of {what}, such as {{ team = \"ml\" }}, not {shown(v)}.")
     out = {}
     for k, val in v.items():
         if not isinstance(k, str) or not _NAME.match(k) or k.startswith("__"):
             raise RuleError(f"{where}: {k!r} is not a label name (letters, digits and _, not starting with __).")
         if isinstance(val, bool) or not isinstance(val, str | int | float):
-            raise RuleError(f"{where}: the value of {k!r} must be a string, not {val!r}.")
+            raise RuleError(f"{where}: the value of {k!r} must be a string, not {shown(val)}.")
         out[k] = str(val)
     return out
 
@@ -259,7 +257,7 @@ def _metric_name(v: Any, where: str) -> str:
     m = CATALOG.get(name)
     if m is None:
         raise _unknown(where, "metric", name, CATALOG,
-                       "the metrics are listed by 'gpuscope doctor' and in gpuscope.catalog.CATALOG.")
+                       "'gpuscope doctor --json' lists this machine's GPU metrics.")
     if m.source not in _GPU_SOURCES + _HOST_SOURCES:
         raise RuleError(f"{where}: {name} is a per-{'process' if m.source == 'processes' else m.source} series; "
                         "alert rules watch GPU and host metrics.")
@@ -269,7 +267,7 @@ def _metric_name(v: Any, where: str) -> str:
 def parse_rule(raw: Any, where: str) -> Rule:
     """One rule from a mapping; `where` is 'FILE: rule NAME' for the messages."""
     if not isinstance(raw, dict):
-        raise RuleError(f"{where} must be a table of keys (name, metric or verdict, condition, ...), not {raw!r}.")
+        raise RuleError(f"{where} must be a table of keys (name, metric or verdict, condition, ...), not {shown(raw)}.")
     for k in raw:
         if k not in _KEYS:
             raise _unknown(where, "key", str(k), _KEYS, f"the keys are {', '.join(_KEYS)}.")
@@ -351,7 +349,7 @@ def parse_rule(raw: Any, where: str) -> Rule:
     if "severity" in raw:
         sev = _string(raw["severity"], f"{where}: severity")
         if sev not in SEVERITIES:
-            raise RuleError(f"{where}: severity must be one of {', '.join(SEVERITIES)}, not {sev!r}.")
+            raise RuleError(f"{where}: severity must be one of {', '.join(SEVERITIES)}, not {shown(sev)}.")
         kw["severity"] = sev
     if "labels" in raw:
         labels = _string_table(raw["labels"], f"{where}: labels", "label values")
@@ -409,7 +407,7 @@ def parse_rules(doc: dict[str, Any], source: str) -> tuple[list[Rule], list[str]
         raise RuleError(f"{source}: disable must be a list of rule names, such as [\"GpuIdleAllocated\"].")
     builtins = doc.get("builtins", True)
     if not isinstance(builtins, bool):
-        raise RuleError(f"{source}: builtins must be true or false, not {builtins!r}.")
+        raise RuleError(f"{source}: builtins must be true or false, not {shown(builtins)}.")
     return out, list(disable), builtins
 
 

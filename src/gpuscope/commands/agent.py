@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .._args import add_source_args, check_sim, interval
+from .._args import add_source_args, check_data_dir, check_sim, interval
 from ..errors import UsageError
 
 HELP = 'run the agent: sampler, on-disk history, /metrics and the query API'
@@ -15,7 +15,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help="TOML config file (see the README for every key)")
     p.add_argument("--port", type=int, help="TCP port (default 9471)")
     p.add_argument("--bind", help="address to listen on (default 127.0.0.1; anything else requires the token)")
-    p.add_argument("--data-dir", help="where the history and the token live")
+    p.add_argument("--data-dir", help="where the history and the token live (default /var/lib/gpuscope as root, "
+                   "else ~/.local/share/gpuscope)")
     p.add_argument("--interval", type=interval, help="sampling interval (default 100ms)")
     p.add_argument("--naming", choices=("canonical", "dcgm", "canonical,dcgm"),
                    help="metric names on /metrics: gpuscope's, dcgm-exporter's (DCGM_FI_*), or both in one exposition")
@@ -42,6 +43,9 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, flag) is not None:  # a flag overrides the file
             setattr(getattr(cfg, section), key, getattr(args, flag))
     agent_config.validate(cfg)
+    # before anything starts: a file there made the agent say "not writable: File exists"
+    check_data_dir(cfg.agent.data_dir,
+                   "--data-dir" if args.data_dir is not None else f"{cfg.source}: [agent] data_dir")
     setup_logging(cfg.agent.log_format, "debug" if args.verbose else cfg.agent.log_level)
     return Agent(cfg, simulate=args.simulate, gpus=args.gpus, processes=args.processes,
                  churn_s=args.churn).run()  # AgentError: exit 1

@@ -28,7 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     ae.add_argument("--group", default="gpuscope", help="the rule group's name (default gpuscope)")
     alist = alsub.add_parser("list", help="the firing and pending alerts of a running agent")
     alist.add_argument("--url", default=None, help="the agent (default $GPUSCOPE_URL or http://127.0.0.1:9471)")
-    alist.add_argument("--token", default=None, help="bearer token (default $GPUSCOPE_TOKEN or the data dir's token)")
+    alist.add_argument("--token", default=None,
+                       help="bearer token (default $GPUSCOPE_TOKEN, else the local agent's token file)")
     alist.add_argument("--json", action="store_true", help="print the agent's answer as JSON")
 
 

@@ -9,7 +9,7 @@ import time
 from dataclasses import asdict, fields
 from typing import Any
 
-from .._args import add_source_args, check_sim, interval, time_range
+from .._args import add_source_args, check_data_dir, check_sim, interval, time_range
 from ..errors import EXIT_OK, UsageError
 from ..sampler import Sampler, SamplerConfig
 from ._store import with_store
@@ -24,7 +24,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     help="how long to watch (default 10s); with an agent, how far back to look")
     p.add_argument("--url", default=None,
                     help="read from this agent (default: the local agent if one answers, else sample here)")
-    p.add_argument("--token", default=None, help="the agent's bearer token (default $GPUSCOPE_TOKEN or its file)")
+    p.add_argument("--token", default=None,
+                   help="the agent's bearer token (default $GPUSCOPE_TOKEN, else the agent's token file)")
     p.add_argument("--json", action="store_true", help="print the verdicts as JSON")
     p.add_argument("--since", default=None,
                     help="diagnose a past range from the store instead, e.g. --since 1h (verdict spans and shares)")
@@ -45,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
     from ..diagnose.thresholds import DEFAULT
 
     check_sim(args)
+    check_data_dir(args.data_dir)
     if args.since is not None or args.start is not None:
         if args.trace:
             raise UsageError("--trace refines a diagnosis of the last --seconds, not of a past range; drop one.")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from .._args import check_not_input, time_range
+from .._args import check_data_dir, check_not_input, time_range
 from ..errors import EXIT_OK, UsageError
 from ._store import with_store
 
@@ -14,13 +14,14 @@ DESCRIPTION = 'Reads the on-disk store directly (also while the agent runs) and 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", required=True, help="output file")
+    p.add_argument("--out", required=True, metavar="FILE", help="the file to write (.parquet, .csv or .jsonl)")
     p.add_argument("--format", choices=("parquet", "csv", "jsonl"), help="default: from the file extension")
     p.add_argument("--since", default="1h", help="how far back (default 1h); or use --start/--end")
-    p.add_argument("--start")
-    p.add_argument("--end", default="now")
-    p.add_argument("--metric", action="append", default=None, help="only these metrics (repeatable)")
-    p.add_argument("--data-dir", default=None, help="the agent's data directory")
+    p.add_argument("--start", help="start time (now, -1h, unix seconds or RFC 3339), instead of --since")
+    p.add_argument("--end", default="now", help="end time (default now)")
+    p.add_argument("--metric", action="append", default=None,
+                   help="only this metric, e.g. gpu_sm_active_ratio (repeatable; default all)")
+    p.add_argument("--data-dir", default=None, help="the agent's data directory (default: the agent's default)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -28,6 +29,7 @@ def run(args: argparse.Namespace) -> int:
         os.path.splitext(args.out)[1].lower())
     if fmt is None:
         raise UsageError("Cannot tell the format from the file name; add --format parquet, csv or jsonl.")
+    check_data_dir(args.data_dir)
     start_ns, end_ns = time_range(args)
     from .._paths import default_data_dir
 

@@ -7,6 +7,8 @@ import argparse
 from ..errors import EXIT_OK
 
 HELP = 'list the simulated scenarios'
+DESCRIPTION = ("The scenarios that --simulate takes (agent, top, diagnose, sample, run, doctor, trace run): "
+               "simulated GPUs that show one bottleneck or failure each, for trying gpuscope without a GPU.")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .._args import add_source_args, check_sim, interval
+from .._args import add_source_args, check_data_dir, check_sim, interval
 from ..errors import UsageError
 
 HELP = 'live terminal view: per GPU the true activity, the verdict, the processes'
@@ -17,16 +17,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--refresh", type=interval, default=0.25, metavar="SECONDS",
                     help="redraw this often (default 0.25 s, 4 per second)")
     p.add_argument("--url", default=None, help="the agent (default $GPUSCOPE_URL or http://127.0.0.1:9471)")
-    p.add_argument("--token", default=None, help="bearer token (default $GPUSCOPE_TOKEN or the data dir's token)")
-    p.add_argument("--data-dir", default=None, help="where to look for the token")
+    p.add_argument("--token", default=None,
+                   help="bearer token (default $GPUSCOPE_TOKEN, else the token file in --data-dir)")
+    p.add_argument("--data-dir", default=None,
+                   help="the agent's data directory, where its token is (default: the agent's default)")
     p.add_argument("--once", action="store_true", help="print one overview and exit (no terminal UI)")
-    p.add_argument("--json", action="store_true", help="with --once: the overview as JSON (gpuscope.viewmodel)")
+    p.add_argument("--json", action="store_true", help="with --once: the overview as JSON, for scripts")
 
 
 def run(args: argparse.Namespace) -> int:
     from ..agent.client import default_url, find_token
 
     check_sim(args)
+    check_data_dir(args.data_dir)
     if not 0.05 <= args.refresh <= 60:
         raise UsageError(f"--refresh must be between 0.05 and 60 seconds, not {args.refresh:g}.")
     if args.json and not args.once:

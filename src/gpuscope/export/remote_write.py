@@ -186,7 +186,7 @@ class RemoteWriter:
                     self._stats["samples_dropped"] += dropped
                     self._stats["snapshots_dropped"] += 1
         except Exception as e:  # noqa: BLE001 - never raise into the sampler
-            self._log_once("add", f"remote write: add() failed: {type(e).__name__}: {e}")
+            self._log_once("add", f"remote write: queuing a snapshot failed: {type(e).__name__}: {e}")
 
     __call__ = add  # so that sampler.subscribe(writer) works
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .._files import load_toml, load_yaml
+from .._choices import did_you_mean
+from .._files import kind_of, load_toml, load_yaml, shown
 from .._redact import redact_url
 from ..errors import UsageError
 
@@ -157,7 +158,8 @@ def parse(data: Any) -> GuardConfig:
     allowed = {"classes", "queue_max", *_SECTIONS}
     for k in data:
         if k not in allowed:
-            raise GuardConfigError(f"Unknown key {k!r}; the top level takes {', '.join(sorted(allowed))}.")
+            raise GuardConfigError(f"Unknown key {k!r}; " + did_you_mean(
+                str(k), allowed, f"the top level takes {', '.join(sorted(allowed))}."))
     raw_classes = data.get("classes")
     if not isinstance(raw_classes, list) or not raw_classes:
         raise GuardConfigError("'classes' must be a non-empty list of classes, e.g. [{name: interactive, share: 0.9}].")
@@ -258,11 +260,12 @@ def _check(cfg: GuardConfig, names: list[str]) -> None:
 
 def _build(cls: type, raw: Any, where: str) -> Any:
     if not isinstance(raw, dict):
-        raise GuardConfigError(f"{where} must be a mapping, not {type(raw).__name__}.")
+        raise GuardConfigError(f"{where} must be a mapping, not {kind_of(raw)}.")
     known = {f.name: f for f in fields(cls)}
     for k in raw:
         if k not in known:
-            raise GuardConfigError(f"Unknown key {where}.{k}; {where} takes {', '.join(sorted(known))}.")
+            raise GuardConfigError(f"Unknown key {where}.{k}; " + did_you_mean(
+                str(k), known, f"{where} takes {', '.join(sorted(known))}."))
     kwargs: dict[str, Any] = {}
     for k, v in raw.items():
         kwargs[k] = _coerce(v, known[k].type, f"{where}.{k}")
@@ -275,7 +278,7 @@ def _coerce(v: Any, typ: Any, where: str) -> Any:
     t = str(typ)
     if t == "bool":
         if not isinstance(v, bool):
-            raise GuardConfigError(f"{where} must be true or false, not {v!r}.")
+            raise GuardConfigError(f"{where} must be true or false, not {shown(v)}.")
         return v
     if t in ("float", "float | None"):
         if v is None and "None" in t:
@@ -285,7 +288,7 @@ def _coerce(v: Any, typ: Any, where: str) -> Any:
         return _num(v, where, int)
     if t == "str":
         if not isinstance(v, str):
-            raise GuardConfigError(f"{where} must be a string, not {v!r}.")
+            raise GuardConfigError(f"{where} must be a string, not {shown(v)}.")
         return v
     if t.startswith("dict"):
         if not isinstance(v, dict) or not all(isinstance(k, (str, int, float)) for k in v):
@@ -300,11 +303,11 @@ def _coerce(v: Any, typ: Any, where: str) -> Any:
 
 def _num(v: Any, where: str, kind: type) -> Any:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise GuardConfigError(f"{where} must be a number, not {v!r}.")
+        raise GuardConfigError(f"{where} must be a number, not {shown(v)}.")
     if not math.isfinite(v):
-        raise GuardConfigError(f"{where} must be a finite number, not {v!r}.")
+        raise GuardConfigError(f"{where} must be a finite number, not {shown(v)}.")
     if kind is int:
         if v != int(v):
-            raise GuardConfigError(f"{where} must be a whole number, not {v!r}.")
+            raise GuardConfigError(f"{where} must be a whole number, not {shown(v)}.")
         return int(v)
     return float(v)

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 
+from .._files import shown
 from ..errors import UsageError
 from . import openai
 from .client import Target, encode_request
@@ -185,7 +186,7 @@ def _bad_field(obj: dict) -> str | None:
     for key in ("prompt_tokens", "output_tokens"):
         v = obj.get(key)
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
-            return f"\"{key}\" must be a whole number of tokens or null, not {v!r}"
+            return f"\"{key}\" must be a whole number of tokens or null, not {shown(v)}"
     if obj.get("tag") is not None and not isinstance(obj["tag"], str):
-        return f"\"tag\" must be a string, not {obj['tag']!r}"
+        return f"\"tag\" must be a string, not {shown(obj['tag'])}"
     return None

@@ -47,7 +47,7 @@ GPM_METRICS: list[tuple[str, int, float]] = [
 EXPENSIVE_METRICS: list[tuple[str, int, float]] = [("gpu_graphics_active_ratio", 1, PCT)]
 GPM_SERIES = [m[0] for m in GPM_METRICS]
 _EXPENSIVE_REASON = ("off by default: this GPM metric costs ~1.4 ms of CPU per read (the others ~1 us); "
-                     "enable with [sampler] gpm_graphics = true in the agent's config (SamplerConfig(gpm_graphics=True))")
+                     "enable with [sampler] gpm_graphics = true in the agent's config file (gpuscope agent --config)")
 
 # Rates that also feed byte counters when NVML's own field counters are unavailable.
 _COUNTERS = {

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from .._files import kind_of
 from .model import COLUMNS, EventKind, Trace, TraceError
 
 _KIND_OF_CAT = {
@@ -166,7 +167,7 @@ def _parse_whole(src: str, raw: bytes) -> dict[str, Any]:
     if not isinstance(doc, dict) or "traceEvents" not in doc:
         raise TraceError(f"{src} is JSON but not a Chrome/Kineto trace: it has no traceEvents.")
     if not isinstance(doc["traceEvents"], list):
-        raise TraceError(f"{src} is not a usable trace: traceEvents is a {type(doc['traceEvents']).__name__}, "
+        raise TraceError(f"{src} is not a usable trace: traceEvents is {kind_of(doc['traceEvents'])}, "
                          "not a list of events.")
     return doc
 
@@ -211,7 +212,7 @@ def _build(src: str, chunks: Iterator[list[Any]], base_ns: int) -> Trace:
         for events in chunks:
             for e in events:
                 if type(e) is not dict:
-                    raise TraceError(f"{src} is not a usable trace: traceEvents holds a {type(e).__name__}, "
+                    raise TraceError(f"{src} is not a usable trace: traceEvents holds {kind_of(e)}, "
                                      "not an event object.")
                 ph = e.get("ph")
                 if ph != "X":
@@ -236,7 +237,7 @@ def _build(src: str, chunks: Iterator[list[Any]], base_ns: int) -> Trace:
                 if a is None:
                     a = {}
                 elif type(a) is not dict:
-                    raise TraceError(f"{src} is not a usable trace: an event's args is a {type(a).__name__}, "
+                    raise TraceError(f"{src} is not a usable trace: an event's args is {kind_of(a)}, "
                                      "not an object.")
                 ts.append(e.get("ts"))
                 dur.append(e.get("dur", 0))
