@@ -188,7 +188,7 @@ def test_proxy_command_forwards_to_a_real_upstream(tmp_path):
     proc_output: list[str] = []
     first, second, metrics, bad = asyncio.run(scenario())
     log = proc_output[0]
-    assert bad == [b"HTTP/1.0 400"] * 3
+    assert bad == [b"HTTP/1.1 400"] * 3
     assert "Traceback" not in log and log.count("malformed HTTP request from 127.0.0.1 answered 400: ") == 1, log
     assert first[0] == 200 and json.loads(first[1])["path"] == "/v1/models"
     assert second[0] == 429 and json.loads(second[1])["error"]["code"] == "rate"

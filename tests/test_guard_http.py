@@ -25,7 +25,7 @@ from starlette.routing import Route
 from gpuscope.guard import Guard, parse_config
 from gpuscope.guard.aio import DECISION_KEY, attach
 from gpuscope.guard.asgi import GuardMiddleware
-from gpuscope.guard.proxy import make_app
+from gpuscope.guard.proxy import ProxyServer, serve
 
 CFG = {"classes": [{"name": "interactive", "share": 0.9}, {"name": "batch", "share": 0.1, "rate": 0.5, "burst": 2}],
        "classify": {"cost": "request", "routes": {"/v1/embeddings": "batch"}, "default": "interactive"},
@@ -287,6 +287,11 @@ def test_aiohttp_middleware():
 
 
 # ---- the proxy in front of a real upstream ------------------------------------------------------------------
+async def _proxy(guard: Guard, upstream: str) -> tuple[ProxyServer, str]:
+    px = await serve(guard, upstream)
+    return px, px.url
+
+
 def test_proxy_streams_sse_and_guards_the_upstream():
     async def scenario():
         go_on = asyncio.Event()
@@ -305,7 +310,7 @@ def test_proxy_streams_sse_and_guards_the_upstream():
         upstream_app.router.add_post("/v1/completions", stream)
         up_runner, up_url = await _serve(upstream_app)
         guard = Guard(parse_config(CFG))
-        px_runner, px_url = await _serve(make_app(guard, up_url))
+        px, px_url = await _proxy(guard, up_url)
         try:
             async with aiohttp.ClientSession() as s:
                 async with s.post(px_url + "/v1/completions", json={"model": "big", "stream": True}) as r:
@@ -317,7 +322,7 @@ def test_proxy_streams_sse_and_guards_the_upstream():
                 async with s.get(px_url + "/guard/metrics") as r:
                     metrics = await r.text()
         finally:
-            await px_runner.cleanup()
+            await px.close(grace_s=1)
             await up_runner.cleanup()
         return status, ctype, first, rest, batch, metrics
 
@@ -340,7 +345,7 @@ def test_proxy_upstream_down_gives_502_then_the_breaker_opens_and_cached_answers
         up_runner, up_url = await _serve(upstream_app)
         cfg = {**CFG, "breaker": {"min_requests": 2, "failure_rate": 0.5, "open_s": 60, "fallback": "cached"}}
         guard = Guard(parse_config(cfg))
-        px_runner, px_url = await _serve(make_app(guard, up_url))
+        px, px_url = await _proxy(guard, up_url)
         out = []
         try:
             async with aiohttp.ClientSession() as s:
@@ -350,7 +355,7 @@ def test_proxy_upstream_down_gives_502_then_the_breaker_opens_and_cached_answers
                 out.append(await _post(s, px_url + "/v1/chat/completions", {"model": "m"}))  # open: cached
                 out.append(await _post(s, px_url + "/v1/chat/completions", {"model": "other"}))  # open: nothing cached
         finally:
-            await px_runner.cleanup()
+            await px.close(grace_s=1)
         return out
 
     out = asyncio.run(scenario())
@@ -370,12 +375,12 @@ def test_proxy_timeout_gives_504():
         upstream_app.router.add_get("/slow", slow)
         up_runner, up_url = await _serve(upstream_app)
         guard = Guard(parse_config({**CFG, "breaker": {"timeout_s": 0.05}}))
-        px_runner, px_url = await _serve(make_app(guard, up_url))
+        px, px_url = await _proxy(guard, up_url)
         try:
             async with aiohttp.ClientSession() as s, s.get(px_url + "/slow") as r:
                 return r.status, await r.json()
         finally:
-            await px_runner.cleanup()
+            await px.close(grace_s=1)
             await up_runner.cleanup()
 
     status, body = asyncio.run(scenario())
@@ -406,7 +411,7 @@ def test_proxy_times_the_first_byte_and_the_gaps_not_the_whole_stream():
         up_runner, up_url = await _serve(upstream_app)
         breaker = {"timeout_s": 1.0, "idle_timeout_s": 1.0, "min_requests": 1, "failure_rate": 0.5}
         guard = Guard(parse_config({**CFG, "breaker": breaker}))
-        px_runner, px_url = await _serve(make_app(guard, up_url))
+        px, px_url = await _proxy(guard, up_url)
         try:
             async with aiohttp.ClientSession() as s:
                 async with s.post(px_url + "/v1/completions", json={}) as r:
@@ -420,7 +425,7 @@ def test_proxy_times_the_first_byte_and_the_gaps_not_the_whole_stream():
                 async with s.get(px_url + "/guard/metrics") as r:
                     after_stall = await r.text()
         finally:
-            await px_runner.cleanup()
+            await px.close(grace_s=1)
             await up_runner.cleanup()
         return long, after_long, first, after_stall
 
@@ -446,7 +451,7 @@ def test_proxy_reads_only_a_small_body_and_streams_a_large_one_through():
                "classify": {"cost": "tokens", "max_body_bytes": 4096, "header": "x-priority", "default": "a"},
                "breaker": {"enabled": False}}
         guard = Guard(parse_config(cfg))
-        px_runner, px_url = await _serve(make_app(guard, up_url))
+        px, px_url = await _proxy(guard, up_url)
         big = json.dumps({"prompt": "x" * (5 << 20), "max_tokens": 1}).encode()  # ~1.3 M tokens if read
 
         async def chunked():
@@ -471,7 +476,7 @@ def test_proxy_reads_only_a_small_body_and_streams_a_large_one_through():
                 async with s.post(px_url + "/v1/completions", data=small, headers={"x-priority": "b"}) as r:
                     out.append(r.status)  # b's burst went to the unread big body
         finally:
-            await px_runner.cleanup()
+            await px.close(grace_s=1)
             await up_runner.cleanup()
         return out
 
@@ -502,19 +507,19 @@ def test_proxy_frees_the_slot_of_a_client_that_stops_reading():
         upstream_app.router.add_get("/ok", ok)
         up_runner, up_url = await _serve(upstream_app)
         guard = Guard(parse_config(STALL_CFG))
-        px_runner, px_url = await _serve(make_app(guard, up_url))
+        px, px_url = await _proxy(guard, up_url)
         try:
             s = _stalled_client(px_url, "/endless")
             try:
                 freed = await _until(lambda: sum(guard.admitted_total) == 1 and guard.inflight_total == 0)
                 # aborted while the client still reads nothing (a close would wait to flush for ever)
-                closed = await _until(lambda: not px_runner.server.connections, limit_s=10)
+                closed = await _until(lambda: not px.conns, limit_s=10)
             finally:
                 s.close()
             async with aiohttp.ClientSession() as session, session.get(px_url + "/ok") as r:
                 after = r.status, await r.json()
         finally:
-            await px_runner.cleanup()
+            await px.close(grace_s=1)
             await up_runner.cleanup()
         return guard, freed, closed, after
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 from dataclasses import replace
 from typing import Any
 
@@ -65,17 +64,17 @@ def run(args: argparse.Namespace) -> int:
     host, port = parse_listen(args.listen, example="127.0.0.1:8090")
     upstream = parse_upstream(args.upstream)
     limits = replace(limits_from_args(args), fds_per_connection=2)  # the client's socket and the upstream's
-    return asyncio.run(_serve(cfg, upstream, host, port, limits))
+    from .proxy import run as run_proxy
+
+    return run_proxy(_serve(cfg, upstream, host, port, limits))
 
 
 async def _serve(cfg: Any, upstream: str, host: str, port: int, limits: Limits) -> int:
-    from ..http.serve import start
     from ._core import Guard
-    from .proxy import error_body, make_app
+    from .proxy import serve
 
-    app = make_app(Guard.from_config(cfg), upstream)
-    served = await start(app, host, port, limits=limits, flag="--listen", error_body=error_body)
-    print(f"gpuscope guard: proxying {served.url} -> {upstream} (metrics at /guard/metrics)", flush=True)
-    await served.wait()
-    await served.close()
+    server = await serve(Guard.from_config(cfg), upstream, host, port, limits=limits, flag="--listen")
+    print(f"gpuscope guard: proxying {server.url} -> {upstream} (metrics at /guard/metrics)", flush=True)
+    await server.wait()
+    await server.close()
     return 0

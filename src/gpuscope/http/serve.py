@@ -43,7 +43,8 @@ from .limits import Limits
 from .net import format_host
 from .responses import error_bytes
 
-__all__ = ["REFUSALS", "ErrorBody", "ListenError", "Served", "Stats", "raise_fd_limit", "start", "stats_of"]
+__all__ = ["REFUSALS", "ErrorBody", "ListenError", "Served", "Stats", "connection_cap", "listen_sentence", "raise_fd_limit",
+           "start", "stats_of"]
 
 log = logging.getLogger("gpuscope.http")
 
@@ -389,12 +390,13 @@ async def start(app: web.Application, host: str, port: int, *, limits: Limits | 
         await site.start()
     except OSError as e:
         await runner.cleanup()
-        raise ListenError(_listen_sentence(host, port, flag, e)) from None
+        raise ListenError(listen_sentence(host, port, flag, e)) from None
     bound = next((a[1] for a in runner.addresses if isinstance(a, tuple)), port)
     return Served(runner, host, bound, stats)
 
 
-def _listen_sentence(host: str, port: int, flag: str, e: OSError) -> str:
+def listen_sentence(host: str, port: int, flag: str, e: OSError) -> str:
+    """The ListenError sentence for an OSError of bind/listen on host:port (a server not built on `start` too)."""
     where = f"{format_host(host)}:{port}"
     if e.errno == errno.EADDRINUSE:
         return f"Port {port} on {host} is already in use; choose another with {flag}."
