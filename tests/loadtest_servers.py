@@ -17,6 +17,27 @@ prints "ready PORT RAWPORT" and serves until killed:
   itself included]: GET /_held lists them (perf_counter is CLOCK_MONOTONIC, the load tester's clock too).
 The raw port speaks bad HTTP: path /garbage answers bytes that are not HTTP; /disconnect closes mid-body.
 
+The script port (`script_url(path)`) is an asyncio server that speaks HTTP/1.1 as real servers do, each
+path one behaviour (`?ms=N` delays the answer N ms); every connection's requests are logged, GET
+/_script_log on the main port lists them as {"conn": n, "requests": [path, ...], "dropped": k,
+"asked_close": k (requests saying `Connection: close`), "expect": bool}:
+- /close_each: answers, then closes the connection at once without saying `Connection: close`.
+- /close_next: answers and keeps the connection; a request that arrives on it later is read and the
+  connection closed without an answer (the client's request crossed the server's close: never processed).
+- /close_header: answers with `Connection: close` but leaves the connection open: a client that sends
+  again on it is logged doing so (and answered).
+- /keep: answers every request on the connection and never closes it, whatever the request says.
+- /eof_body: no Content-Length, no chunking: the body (three parts, 10 ms apart) ends when it closes.
+- /eof_sse: OpenAI-style server-sent events without chunking, ended by closing the connection.
+- /interim: a 100 Continue and a 103 Early Hints before the 200. /switch: a 101 nobody asked for.
+- /expect: sends 100 Continue when the request says `Expect: 100-continue`, then reads the body.
+- /trailers: a chunked answer with a trailer field. /head: Content-Length 5, no body to a HEAD.
+- /bad_status: a status line that is not HTTP's; /status_600: a status code past 599;
+  /huge_head: 70 KiB of headers; /long_body: 5 bytes past its Content-Length; /short_body: 9 of its 100
+  bytes, then the close; /stall_body: 9 of its 100 bytes, then silence (the connection held 60 s).
+The HTTP/1.0 port (`h10_url(path)`) is Python's own http.server (HTTP/1.0, a connection per request):
+/cd answers without Content-Length (close-delimited), /file with it, /sse streams events without length.
+
     with LoadtestServer() as srv: srv.url("/latency")
 """
 
@@ -53,7 +74,7 @@ class LoadtestServer:
         if not line or line[0] != "ready":
             self.proc.kill()
             raise RuntimeError("the test server did not start")
-        self.port, self.raw_port = int(line[1]), int(line[2])
+        self.port, self.raw_port, self.script_port, self.h10_port = (int(x) for x in line[1:5])
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -68,6 +89,15 @@ class LoadtestServer:
 
     def raw_url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.raw_port}{path}"
+
+    def script_url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.script_port}{path}"
+
+    def h10_url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.h10_port}{path}"
+
+    def script_log(self) -> list[dict]:
+        return self._get("/_script_log")  # type: ignore[return-value]
 
     def _get(self, path: str) -> object:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=10) as r:
@@ -197,6 +227,9 @@ def main() -> None:
     app.router.add_route("*", "/error_sse", error_sse)
     app.router.add_get("/_applied", lambda r: _json(web, applied))
     app.router.add_get("/_sse_applied", lambda r: _json(web, sse_applied))
+    script_log: list[dict] = []
+    scripted = script_handler(script_log)
+    app.router.add_get("/_script_log", lambda r: _json(web, script_log))
 
     async def raw(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -224,10 +257,142 @@ def main() -> None:
         await site.start()
         port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         raw_srv = await asyncio.start_server(raw, "127.0.0.1", 0)
-        print("ready", port, raw_srv.sockets[0].getsockname()[1], flush=True)
+        script_srv = await asyncio.start_server(scripted, "127.0.0.1", 0, limit=1 << 20)
+        print("ready", port, raw_srv.sockets[0].getsockname()[1], script_srv.sockets[0].getsockname()[1],
+              start_http10(), flush=True)
         await asyncio.Event().wait()
 
     asyncio.run(serve())
+
+
+OK_2 = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+_SSE_EVENTS = [b'data: {"choices": [{"index": 0, "text": "w%d"}]}\n\n' % n for n in range(3)] + [
+    b'data: {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3}}\n\n', b"data: [DONE]\n\n"]
+
+
+def script_handler(log: list[dict]):  # type: ignore[no-untyped-def]
+    """The script port's connection handler (see the module's docstring); `log` gets one entry per connection."""
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        entry: dict = {"conn": len(log), "requests": [], "dropped": 0, "asked_close": 0, "expect": False}
+        log.append(entry)
+        try:
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+                    return
+                line, *fields = head.decode("latin-1").split("\r\n")
+                method, target = line.split(" ")[:2]
+                path, _, query = target.partition("?")
+                headers = {k.strip().lower(): v.strip() for k, _, v in (f.partition(":") for f in fields if f)}
+                if entry["requests"] and entry["requests"][-1] == "/close_next":
+                    entry["dropped"] += 1   # read, never processed: the close crossed it
+                    return
+                entry["requests"].append(path)
+                entry["asked_close"] += headers.get("connection", "").lower() == "close"
+                if headers.get("expect", "").lower() == "100-continue":
+                    entry["expect"] = True
+                    if path == "/expect":
+                        writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                await reader.readexactly(int(headers.get("content-length", "0")))
+                ms = dict(q.partition("=")[::2] for q in query.split("&") if q).get("ms")
+                if ms:
+                    await asyncio.sleep(float(ms) / 1000)
+                if not await _script_answer(path, method, writer):
+                    return
+        finally:
+            writer.close()
+    return handle
+
+
+async def _script_answer(path: str, method: str, writer: asyncio.StreamWriter) -> bool:
+    """Writes the answer `path` asks for; False when the connection is to close after it."""
+    w = writer.write
+    if path == "/close_each":
+        w(OK_2)
+        return False
+    if path in ("/close_next", "/keep", "/expect"):
+        w(OK_2)
+    elif path == "/close_header":
+        w(b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok")
+    elif path in ("/eof_body", "/eof_sse"):
+        sse = path == "/eof_sse"
+        w(b"HTTP/1.1 200 OK\r\nContent-Type: " + (b"text/event-stream" if sse else b"text/plain") + b"\r\n\r\n")
+        for part in (_SSE_EVENTS if sse else [b"part one, ", b"part two, ", b"the end"]):
+            await writer.drain()
+            await asyncio.sleep(0.01)
+            w(part)
+        await writer.drain()
+        return False
+    elif path == "/interim":
+        w(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a.css>; rel=preload\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.01)
+        w(OK_2)
+    elif path == "/switch":
+        w(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n")
+    elif path == "/trailers":
+        w(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTrailer: X-Checksum\r\n\r\n"
+          b"2\r\nok\r\n0\r\nX-Checksum: 1234\r\n\r\n")
+    elif path == "/head":
+        w(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n" + (b"" if method == "HEAD" else b"hello"))
+    elif path == "/bad_status":
+        w(b"HTTP/1.1 2x0 OK\r\nContent-Length: 0\r\n\r\n")
+    elif path == "/status_600":
+        w(b"HTTP/1.1 600 Odd\r\nContent-Length: 0\r\n\r\n")
+    elif path == "/huge_head":
+        w(b"HTTP/1.1 200 OK\r\n" + b"".join(b"X-Filler-%d: %s\r\n" % (n, b"f" * 1000) for n in range(70))
+          + b"Content-Length: 2\r\n\r\nok")
+    elif path == "/long_body":
+        w(OK_2 + b"EXTRA")
+    elif path == "/short_body":
+        w(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly part")
+        return False
+    elif path == "/stall_body":
+        w(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly part")
+        await writer.drain()
+        await asyncio.sleep(60)
+        return False
+    else:
+        w(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+    await writer.drain()
+    return True
+
+
+def start_http10() -> int:
+    """Python's http.server on a free loopback port, in a thread (HTTP/1.0: one request per connection)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def _answer(self) -> None:
+            n = int(self.headers.get("Content-Length") or 0)
+            if n:
+                self.rfile.read(n)
+            self.send_response(200)
+            if self.path.startswith("/sse"):
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                for event in _SSE_EVENTS:
+                    time.sleep(0.01)
+                    self.wfile.write(event)
+                    self.wfile.flush()
+                return
+            body = b"served by http.server, HTTP/1.0\n"
+            if self.path.startswith("/file"):
+                self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = _answer
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server.server_address[1]
 
 
 async def _json(web: object, obj: object) -> object:

@@ -146,4 +146,4 @@ def test_the_report_read_as_a_stream_plots_what_the_records_in_memory_plotted(tm
         next(stream)   # read once, to its end
     assert _data_block(html) == json.loads(FIXTURE.read_text())
     assert "· 1161 requests ·" in html    # 1200 less 39 warm-up records
-    assert "<dt>timeout</dt>" in html and "<dt>http_5xx</dt>" in html and "<dt>http_429</dt>" not in html
+    assert "<td>timeout</td>" in html and "<td>http_5xx</td>" in html and "<td>http_429</td>" not in html

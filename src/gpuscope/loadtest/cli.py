@@ -11,7 +11,8 @@ DESCRIPTION = """\
 Send requests at intended times (open loop: constant, Poisson or gamma arrivals) or with a fixed number in
 flight (closed loop), in stages, and measure every latency from the time the request was *meant* to be sent
 (no coordinated omission) as well as from the time it was sent. Requests sent late are counted; when the
-client itself was the bottleneck the run is marked invalid and says why.
+figures are not the server's (the client was the bottleneck, or answers were lost) the run is marked
+invalid and says why.
 
 Writes DIR/records.jsonl (one line per request), DIR/summary.json and DIR/report.html (with GPU panels when
 GPUs could be read: the agent at $GPUSCOPE_URL or http://127.0.0.1:9471, else this host's GPUs)."""
@@ -45,8 +46,22 @@ is vLLM's "TPOT" and AIPerf's "ITL". Throughput divides by the stage's wall time
 response - first request (aiperf). Token counts come from the server's usage field, else one content
 chunk = one token (marked tokens_from="estimate" in records.jsonl).
 
-exit status: 0 run done and valid, 1 run done but invalid (the client was the bottleneck), 2 bad input or
-the URL did not answer before the start."""
+HTTP/1.1 as servers speak it: connections are kept alive unless the server's answer or your own
+-H 'Connection: close' says otherwise (then each request gets a connection of its own); a request that
+fails on a kept-alive connection before any byte of answer (the server closed it as the request went out)
+is sent once more on a fresh connection and counted as retried, not as an error, when it is safe to send
+twice: GET, HEAD, OPTIONS, TRACE, PUT, DELETE, or any request carrying an Idempotency-Key header (a POST
+without one is recorded as a disconnect, never sent twice). A body with neither Content-Length nor
+chunking ends when the server closes (HTTP/1.0, SSE without chunking). 1xx answers (100 Continue, 103)
+are skipped, so -H 'Expect: 100-continue' works (the body is sent at once, as RFC 9110 allows); a 101 is
+an error; trailers are read and dropped. Bad answers are counted by class, with a sentence each in
+report.html: malformed (bad status line, status outside 100-599, headers over 64 KiB, a body longer than
+its Content-Length), disconnect (shorter), timeout (a server that stalls, mid-body included).
+
+exit status: 0 run done and valid; 1 run done but invalid: its figures are not the server's (the client
+was the bottleneck: p99 send lag over 5 ms, over 10 % of requests sent late, a worker over 90 % CPU; or the
+client failed requests itself; or over 1 % of a stage's requests got no complete answer: timeout,
+disconnect, malformed); 2 bad input or the URL did not answer before the start."""
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter

@@ -18,6 +18,18 @@ waiting for a connection (`max_connections`) are in send order, which is deadlin
 fails the expired ones from the head of the queue; none of them takes a connection, and a connection
 being opened gets only the time left to its request's deadline.
 
+HTTP/1.1 as servers speak it (RFC 9112): a connection is kept after an answer unless the answer or the
+request itself says `Connection: close` (or the answer is HTTP/1.0 without keep-alive). A server may also
+close a kept-alive connection without saying so, and a request sent as it does fails before any byte of
+answer: such a request is sent once more on a fresh connection (`t_retried`), as browsers, curl, Go and
+aiohttp do, when sending it twice is safe — an idempotent method (GET, HEAD, OPTIONS, TRACE, PUT, DELETE),
+an Idempotency-Key header, or a write that failed at once (no byte left). Any other request (a POST) is
+recorded as a disconnect: the server may have acted on it. A body with neither Content-Length nor chunking
+ends at the server's close (a clean close completes it, a reset cuts it); 1xx interim answers are skipped
+(so `Expect: 100-continue` works: the body goes at once, as RFC 9110 10.1.1 allows); trailers are read and
+dropped; a HEAD's answer ends with its headers. A 101, a status outside 100-599, headers over 64 KiB and
+bytes past an answer's end are malformed.
+
     client = Client("http://127.0.0.1:8000", timeout_s=30.0, t0=time.perf_counter())
     client.send(record, payload_bytes, on_done=lambda rec: ..., on_chunk=None)
 """
@@ -117,10 +129,80 @@ def encode_request(target: Target, method: str, path: str, headers: dict[str, st
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
 
 
-class _Conn(asyncio.Protocol):
-    """One keep-alive connection; carries one request at a time."""
+# What a request's own bytes say about how its answer is read (worked out once per payload).
+_HEAD = 1    # a HEAD: the answer ends with its headers, whatever its Content-Length says (RFC 9110 9.3.2)
+_RETRY = 2   # safe to send twice: an idempotent method (RFC 9110 9.2.2) or an Idempotency-Key header
+_CLOSE = 4   # it says `Connection: close`: its connection ends with its answer
 
-    __slots__ = ("client", "transport", "parser", "rec", "on_done", "on_chunk", "deadline", "now", "keep")
+_IDEMPOTENT = frozenset({b"GET", b"HEAD", b"OPTIONS", b"TRACE", b"PUT", b"DELETE"})
+_IDEMPOTENCY_KEYS = frozenset({b"idempotency-key", b"x-idempotency-key"})
+
+# An answer's status line and headers (interim 1xx answers included) may take this much; past it the
+# answer is refused as malformed (llhttp itself sets no limit; nginx's large_client_header_buffers and
+# Node's --max-http-header-size are 8-32 KiB, so 64 KiB is generous).
+MAX_HEAD_BYTES = 64 << 10
+
+
+def request_traits(payload: bytes) -> int:
+    """The _HEAD, _RETRY and _CLOSE bits of an encoded request.
+
+    >>> request_traits(b"POST / HTTP/1.1\\r\\nConnection: close\\r\\n\\r\\n") == _CLOSE
+    True
+    """
+    end = payload.find(b"\r\n\r\n")
+    lines = payload[:end if end >= 0 else len(payload)].split(b"\r\n")
+    method = lines[0].partition(b" ")[0]
+    flags = (_HEAD if method == b"HEAD" else 0) | (_RETRY if method in _IDEMPOTENT else 0)
+    for line in lines[1:]:
+        name, _, value = line.partition(b":")
+        name = name.strip().lower()
+        if name in _IDEMPOTENCY_KEYS:
+            flags |= _RETRY
+        elif name == b"connection" and b"close" in (t.strip() for t in value.lower().split(b",")):
+            flags |= _CLOSE
+    return flags
+
+
+class _Fields:
+    """Collects the header fields of the last answer in some bytes (the rare paths only: no callback per
+    header on the hot path)."""
+
+    def __init__(self) -> None:
+        self.fields: list[tuple[bytes, bytes]] = []
+
+    def on_message_begin(self) -> None:
+        self.fields = []
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.fields.append((name.lower(), value.strip()))
+
+
+def answer_framing(head: bytes) -> tuple[int | None, bool]:
+    """(Content-Length, chunked) of the last answer whose status line and headers `head` holds; neither
+    means its body ends when the connection closes (RFC 9112 6.3).
+
+    >>> answer_framing(b"HTTP/1.0 200 OK\\r\\nServer: x\\r\\n\\r\\n"), answer_framing(b"HTTP/1.1 200 OK\\r\\nContent-Length: 4\\r\\n\\r\\n")
+    ((None, False), (4, False))
+    """
+    f = _Fields()
+    try:
+        httptools.HttpResponseParser(f).feed_data(head)
+    except (httptools.HttpParserError, httptools.HttpParserUpgrade):
+        pass
+    length = next((int(v) for n, v in f.fields if n == b"content-length" and v.isdigit()), None)
+    codings = b",".join(v for n, v in f.fields if n == b"transfer-encoding").lower().split(b",")
+    return length, codings[-1].strip() == b"chunked"
+
+
+class _Conn(asyncio.Protocol):
+    """One keep-alive connection; carries one request at a time.
+
+    An answer is finished once the parser's call returns (not inside its callbacks), so that bytes past its
+    end in the same read are seen: a body longer than its Content-Length is an error, not the next answer."""
+
+    __slots__ = ("client", "transport", "parser", "rec", "on_done", "on_chunk", "deadline", "now", "keep",
+                 "payload", "flags", "served", "written", "head", "headers_done", "complete", "excess", "interim",
+                 "bad", "body_n")
 
     def __init__(self, client: Client) -> None:
         self.client = client
@@ -132,6 +214,17 @@ class _Conn(asyncio.Protocol):
         self.deadline = 0.0
         self.now = 0.0
         self.keep = True
+        self.payload = b""
+        self.flags = 0
+        self.served = 0              # answers this connection has carried: > 0 means a reused connection
+        self.written = False         # the request's bytes went to the socket (the write did not fail at once)
+        self.head: bytes | None = None   # the answer's bytes until its headers are complete (rare paths read it)
+        self.headers_done = False    # the final (non-1xx) answer's headers are in
+        self.complete = False        # the answer is complete
+        self.excess = False          # bytes came after the complete answer
+        self.interim = False         # the answer being parsed is a 1xx (skipped)
+        self.bad: str | None = None  # why the answer's status line is not one to accept
+        self.body_n = 0              # body bytes of the answer so far
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -146,53 +239,116 @@ class _Conn(asyncio.Protocol):
         if rec.t_first_byte is None:
             rec.t_first_byte = now
         rec.bytes_in += len(data)
+        had_headers = self.headers_done
+        if not had_headers:
+            self.head = data if self.head is None else self.head + data
         try:
             self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self.bad = "the server switched protocols (101), which the load tester did not ask for"
         except httptools.HttpParserError as e:
-            self.fail("malformed", f"bad HTTP response: {e}")
+            if self.complete:
+                self.excess = True
+            elif self.bad is None:
+                self.fail("malformed", f"bad HTTP response: {e}")
+                return
+        if self.rec is not rec:   # ended by a callback (a stream's reader refused the body)
+            return
+        if self.bad is not None:
+            self.fail("malformed", self.bad)
+        elif self.excess:
+            self.fail("malformed", "the server sent bytes past the end of its Content-Length (a body longer than "
+                                   "it said), so the answer's end is unknown")
+        elif not had_headers and len(self.head or b"") - self.body_n > MAX_HEAD_BYTES:
+            # (the bytes of this read that were body are not head: body_n counts what the parser gave as body)
+            self.fail("malformed", f"the answer's status line and headers exceed {MAX_HEAD_BYTES >> 10} KiB")
+        elif self.complete:
+            self._answered(reuse=self.keep)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.client._forget(self)
-        if self.rec is not None:
-            self.fail("disconnect", "the server closed the connection before the answer was complete")
+        rec = self.rec
+        if rec is None:
+            return
+        if self.headers_done and exc is None and answer_framing(self.head or b"") == (None, False):
+            # No Content-Length, no chunking: the body ends with the connection (HTTP/1.0 style, or SSE
+            # without chunking). A reset instead of a clean close leaves it unknown, so that is a disconnect.
+            rec.t_end = perf_counter() - self.client.t0
+            self._answered(reuse=False)
+        elif rec.t_first_byte is None and self.served and rec.t_retried is None and (
+                self.flags & _RETRY or not self.written):
+            self._retry()
+        else:
+            self.fail("disconnect", self._cut(exc))
 
     # httptools callbacks
+    def on_message_begin(self) -> None:
+        if self.complete:
+            self.excess = True
+
     def on_headers_complete(self) -> None:
+        status = self.parser.get_status_code()
+        if 100 <= status < 200 and status != 101:
+            self.interim = True   # 100 Continue, 103 Early Hints: the answer is still to come
+            return
+        self.headers_done = True
         rec = self.rec
-        if rec is not None:
-            rec.status = self.parser.get_status_code()
-        self.keep = self.parser.should_keep_alive()
+        if rec is None:
+            return
+        rec.status = status
+        if status == 101:
+            self.bad = "the server switched protocols (101), which the load tester did not ask for"
+        elif not 100 <= status <= 599:
+            self.bad = f"the server answered status {status}, which is not an HTTP status (100-599)"
+        self.keep = self.parser.should_keep_alive() and not self.flags & _CLOSE
+        if self.flags & _HEAD:
+            # Its Content-Length is that of the GET it stands for: no body follows. The parser would wait for
+            # one, so the connection gets a fresh parser for its next answer.
+            self.complete = True
+            rec.t_end = self.now
+            self.parser = httptools.HttpResponseParser(self)
 
     def on_body(self, body: bytes) -> None:
+        self.body_n += len(body)
         if self.on_chunk is not None and self.rec is not None and 200 <= self.rec.status < 300:
             err = self.on_chunk(body, self.now)
             if err:
                 self.fail(err, "bad server-sent events or JSON in the response")
 
     def on_message_complete(self) -> None:
-        rec = self.rec
-        if rec is None:
+        if self.interim:
+            self.interim = False
             return
+        rec = self.rec
+        if rec is None or self.complete:
+            return
+        self.complete = True
         rec.t_end = self.now
-        s = rec.status
-        if s >= 300 and rec.error is None:
-            rec.error = "http_429" if s == 429 else "http_5xx" if s >= 500 else "http_4xx"
-            rec.error_detail = f"HTTP {s}"
-        self._finish(reuse=self.keep)
 
     # own
     def start(self, rec: RequestRecord, payload: bytes, on_done: OnDone, on_chunk: OnChunk | None) -> None:
         self.rec, self.on_done, self.on_chunk = rec, on_done, on_chunk
+        self.payload = payload
+        self.head, self.headers_done, self.complete, self.excess, self.interim, self.bad = (
+            None, False, False, False, False, None)
+        self.body_n = 0
         client = self.client
-        rec.t_sent = perf_counter() - client.t0
+        self.flags = client.traits(payload)
+        now = perf_counter() - client.t0
+        if rec.t_retried is None:
+            rec.t_sent = now
         deadline = self.deadline = rec.t_intended + client.timeout_s
-        if rec.t_sent >= deadline:
+        if now >= deadline:
             # It waited in the client (--max-connections) past its deadline: not sent, the connection kept.
-            _unsent_timeout(rec, client.timeout_s, rec.t_sent)
+            _unsent_timeout(rec, client.timeout_s, now)
             self._finish(reuse=True)
             return
         rec.bytes_out = len(payload)
-        self.transport.write(payload)  # type: ignore[union-attr]
+        transport = self.transport
+        transport.write(payload)  # type: ignore[union-attr]
+        # A write that failed at once (the server's reset had arrived) closes the transport before it returns:
+        # then no byte of the request left, and any method may go again on a fresh connection.
+        self.written = not transport.is_closing()  # type: ignore[union-attr]
         if deadline < client._new_min:
             client._new_min = deadline
             if deadline < client._timer_at:
@@ -207,6 +363,57 @@ class _Conn(asyncio.Protocol):
         rec.t_end = None
         rec.t_failed = perf_counter() - self.client.t0
         self._finish(reuse=False)
+
+    def timed_out(self, timeout_s: float) -> None:
+        rec = self.rec
+        if rec is None:
+            return
+        within = f"within {timeout_s:g} s of its intended send"
+        if rec.t_first_byte is None:
+            self.fail("timeout", f"no answer {within}")
+        elif not self.headers_done:
+            self.fail("timeout", f"the answer's headers were not complete {within}")
+        else:
+            self.fail("timeout", f"the answer stopped {self.body_n} bytes into its body: not complete {within}")
+
+    def _answered(self, reuse: bool) -> None:
+        rec = self.rec
+        if rec is not None:
+            s = rec.status
+            if s >= 300 and rec.error is None:
+                rec.error = "http_429" if s == 429 else "http_5xx" if s >= 500 else "http_4xx"
+                rec.error_detail = f"HTTP {s}"
+        self.served += 1
+        self._finish(reuse=reuse)
+
+    def _retry(self) -> None:
+        """Send the request again on a fresh connection: this one failed under it before any byte of answer,
+        having carried an earlier answer (the server closed it as the request went out)."""
+        rec, payload, on_done, on_chunk = self.rec, self.payload, self.on_done, self.on_chunk
+        self.rec = self.on_done = self.on_chunk = None
+        rec.t_retried = perf_counter() - self.client.t0  # type: ignore[union-attr]
+        self.client._open(rec, payload, on_done, on_chunk)  # type: ignore[arg-type]
+
+    def _cut(self, exc: Exception | None) -> str:
+        """The sentence of a disconnect: where in the answer the connection ended."""
+        rec = self.rec
+        how = "closed" if exc is None else f"reset ({exc.strerror or exc})" if isinstance(exc, OSError) else "lost"
+        if rec is None or rec.t_first_byte is None:
+            if self.served and rec is not None and rec.t_retried is None:
+                method = self.payload.partition(b" ")[0].decode("latin-1")
+                return (f"the server {how} a reused keep-alive connection without answering; a {method} is not sent "
+                        "again (it may have been processed) unless it carries an Idempotency-Key header")
+            return f"the server {how} the connection without answering" + (
+                " (the retry on a fresh connection too)" if rec is not None and rec.t_retried is not None else "")
+        if not self.headers_done:
+            return f"the server {how} the connection in the middle of the answer's status line and headers"
+        length, chunked = answer_framing(self.head or b"")
+        if length is not None:
+            return f"the server {how} the connection after {self.body_n} of its {length} bytes of body (Content-Length)"
+        if chunked:
+            return f"the server {how} the connection before the last chunk of its chunked body ({self.body_n} bytes in)"
+        return (f"the connection was {how} {self.body_n} bytes into a body that ends with the connection: "
+                "a reset, not a close, so it cannot be told complete")
 
     def _finish(self, reuse: bool) -> None:
         rec, done = self.rec, self.on_done
@@ -254,6 +461,7 @@ class Client:
         self._new_min = float("inf")
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = float("inf")
+        self._traits_of: tuple[bytes, int] = (b"", 0)   # the last payload's traits (a static one is one object)
 
     @property
     def in_flight(self) -> int:
@@ -269,8 +477,21 @@ class Client:
             if deadline < self._timer_at:
                 self._arm(deadline)
         else:
-            self._opening += 1
-            asyncio.get_running_loop().create_task(self._open_and_send(rec, payload, on_done, on_chunk))
+            self._open(rec, payload, on_done, on_chunk)
+
+    def _open(self, rec: RequestRecord, payload: bytes, on_done: OnDone, on_chunk: OnChunk | None) -> None:
+        """Send on a connection of its own, opened now (a retry comes here directly: the connection it replaces
+        is already gone, so --max-connections still holds)."""
+        self._opening += 1
+        asyncio.get_running_loop().create_task(self._open_and_send(rec, payload, on_done, on_chunk))
+
+    def traits(self, payload: bytes) -> int:
+        """request_traits(payload), looked up once for a payload sent again and again."""
+        last, flags = self._traits_of
+        if payload is not last:
+            flags = request_traits(payload)
+            self._traits_of = (payload, flags)
+        return flags
 
     async def _open_and_send(self, rec: RequestRecord, payload: bytes, on_done: OnDone,
                              on_chunk: OnChunk | None) -> None:
@@ -290,7 +511,9 @@ class Client:
                 server_hostname=t.host if self._ssl else None), left_s + _TIMER_TICK_S)
         except Exception as e:  # every failure to connect is the server's side of the story: classify it
             self._opening -= 1
-            rec.t_sent = rec.t_failed = perf_counter() - self.t0
+            rec.t_failed = perf_counter() - self.t0
+            if rec.t_retried is None:
+                rec.t_sent = rec.t_failed
             rec.error, rec.error_detail = classify_connect_error(e)
             on_done(rec)
             self._drain_waiting()
@@ -364,7 +587,7 @@ class Client:
                 k += 1
             elif deadline <= now:
                 k += 1
-                conn.fail("timeout", f"no complete answer within {self.timeout_s:g} s of its intended send")
+                conn.timed_out(self.timeout_s)
                 now = perf_counter() - self.t0
             else:
                 break
@@ -399,6 +622,10 @@ def connect_budget_s(rec: RequestRecord, timeout_s: float, now_s: float) -> floa
 
 
 def _unsent_timeout(rec: RequestRecord, timeout_s: float, now_s: float) -> None:
+    if rec.t_retried is not None:   # its first send failed under it and the deadline came before the retry's
+        rec.error, rec.error_detail = "timeout", f"its retry could not be sent within {timeout_s:g} s of its intended send"
+        rec.t_failed = now_s
+        return
     rec.error, rec.error_detail = "timeout", f"not sent within {timeout_s:g} s of its intended send"
     rec.t_sent = rec.t_failed = now_s
 

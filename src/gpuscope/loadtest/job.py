@@ -27,7 +27,7 @@ from .openai import load_prompts
 from .progress import ProgressLine, print_summary
 from .records import RequestRecord, read_records
 from .requests import Protocol, ReplayError, RequestMaker, load_replay
-from .runner import collect_records, default_workers, summarize
+from .runner import answer_reasons, collect_records, default_workers, summarize
 from .runner import execute as execute_plan
 from .templates import HEADER_VALUE, TOKEN, Template, TemplateError, load_request_file
 from .worker import WorkerConfig, new_loop
@@ -468,14 +468,21 @@ def _capacity(spec: Spec, cfg: WorkerConfig, args: argparse.Namespace, progress:
     stages = []
     valid, reasons = True, []
     summaries = []
+    judged = result.get("trials") or []
     for k, (dt, res, tc, name) in enumerate(trials):
         s = summarize(tc, res, url=shown_url(args.url), protocol=spec.protocol, stage_names=[name])
         summaries.append(s)
         st = s["stages"][0]
         st.update(index=k, start_s=st["start_s"] + dt, end_s=st["end_s"] + dt)
         stages.append(st)
-        valid = valid and s["valid"]
-        reasons += [f"trial at {name}: {r}" for r in s["invalid_reasons"]]
+        own = s["invalid_reasons"]
+        if k < len(judged) and not judged[k]["passed"]:
+            # A trial the search failed (it had more than 1 % errors, or missed the SLOs) is what the search
+            # measures: the answers it lost are why it failed, not a flaw of the figures the search stands on.
+            lost = set(answer_reasons(st["stats"]))
+            own = [r for r in own if r not in lost]
+        valid = valid and not own
+        reasons += [f"trial at {name}: {r}" for r in own]
     if not summaries:
         raise RuntimeError("the capacity search ran no trial")
     # The overall figures are those of the trial at the capacity found (else the first trial's).

@@ -88,6 +88,9 @@ def print_summary(summary: dict[str, Any], out_dir: Path, out: TextIO) -> None:
     errors = summary["overall"]["errors"]
     if errors:
         out.write(f"errors{' at capacity' if at_capacity else ''}: " + ", ".join(f"{k} {v}" for k, v in sorted(errors.items())) + "\n")
+    if summary["overall"].get("retried"):
+        out.write(f"retried: {summary['overall']['retried']} requests sent again on a fresh connection (the server "
+                  "closed a kept-alive connection under them before answering; not counted as errors)\n")
     c = summary["client"]
     out.write(f"client: {c['workers']} worker(s), busiest {c['cpu_percent']:.0f}% CPU, send lag p99 "
               f"{c['send_lag_ms']['p99']:.2f} ms, loop lag p99 {c['loop_lag_ms']['p99']:.2f} ms, {c['late']} late\n")

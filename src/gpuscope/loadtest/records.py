@@ -25,12 +25,16 @@ import orjson
 ERROR_CLASSES: dict[str, str] = {
     "connect": "the connection could not be opened (refused, unreachable, DNS)",
     "tls": "the TLS handshake failed (certificate, protocol)",
-    "timeout": "no complete answer within the request timeout",
+    "timeout": "no complete answer within the request timeout (none at all, or one that stalled mid-way)",
     "http_4xx": "the server answered 4xx (429 is counted apart as http_429)",
     "http_429": "the server refused for load (429)",
     "http_5xx": "the server answered 5xx",
-    "malformed": "the response could not be parsed (bad HTTP, bad SSE, bad JSON)",
-    "disconnect": "the server closed the connection before the answer was complete",
+    "malformed": "the response could not be read: bad HTTP (a status line that is not HTTP's, a status outside "
+                 "100-599, a 101 not asked for, headers over 64 KiB, a body longer than its Content-Length), bad "
+                 "SSE or bad JSON",
+    "disconnect": "the server closed or reset the connection before the answer was complete (a body shorter than "
+                  "its Content-Length; no answer on a fresh connection, or on a reused one for a request not safe "
+                  "to send twice)",
     "client": "the client failed (a bug or resource limit of the generator, not the server)",
 }
 
@@ -61,6 +65,9 @@ class RequestRecord:
     tag: str | None = None               # the request's class/label (replay path, template name, priority)
     t_failed: float | None = None        # when the client saw it fail; a timeout's t_failed - t_intended is
                                          # the timeout (deadlines count from the intended send)
+    t_retried: float | None = None       # when it was sent again on a fresh connection: its first send, on a
+                                         # reused keep-alive connection, failed before any byte of answer
+                                         # (see client.py); t_sent stays the first send
 
     @property
     def latency(self) -> float | None:

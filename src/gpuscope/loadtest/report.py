@@ -93,6 +93,7 @@ def _r(xs: Sequence[float | None], k: int = 3) -> list[float | None]:
 
 # -- the records, as columns -------------------------------------------------------------------------
 ERROR_LEGEND_RECORDS = 200_000   # the error-class legend looks at the first records only
+MAX_DETAILS = 64                 # distinct (class, sentence) pairs counted for the error table
 
 
 class Columns:
@@ -109,6 +110,7 @@ class Columns:
         self.err_t, self.err_class = array("d"), array("H")     # failed: intended time, index in err_names
         self.err_names: list[str] = []
         self.legend: set[str] = set()                           # error classes among the first records
+        self.details: dict[tuple[str, str], int] = {}           # (class, sentence): count, MAX_DETAILS kinds
         self.stream_t, self.ttft_ms, self.tpot_ms = array("d"), array("d"), array("d")
         nan = math.nan
         for r in records:
@@ -124,6 +126,9 @@ class Columns:
                 self.err_class.append(self.err_names.index(r.error))
                 if self.count < ERROR_LEGEND_RECORDS:
                     self.legend.add(r.error)
+                key = (r.error, r.error_detail or "")
+                if key in self.details or len(self.details) < MAX_DETAILS:
+                    self.details[key] = self.details.get(key, 0) + 1
             if r.error is None and r.t_end is not None:
                 self.t_intended.append(r.t_intended)
                 self.t_sent.append(r.t_sent)
@@ -296,7 +301,7 @@ def _stage_table(summary: Mapping[str, Any]) -> str:
     streaming = any("ttft_ms" in (r[2].get("stats") or {}) for r in rows)
     slo = any("goodput" in (r[2].get("stats") or {}) for r in rows)
     gpu = any((r[2].get("gpu") or {}).get("readings") for r in rows)
-    head = ["stage", "name", "offered", "requests", "completed", "errors", "late", "req/s",
+    head = ["stage", "name", "offered", "requests", "completed", "errors", "late", "retried", "req/s",
             "latency p50 ms", "p99", "p99.9", "max", "from sent p99"]
     if streaming:
         tp, cg = names.get("tpot_ms", "TPOT"), names.get("chunk_gap_ms", "ITL")
@@ -312,7 +317,7 @@ def _stage_table(summary: Mapping[str, Any]) -> str:
         offered = offered_text(st, " req/s", " conc.")
         lat, svc = s.get("latency_ms"), s.get("service_latency_ms")
         cells = [_e(idx), _e(name), _e(offered), _f(s.get("requests"), "{}"), _f(s.get("completed"), "{}"),
-                 _f(sum((s.get("errors") or {}).values()), "{}"), _f(s.get("late"), "{}"),
+                 _f(sum((s.get("errors") or {}).values()), "{}"), _f(s.get("late"), "{}"), _f(s.get("retried"), "{}"),
                  _f(s.get("request_throughput"), "{:.2f}"), _f(_pct_of(lat, "p50")), _f(_pct_of(lat, "p99")),
                  _f(_pct_of(lat, "p999")), _f(_pct_of(lat, "max")), _f(_pct_of(svc, "p99"))]
         if streaming:
@@ -386,9 +391,9 @@ def _header(summary: Mapping[str, Any]) -> str:
         verdict = ("<div class='verdict ok' id=verdict>Valid run: the load generator kept to its schedule; "
                    "the numbers below describe the server.</div>")
     else:
-        verdict = ("<div class='verdict bad' id=verdict>INVALID run: the load generator, not the server, was the "
-                   "bottleneck, so latencies and rates below are not the server's."
-                   f"<ul>{''.join(f'<li>{_e(r)}</li>' for r in reasons)}</ul></div>")
+        verdict = ("<div class='verdict bad' id=verdict>INVALID run: the latencies and rates below are not the "
+                   "server's, because:"
+                   f"<ul>{''.join(f'<li>{_e(r)}.</li>' for r in reasons)}</ul></div>")
     c = summary.get("client") or {}
     send = c.get("send_lag_ms") or {}
     slo = summary.get("slo") or {}
@@ -398,7 +403,8 @@ def _header(summary: Mapping[str, Any]) -> str:
           ("SLOs", ", ".join(f"{k} ≤ {v * 1000:g} ms" for k, v in slo.items()) or "none given"),
           ("client", f"{c.get('workers', '–')} workers, {_f(c.get('cpu_percent'))} % CPU, send lag p99 "
                      f"{_f(send.get('p99'), '{:.2f}')} ms, {c.get('late', 0)} requests late "
-                     f"(> {_f(c.get('late_threshold_ms'), '{:g}')} ms)"),
+                     f"(> {_f(c.get('late_threshold_ms'), '{:g}')} ms), "
+                     f"{(summary.get('overall') or {}).get('retried', 0)} retried on a fresh connection"),
           ("GPU data", summary.get("gpu_source") or "none")]
     return verdict + "<dl class=kv>" + "".join(f"<dt>{_e(k)}</dt><dd>{_e(v)}</dd>" for k, v in kv) + "</dl>"
 
@@ -457,6 +463,21 @@ document.body.setAttribute('data-rendered',D.plots.length);
 """
 
 
+def _error_table(cols: Columns) -> str:
+    """Each error class seen: what it means, then what the server did, sentence by sentence, with counts."""
+    if not cols.legend:
+        return ""
+    rows = []
+    for cls, meaning in ERROR_CLASSES.items():
+        if cls not in cols.legend:
+            continue
+        said = sorted(((n, d) for (c, d), n in cols.details.items() if c == cls), reverse=True)[:5]
+        rows.append(f"<tr><td>{_e(cls)}</td><td>{_e(meaning)}</td><td>"
+                    + "<br>".join(f"{n} × {_e(d)}" for n, d in said) + "</td></tr>")
+    return ("<h2>Error classes</h2><table class=errors id=error-classes><thead><tr><th>class</th><th>meaning</th>"
+            "<th>what happened (requests × sentence)</th></tr></thead><tbody>" + "".join(rows) + "</tbody></table>")
+
+
 def render(summary: Mapping[str, Any], records: Iterable[RequestRecord], readings: Sequence[GpuReading]) -> str:
     """The report page as a string (write_html writes it). `records` is read once, in intended-time order
     (as records.jsonl holds them), and may be a stream."""
@@ -492,8 +513,7 @@ def render(summary: Mapping[str, Any], records: Iterable[RequestRecord], reading
             sections.insert(len(sections) - 1, "<h2>GPU</h2>" + gpu_note)
     if not readings:
         sections.append("<h2>GPU</h2>" + gpu_note)
-    errors_legend = "".join(f"<dt>{_e(k)}</dt><dd>{_e(v)}</dd>" for k, v in ERROR_CLASSES.items()
-                            if k in cols.legend)
+    errors_legend = _error_table(cols)
     parts = [
         "<!DOCTYPE html><html lang=en><head><meta charset=utf-8>",
         "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src 'unsafe-inline'; "
@@ -506,7 +526,7 @@ def render(summary: Mapping[str, Any], records: Iterable[RequestRecord], reading
         _capacity(summary.get("capacity")), "<h2>Plots</h2>",
         "".join(f"<p class=muted>{_e(n)}</p>" for n in notes),
         "".join(sections),
-        f"<h2>Error classes</h2><dl class=kv>{errors_legend}</dl>" if errors_legend else "",
+        errors_legend,
         f"<footer>gpuscope {_e(__version__)} · {cols.count} requests · {len(readings)} GPU readings</footer>",
         f"</main><script type='application/json' id='loadtest-data'>{blob}</script>",
         f"<script>{_ERRORS_JS}</script>",

@@ -27,10 +27,16 @@ from .records import RequestRecord, read_records
 from .stats import NAMES, Acc, Dist
 from .worker import WorkerConfig, run_worker, shard_path
 
-# Thresholds for "the client was the bottleneck" (the run is then marked invalid).
+# A run is marked invalid (exit 1) when its figures are not the server's: the client was the bottleneck
+# (send lag, late sends, a saturated worker), the client failed requests itself (class `client`), or more
+# than MAX_UNANSWERED_RATIO of the requests got no complete answer (timeout, disconnect, malformed): the
+# latency percentiles are taken over the answered requests, so past 1 % the p99 shown is not the server's.
+# Answers with an error status (4xx, 5xx) and refused connections are the server's own figures, read right.
 MAX_SEND_LAG_P99_S = 0.005
 MAX_LATE_RATIO = 0.10
 MAX_WORKER_CPU_PERCENT = 90.0
+MAX_UNANSWERED_RATIO = 0.01
+UNANSWERED = ("timeout", "disconnect", "malformed")
 _START_MARGIN_S = 0.05
 
 
@@ -203,6 +209,12 @@ def summarize(cfg: WorkerConfig, res: RunResult, *, url: str, protocol: str, sta
     busiest = max(res.cpu_percent, default=0.0)
     if busiest > MAX_WORKER_CPU_PERCENT:
         reasons.append(f"a worker used {busiest:.0f}% of a core (> {MAX_WORKER_CPU_PERCENT:g}%): add --workers")
+    if o["errors"].get("client"):
+        reasons.append(f"{o['errors']['client']} requests failed inside the load generator (class client), not at "
+                       "the server")
+    for st in stages:   # per stage: a short stage whose answers were lost would hide in the run's total
+        name = f"stage {st['index']} ({st['name']}): " if len(stages) > 1 else ""
+        reasons += [name + r for r in answer_reasons(st["stats"])]
     return {
         "tool": "gpuscope loadtest", "version": 1, "url": url, "protocol": protocol, "metrics_as": cfg.metrics_as,
         "clock": res.clock, "duration_s": measured_s, "valid": not reasons, "invalid_reasons": reasons,
@@ -212,6 +224,22 @@ def summarize(cfg: WorkerConfig, res: RunResult, *, url: str, protocol: str, sta
                    "late": o["late"], "late_threshold_ms": cfg.late_threshold_s * 1e3},
         "slo": dict(cfg.slo), "names": NAMES[cfg.metrics_as], "stages": stages, "overall": o,
     }
+
+
+def answer_reasons(stats: dict[str, Any]) -> list[str]:
+    """Why a stage's (or the run's) latency figures are not the server's for want of answers: [] or one sentence.
+
+    >>> answer_reasons({"requests": 200, "errors": {"disconnect": 30, "http_5xx": 9}})[0][:60]
+    '15.0 % of requests got no complete answer (disconnect 30; at'
+    """
+    n = stats.get("requests") or 0
+    errors = stats.get("errors") or {}
+    missing = {k: errors[k] for k in UNANSWERED if errors.get(k)}
+    if not n or sum(missing.values()) / n <= MAX_UNANSWERED_RATIO:
+        return []
+    return [f"{100 * sum(missing.values()) / n:.1f} % of requests got no complete answer "
+            f"({', '.join(f'{k} {v}' for k, v in missing.items())}; at most {MAX_UNANSWERED_RATIO * 100:g} % may), so the "
+            "latency percentiles, taken over the answered ones, are not the server's"]
 
 
 def default_workers() -> int:

@@ -90,6 +90,7 @@ class Acc:
     completed: int = 0
     errors: Counter = field(default_factory=Counter)
     late: int = 0
+    retried: int = 0      # sent again on a fresh connection (a reused one failed under it before any answer)
     input_tokens: int = 0
     output_tokens: int = 0
     good: int = 0
@@ -103,6 +104,8 @@ class Acc:
             self.first_sent_s = rec.t_sent
         if rec.late_s > late_s:
             self.late += 1
+        if rec.t_retried is not None:
+            self.retried += 1
         if rec.error is not None or rec.t_end is None:
             self.errors[rec.error or "client"] += 1
             return
@@ -139,6 +142,7 @@ class Acc:
         self.completed += other.completed
         self.errors.update(other.errors)
         self.late += other.late
+        self.retried += other.retried
         self.input_tokens += other.input_tokens
         self.output_tokens += other.output_tokens
         self.good += other.good
@@ -168,7 +172,7 @@ class Acc:
         per_s = (lambda n: n / dur) if dur > 0 else (lambda n: 0.0)
         out: dict[str, Any] = {
             "requests": self.requests, "completed": self.completed, "errors": dict(self.errors),
-            "late": self.late, "request_throughput": per_s(self.completed), "duration_s": dur,
+            "late": self.late, "retried": self.retried, "request_throughput": per_s(self.completed), "duration_s": dur,
             "latency_ms": self.dists["latency"].pct_ms(),
             "service_latency_ms": self.dists["service_latency"].pct_ms()}
         if self.streaming:
