@@ -353,8 +353,6 @@ def test_no_sentence_about_the_agents_store_names_python_api(agent, capsys):
     assert not PYTHON_API.search(said), said
 
 
-@pytest.mark.xfail(strict=True, reason="the store's StoreLocked sentence (src/gpuscope/store/_schema.py) names "
-                                       "readonly=True; the store files are being reworked elsewhere")
 def test_a_second_agent_on_the_same_data_dir_names_no_python_api(agent):
     p = gpuscope_cli("agent", "--simulate", "healthy", "--port", str(free_port()), "--data-dir", str(agent.data))
     said = sentence(p.stderr)

@@ -356,6 +356,7 @@ def test_bad_queries_raise_one_clear_sentence(store: Store) -> None:
     store.flush()
     cases: list[tuple[dict[str, Any], str]] = [
         ({"metric": "gpu_nonsense_ratio"}, "Unknown metric"),
+        ({"metric": "gpu_power_wats"}, "(did you mean 'gpu_power_watts'?)."),
         ({"start_ns": T0 + SEC, "end_ns": T0}, "inverted or empty"),
         ({"start_ns": T0, "end_ns": T0}, "inverted or empty"),
         ({"step_s": 7200}, "longer than the range"),

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from .._choices import did_you_mean
 from .._records import Event, GpuIdentity, GpuRecord, HostRecord, ProcessRecord, Snapshot
 from ..catalog import CATALOG, decode_clock_event_reasons, series_key
 from ._aggregate import ALL, INF, Points, aggregate, needs, parse_agg, plan, preferred_tier
@@ -253,8 +254,11 @@ class Reader:
             known = metric is None or bool(rows) or metric in CATALOG or conn.execute(
                 "SELECT 1 FROM series WHERE metric = ? LIMIT 1", (metric,)).fetchone() is not None
         if not known:
-            raise QueryError(f"Unknown metric {metric!r}: it is neither in the catalog nor stored here "
-                             "(the agent's /api/v1/series lists what is stored).")
+            with self.tx() as conn:
+                stored = [m for (m,) in conn.execute("SELECT DISTINCT metric FROM series")]
+            hint = did_you_mean(str(metric), sorted(set(CATALOG) | set(stored)),
+                                "the agent's /api/v1/series lists what is stored")
+            raise QueryError(f"Unknown metric {metric!r}: it is neither in the catalog nor stored here ({hint}).")
         out = [(sid, m, lab) for sid, m, lab in rows if all(lab.get(k) == v for k, v in want.items())]
         return sorted(out, key=lambda r: (r[1], sorted(r[2].items())))
 

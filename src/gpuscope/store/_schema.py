@@ -93,7 +93,7 @@ def open_writer_db(path: Path) -> sqlite3.Connection:
     except sqlite3.DatabaseError as e:
         if "readonly" in str(e) or "read-only" in str(e):
             raise StoreError(f"{db} cannot be written ({e}); make it and its -wal and -shm files writable, "
-                             "or open the store with readonly=True to read it.") from e
+                             "or only read it (`gpuscope query --data-dir`, `gpuscope export --data-dir`).") from e
         raise StoreError(f"{db} is not a gpuscope store or is damaged ({e}).") from e
 
 
@@ -155,7 +155,7 @@ class WriterLock:
             if e.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
                 raise StoreLocked(
                     f"The data directory {self.path.parent} is already open for writing by process {holder}; "
-                    "stop it or open this store with readonly=True.") from None
+                    "stop it first (readers, such as `gpuscope query --data-dir`, may share it).") from None
             raise StoreError(f"Cannot lock {self.path}: {e.strerror or e}.") from e
         f.seek(0)
         f.truncate()
