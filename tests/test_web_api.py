@@ -70,6 +70,34 @@ def test_range_auto_step_gpu_filter_and_timeline(agent):
     assert all(e["kind"] in ("xid", "ecc", "clock_events", "gpu_lost", "process_start", "process_stop") for e in tl["events"])
 
 
+def test_alerts_carry_their_rules_for(tmp_path):
+    """A pending alert comes with its rule's `for` (seconds) and when its condition began to hold, so that
+    the page can say 'pending for 2 min of the 30 min it must hold' instead of the summary written for
+    when it fires ('... for 30 min')."""
+    (tmp_path / "rules.toml").write_text('builtins = false\n\n[[rules]]\nname = "GpuDrawsPower"\n'
+                                         'metric = "gpu_power_watts"\nagg = "max"\nwindow = "1s"\n'
+                                         'condition = "> 0"\nfor = "30m"\n'
+                                         'summary = "GPU {gpu} has drawn power for 30 min"\n')
+    (tmp_path / "agent.toml").write_text('[alerts]\nrule_files = ["rules.toml"]\nevaluation_interval = "500ms"\n')
+    a = AgentProc(tmp_path, "--simulate", "healthy", "--config", str(tmp_path / "agent.toml"))
+    a.wait_ready()
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            code, ov = get(a, "/ui/api/overview")
+            pending = ov.get("alerts", {}).get("pending", [])
+            if pending or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert code == 200 and pending, ov
+        assert pending[0]["rule"] == "GpuDrawsPower" and pending[0]["for_s"] == 1800.0
+        assert pending[0]["active_at"] <= ov["time_ns"] / 1e9
+        code, al = get(a, "/ui/api/alerts")
+        assert code == 200 and [(x["rule"], x["for_s"]) for x in al["pending"]] == [("GpuDrawsPower", 1800.0)]
+    finally:
+        a.stop()
+
+
 @pytest.mark.parametrize("path,status,words", [
     ("/ui/api/range", 400, "metric is required"),
     ("/ui/api/range?metric=no_such_metric", 400, "not a metric"),

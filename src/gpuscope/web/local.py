@@ -46,6 +46,17 @@ class AgentView(Protocol):
     alerts: Alerts | None
 
 
+def with_for(alerts: dict[str, Any]) -> dict[str, Any]:
+    """Each alert with its rule's `for` (for_s, seconds): a pending alert is then told as 'pending for
+    2 min of the 30 min it must hold', not with the summary written for when it fires ('... for 30 min')."""
+    for_s = {r.get("name"): r.get("for_s") for r in alerts.get("rules", []) if isinstance(r, dict)}
+    out = dict(alerts)
+    for state in ("firing", "pending", "resolved"):
+        if state in alerts:
+            out[state] = [{**a, "for_s": for_s.get(a.get("rule"))} for a in alerts[state]]
+    return out
+
+
 class AgentBackend:
     """Backend over a running Agent (its sampler, store and alert service)."""
 
@@ -85,7 +96,7 @@ class AgentBackend:
         svc = self.agent.alerts
         if svc is None:
             return {"firing": [], "pending": [], "resolved": []}
-        return svc.alerts()
+        return with_for(svc.alerts())
 
     def _build_overview(self) -> dict[str, Any]:
         sampler = self.agent.sampler
