@@ -23,9 +23,10 @@ pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
 WORKLOADS = Path(os.environ.get("GPUSCOPE_WORKLOADS", ROOT.parent / "shared" / "workloads"))
 RECORD = os.environ.get("GPUSCOPE_RECORD_DIR")
-# What the dashboard's charts ask for (web/static/app.js CHARTS).
+# What the dashboard's charts ask for (web/static/app.js CHARTS, with their reference lines).
 CHART_METRICS = ("gpu_sm_active_ratio", "gpu_tensor_active_ratio", "gpu_dram_active_ratio", "gpu_utilization_ratio",
-                 "gpu_memory_used_bytes", "gpu_power_watts", "gpu_temperature_celsius",
+                 "gpu_sm_clock_hertz", "gpu_sm_clock_max_hertz", "gpu_power_watts", "gpu_power_limit_watts",
+                 "gpu_memory_used_bytes", "gpu_temperature_celsius",
                  "gpu_pcie_rx_bytes_per_second", "gpu_pcie_tx_bytes_per_second",
                  "gpu_nvlink_rx_bytes_per_second", "gpu_nvlink_tx_bytes_per_second")
 

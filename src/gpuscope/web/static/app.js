@@ -10,48 +10,129 @@
     { title: "Tensor pipes active", metrics: ["gpu_tensor_active_ratio"], unit: "pct", max: 100 },
     { title: "DRAM bandwidth active", metrics: ["gpu_dram_active_ratio"], unit: "pct", max: 100 },
     { title: "NVML util (any kernel running)", metrics: ["gpu_utilization_ratio"], unit: "pct", max: 100 },
+    // A reference line (dashed): the clock the SMs could run at, the power the GPU may draw.
+    { title: "SM clock", metrics: ["gpu_sm_clock_hertz"], unit: "hertz", ref: { metric: "gpu_sm_clock_max_hertz", label: "max SM clock" } },
+    { title: "Power", metrics: ["gpu_power_watts"], unit: "watts", ref: { metric: "gpu_power_limit_watts", label: "power limit" } },
     { title: "Memory used", metrics: ["gpu_memory_used_bytes"], unit: "bytes" },
-    { title: "Power", metrics: ["gpu_power_watts"], unit: "watts" },
     { title: "Temperature", metrics: ["gpu_temperature_celsius"], unit: "celsius" },
     { title: "PCIe rx + tx", metrics: ["gpu_pcie_rx_bytes_per_second", "gpu_pcie_tx_bytes_per_second"], unit: "rate" },
     { title: "NVLink rx + tx", metrics: ["gpu_nvlink_rx_bytes_per_second", "gpu_nvlink_tx_bytes_per_second"], unit: "rate" },
   ];
+  const CHART_HEIGHT = 200;
+  const AXIS_FONT = "11px system-ui, sans-serif";
   const PALETTE = ["#58a6ff", "#3fb950", "#d29922", "#f778ba", "#a371f7", "#39c5cf", "#ff7b72", "#e3b341",
     "#8ddb8c", "#79c0ff", "#ffa657", "#d2a8ff"];
-  const EVENT_COLORS = { xid: "#ff4d4f", ecc: "#ff4d4f", gpu_lost: "#ff00ff", clock_events: "#d29922",
-    process_start: "#3fb950", process_stop: "#8a97a5", guard: "#a371f7" };
-  const VERDICT_COLORS = { healthy: "#2ea043", idle: "#444c56", compute_bound: "#1f6feb", memory_bound: "#8957e5",
-    host_bound: "#d29922", input_bound: "#bf8700", launch_bound: "#db6d28", sync_bound: "#e16f24",
-    throttled: "#da3633", thermal: "#da3633", power: "#da3633", imbalance: "#a371f7", gpu_lost: "#ff00ff" };
+  // Markers: each kind its own colour (an XID and an ECC error are different faults), bright and outlined
+  // so that they show on any band; the legend draws them as lines, the bands as squares.
+  const EVENT_COLORS = { xid: "#ff2a2a", ecc: "#ffe14d", gpu_lost: "#ff80ff", clock_events: "#fff7b0",
+    process_start: "#7dffa0", process_stop: "#8a97a5", guard: "#b3f0ff" };
+  // Every verdict its own colour, by family: green = well used; blue/violet = a GPU-side limit; warm =
+  // the GPU waits on something (it costs money); pink = memory held idle; red/magenta = faults. No colour
+  // is the track's "no data" one; tests/test_web_chromium.py holds them apart (CIE76 distance >= 20).
+  const VERDICT_COLORS = {
+    healthy: "#2ea043", compute_bound: "#1f6feb", memory_bound: "#8957e5", memory_access_bound: "#d2a8ff",
+    tensor_cores_unused: "#39c5cf", underutilized: "#9e6a03", input_starved: "#e3b341", transfer_bound: "#f0883e",
+    launch_or_sync_bound: "#ff7b72", launch_bound: "#ffc99e", sync_bound: "#b04a00", host_bound: "#8b949e",
+    idle_allocated: "#f778ba", idle: "#3d444d", gpu_lost: "#ff00ff",
+    // side verdicts (not drawn as bands today, coloured all the same so that a new view can)
+    throttled: "#da3633", power_capped: "#7ee787", memory_growth: "#d9f06a", hardware: "#ffffff",
+    anomaly: "#79c0ff", peer_outlier: "#0d7d86", imbalance: "#4d2d8f",
+  };
+  const UNKNOWN_VERDICT_COLOR = "#c297b8";  // a kind this page does not know yet: still not "no data"
 
   const state = { start: "-1h", end: "now", gpus: [], sort: { key: "gpu_memory_bytes", asc: false } };
   const api = window.gpuscope = { charts: [], renderedAt: null, timelineAt: null, loads: 0, live: 0, state: state, meta: null,
-    overview: null, timeline: null };
+    overview: null, timeline: null, axis: [0, 0], axisFont: AXIS_FONT };
   api.feed = (ov) => onOverview(ov);  // what the stream calls; tests feed it days of updates at once
-  let meta = null, colorOf = {}, data = [], events = [], loadSeq = 0, stream = null, rangeS = [0, 0], stepS = 1, zooming = false;
-  let retryTimer = 0, refusedMessage = null;
+  api.drawTimeline = (tl) => renderTimeline(tl);  // tests draw every verdict kind at once
+  // The one time axis [start, end] in seconds that the charts and the diagnosis bands share: the range
+  // asked for (not the span of the data), moving with the live updates when the range ends at "now".
+  let axis = api.axis;
+  let meta = null, colorOf = {}, data = [], events = [], loadSeq = 0, stream = null, stepS = 1, zooming = false;
+  let retryTimer = 0, refusedMessage = null, placed = [];
   const RETRY_MS = 5000;
   const STREAM_URL = "/ui/api/stream?interval=1s";  // a stream the server refused is opened again this much later
 
-  // -- formatting ------------------------------------------------------------------------------------
+  // -- formatting: a number and its unit never part (no-break space); flows in decimal units (GB/s, as
+  // PCIe and NVLink are specified and as the verdicts say them), sizes in binary ones (GiB, as nvidia-smi) --
+  const NB = "\u00a0";
+  const BIN = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"], DEC = ["B/s", "kB/s", "MB/s", "GB/s", "TB/s", "PB/s"];
   function fmt(v, unit) {
     if (v === null || v === undefined || Number.isNaN(v)) return "—";
     switch (unit) {
-      case "pct": return v.toFixed(v >= 10 ? 0 : 1) + " %";
-      case "ratio": return (v * 100).toFixed(0) + " %";
-      case "bytes": return bytes(v);
-      case "rate": return bytes(v) + "/s";
-      case "watts": return v.toFixed(0) + " W";
-      case "celsius": return v.toFixed(0) + " °C";
-      case "cores": return v.toFixed(2);
+      case "pct": return v.toFixed(v >= 10 ? 0 : 1) + NB + "%";
+      case "ratio": return (v * 100).toFixed(0) + NB + "%";
+      case "bytes": case "rate": {
+        const s = scaleOf(unit, Math.abs(v)), x = v / s.div;
+        return x.toFixed(Math.abs(x) >= 10 || s.div === 1 ? 0 : 1) + NB + s.suffix;
+      }
+      case "watts": return v.toFixed(0) + NB + "W";
+      case "celsius": return v.toFixed(0) + NB + "°C";
+      case "hertz": return (v / 1e6).toFixed(0) + NB + "MHz";
       default: return String(v);
     }
   }
-  function bytes(v) {
-    const u = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let i = 0;
-    while (Math.abs(v) >= 1024 && i < u.length - 1) { v /= 1024; i++; }
-    return v.toFixed(v >= 10 || i === 0 ? 0 : 1) + " " + u[i];
+  // The unit an axis (or a value) is shown in: by its largest magnitude.
+  function scaleOf(unit, mag) {
+    if (unit === "bytes" || unit === "rate") {
+      const base = unit === "bytes" ? 1024 : 1000, names = unit === "bytes" ? BIN : DEC;
+      let i = 0;
+      while (mag >= base ** (i + 1) && i < names.length - 1) i++;
+      return { div: base ** i, suffix: names[i] };
+    }
+    return { pct: { div: 1, suffix: "%" }, watts: { div: 1, suffix: "W" }, celsius: { div: 1, suffix: "°C" },
+      hertz: { div: 1e6, suffix: "MHz" } }[unit] || { div: 1, suffix: "" };
+  }
+  // The fewest decimals that show a step exactly (2.5 -> 1, 0.25 -> 2).
+  function decimalsOf(step) {
+    for (let d = 0; d < 6; d++) if (Math.abs(step * 10 ** d - Math.round(step * 10 ** d)) < 1e-6) return d;
+    return 6;
+  }
+  // Ticks: uPlot steps by 1, 2, 2.5, 5 x 10^k; bytes by powers of two (0, 8, 16, 24 GiB; 0, 0.5, 1 GiB),
+  // so that in the unit shown every tick is a round number.
+  const BINARY_INCRS = [];
+  for (let k = 0; k < 6; k++) for (let j = 0; j < 10; j++) BINARY_INCRS.push(2 ** j * 1024 ** k);
+  function tickLabels(unit, splits, incr) {
+    const s = scaleOf(unit, Math.max(0, ...splits.map(Math.abs)));
+    const d = decimalsOf(incr / s.div);
+    return splits.map((v) => (v === 0 ? "0" : (v / s.div).toFixed(d)) + NB + s.suffix);
+  }
+  const pad = (n, w) => String(n).padStart(w || 2, "0");
+  const MONTHS = ["Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec"];
+  // Time ticks on one line, local time: 14:05 (14:05:30 below a minute; 14:05:30.5 below a second); a
+  // day's first tick and steps of days say the date. The full date is in the range label above.
+  function timeLabels(splits, incr) {
+    return splits.map((t) => {
+      const d = new Date(t * 1000);
+      const day = MONTHS[d.getMonth()] + " " + d.getDate();
+      if (incr >= 86400 - 1e-6) return day;
+      if (d.getHours() === 0 && d.getMinutes() === 0 && d.getSeconds() === 0 && d.getMilliseconds() === 0) return day;
+      let s = pad(d.getHours()) + ":" + pad(d.getMinutes());
+      if (incr < 60 - 1e-6) {
+        const dec = incr < 1 ? decimalsOf(incr) : 0, sec = ((t % 60) + 60) % 60;
+        s += ":" + sec.toFixed(dec).padStart(dec ? 3 + dec : 2, "0");
+      }
+      return s;
+    });
+  }
+  // An absolute time as the range boxes show it: RFC 3339 in local time with its offset, which the
+  // server reads back (2026-11-29 14:05:30+01:00; milliseconds where the range is short).
+  function stamp(t, ms) {
+    const d = new Date(Math.round(t * 1000)), off = -d.getTimezoneOffset();
+    const tz = off === 0 ? "Z" : (off > 0 ? "+" : "-") + pad(Math.floor(Math.abs(off) / 60)) + ":" + pad(Math.abs(off) % 60);
+    return d.getFullYear() + "-" + pad(d.getMonth() + 1) + "-" + pad(d.getDate()) + " " + pad(d.getHours()) + ":" +
+      pad(d.getMinutes()) + ":" + pad(d.getSeconds()) + (ms ? "." + pad(d.getMilliseconds(), 3) : "") + tz;
+  }
+  // What a range box shows: -1h and now as written, unix seconds (old links) as a date and time.
+  function shownTime(text) {
+    return /^\s*\d+(\.\d+)?\s*$/.test(text) && Number(text) > 1e8 ? stamp(Number(text), !Number.isInteger(Number(text))) : text;
+  }
+  function duration(s) {
+    s = Math.max(0, Math.round(s));
+    if (s < 60) return s + NB + "s";
+    if (s < 3600) return Math.floor(s / 60) + NB + "min";
+    const h = Math.floor(s / 3600), m = Math.floor((s % 3600) / 60);
+    return h + NB + "h" + (m ? " " + m + NB + "min" : "");
   }
   function el(tag, cls, text) {
     const e = document.createElement(tag);
@@ -77,7 +158,7 @@
     q.set("start", state.start);
     q.set("end", state.end);
     if (state.gpus.length) q.set("gpu", state.gpus.join(","));
-    history.replaceState(null, "", "/ui/?" + q.toString().replace(/%2F/g, "/").replace(/%2C/g, ","));
+    history.replaceState(null, "", "/ui/?" + q.toString().replace(/%2F/g, "/").replace(/%2C/g, ",").replace(/%3A/g, ":"));
   }
   const isLive = () => state.end === "now";
 
@@ -119,8 +200,8 @@
   }
   function renderControls() {
     document.querySelectorAll("#ranges button").forEach((b) => b.classList.toggle("active", isLive() && b.dataset.start === state.start));
-    $("#start").value = state.start;
-    $("#end").value = state.end;
+    $("#start").value = shownTime(state.start);
+    $("#end").value = shownTime(state.end);
     const box = $("#gpu-filter");
     box.textContent = "";
     box.appendChild(el("span", "muted", "GPUs:"));
@@ -228,7 +309,7 @@
       cmd.title = p.command || p.name;
       tr.append(el("td", "num", String(p.pid)), el("td", "", p.user || "—"), cmd, el("td", "", p.gpu_key),
         el("td", "num", fmt(p.gpu_memory_bytes, "bytes")), el("td", "num", fmt(pct(p.sm_ratio), "pct")),
-        el("td", "num", fmt(p.cpu_cores, "cores")), el("td", "num", fmt(p.rss_bytes, "bytes")),
+        el("td", "num", fmt(pct(p.cpu_cores), "pct")), el("td", "num", fmt(p.rss_bytes, "bytes")),
         el("td", "", [p.container, p.pod && (p.namespace ? p.namespace + "/" : "") + p.pod].filter(Boolean).join(" · ") || "—"));
       frag.appendChild(tr);
     }
@@ -237,7 +318,26 @@
   }
 
   // -- alerts ----------------------------------------------------------------------------------------
-  function renderAlerts(al) {
+  // A pending alert is a condition that holds but has not held for the rule's `for` yet: it is told as
+  // how long it has held against that `for`, with what holds now (the verdict), never with the summary
+  // written for when it fires ("... for 30 min"), which goes to the tooltip.
+  function alertLine(a, nowS) {
+    const ann = a.annotations || {}, labels = a.labels || {};
+    const name = a.rule || a.name || labels.alertname || "alert";
+    const summary = ann.summary || a.summary || "";
+    const since = typeof a.active_at === "number" ? nowS - a.active_at : null;
+    if (a.state === "pending") {
+      const held = since === null ? "" : " for " + duration(since);
+      const of = typeof a.for_s === "number" && a.for_s > 0 ? " of the " + duration(a.for_s) + " it must hold to fire"
+        : " (it fires once it has held for the rule's `for`)";
+      const now = ann.verdict || (ann.condition ? "holds: " + ann.condition : "its condition holds");
+      return { head: "pending " + name + held + of + ": ", text: now, title: summary && "When it fires: " + summary };
+    }
+    const at = typeof a.fired_at === "number" ? a.fired_at : a.active_at;
+    const when = typeof at === "number" ? " since " + stamp(at).slice(11, 19) : "";
+    return { head: (a.state || "") + " " + name + when + ": ", text: summary || ann.verdict || "", title: ann.description || "" };
+  }
+  function renderAlerts(al, nowS) {
     const box = $("#alerts");
     const active = [...(al.firing || []), ...(al.pending || [])];
     box.textContent = "";
@@ -245,10 +345,10 @@
     box.className = "";
     const ul = el("ul", "alerts");
     for (const a of active) {
-      const li = el("li");
+      const li = el("li"), line = alertLine(a, nowS);
       const sev = (a.labels && a.labels.severity) || a.severity || "warning";
-      li.append(el("b", "sev-" + sev, (a.state || "") + " " + (a.name || (a.labels && a.labels.alertname) || "alert") + ": "),
-        document.createTextNode((a.annotations && a.annotations.summary) || a.summary || ""));
+      li.append(el("b", "sev-" + sev, line.head), document.createTextNode(line.text));
+      if (line.title) li.title = line.title;
       ul.appendChild(li);
     }
     box.appendChild(ul);
@@ -261,11 +361,11 @@
   }
   // uPlot wants one x array and one y array per series, aligned: join the GPUs' series on their time stamps,
   // summing the metrics of a chart (rx + tx) where it has several.
-  function align(responses, keys) {
-    const perKey = new Map(keys.map((k) => [k, new Map()]));
+  function perKey(responses, keys) {
+    const out = new Map(keys.map((k) => [k, new Map()]));
     for (const res of responses) {
       for (const s of res.series) {
-        const m = perKey.get(s.gpu_key);
+        const m = out.get(s.gpu_key);
         if (!m) continue;
         for (let i = 0; i < s.timestamps_ns.length; i++) {
           const t = Math.round(s.timestamps_ns[i] / 1e6) / 1e3, v = s.values[i];
@@ -274,8 +374,30 @@
         }
       }
     }
-    const xs = [...new Set([].concat(...[...perKey.values()].map((m) => [...m.keys()])))].sort((a, b) => a - b);
-    return [xs, ...keys.map((k) => { const m = perKey.get(k); return xs.map((t) => (m.has(t) ? m.get(t) : null)); })];
+    return out;
+  }
+  function align(responses, keys) {
+    const m = perKey(responses, keys);
+    const xs = [...new Set([].concat(...[...m.values()].map((x) => [...x.keys()])))].sort((a, b) => a - b);
+    return [xs, ...keys.map((k) => { const g = m.get(k); return xs.map((t) => (g.has(t) ? g.get(t) : null)); })];
+  }
+  // A reference line (the power limit, the max SM clock) on the chart's time stamps. These are read
+  // rarely and change rarely: each point takes the last value stored at or before it. One line when every
+  // GPU has the same value, else one per GPU in its colour.
+  function refColumns(def, responses, keys, xs) {
+    if (!def.ref || !responses) return [];
+    const m = perKey(responses, keys), have = [];
+    for (const k of keys) {
+      const pts = [...m.get(k).entries()].sort((p, q) => p[0] - q[0]);
+      if (!pts.length) continue;
+      let j = 0;
+      have.push([k, xs.map((t) => { while (j + 1 < pts.length && pts[j + 1][0] <= t) j++; return pts[j][1]; })]);
+    }
+    if (!have.length) return [];
+    const values = new Set();
+    for (const [, col] of have) for (const v of col) values.add(v);
+    if (values.size <= 1 || have.length === 1) return [{ label: def.ref.label, key: null, values: have[0][1] }];
+    return have.map(([k, col]) => ({ label: k + " " + def.ref.label, key: k, values: col }));
   }
   function scaled(def, v) {
     return v === null || v === undefined ? null : def.unit === "pct" ? v * 100 : v;
@@ -283,12 +405,14 @@
   function drawMarkers(u) {
     const { ctx } = u, { top, height } = u.bbox;
     ctx.save();
+    ctx.setLineDash([]);  // a dashed reference line leaves its dash behind
     ctx.lineWidth = Math.max(1, devicePixelRatio);
     for (const e of events) {
       const x = u.valToPos(e.time_ns / 1e9, "x", true);
       if (x < u.bbox.left || x > u.bbox.left + u.bbox.width) continue;
       ctx.strokeStyle = EVENT_COLORS[e.kind] || "#888";
-      ctx.globalAlpha = e.kind.startsWith("process_") ? 0.35 : 0.9;
+      // clock-event changes come often at a power cap: seen, but not louder than an XID
+      ctx.globalAlpha = e.kind.startsWith("process_") ? 0.35 : e.kind === "clock_events" ? 0.6 : 0.9;
       ctx.beginPath();
       ctx.moveTo(x, top);
       ctx.lineTo(x, top + height);
@@ -296,51 +420,69 @@
     }
     ctx.restore();
   }
-  // The y range of an all-zero chart: a readable scale (0..1 KiB/s, 0..1 W) rather than ticks that
-  // all print as 0.
-  function floorOf(def) { return def.unit === "bytes" || def.unit === "rate" ? 1024 : 1; }
+  // The y range of an all-zero chart: a readable scale (0..750 B/s, 0..1 W) rather than ticks that all
+  // print as 0; kept below 1 k of the unit, so that it reads in the unit itself.
+  function floorOf(def) { return { bytes: 900, rate: 900, hertz: 0.9e6 }[def.unit] || 1; }
   function chartWidth(box) { return Math.max(300, box.clientWidth - 12); }
-  function makeChart(def, box, d, keys, seq, done) {
+  function makeChart(def, box, d, keys, refs, seq, done) {
+    const info = { def: def, keys: keys, refs: refs.map((r) => r.label), refKeys: refs.map((r) => r.key), ticks: { x: null, y: null } };
+    const grid = { stroke: "#2a3540" }, ticks = { stroke: "#2a3540" };
+    const yAxis = { stroke: "#8a97a5", grid: grid, ticks: ticks, size: 84, font: AXIS_FONT,
+      values: (u, splits, i, space, incr) => (info.ticks.y = { splits: splits.slice(), incr: incr, labels: tickLabels(def.unit, splits, incr) }).labels };
+    if (def.unit === "bytes") yAxis.incrs = BINARY_INCRS;
     const opts = {
-      title: def.title, width: chartWidth(box), height: 220,
-      scales: { x: { time: true }, y: def.max ? { range: [0, def.max] } : { range: (u, lo, hi) => [0, Math.max(hi, floorOf(def)) * 1.1] } },
+      title: def.title, width: chartWidth(box), height: CHART_HEIGHT,
+      scales: {
+        x: { time: true, range: () => [axis[0], axis[1]] },  // the range asked for, not the data's span
+        y: def.max ? { range: [0, def.max] } : { range: (u, lo, hi) => [0, Math.max(hi, floorOf(def)) * 1.1] },
+      },
       series: [{}, ...keys.map((k) => ({ label: k, stroke: colorOf[k], width: 1.25, spanGaps: false,
-        value: (u, v) => fmt(v, def.unit) }))],
-      axes: [{ stroke: "#8a97a5", grid: { stroke: "#2a3540" }, ticks: { stroke: "#2a3540" } },
-        { stroke: "#8a97a5", grid: { stroke: "#2a3540" }, ticks: { stroke: "#2a3540" }, size: 84,
-          values: (u, vals) => vals.map((v) => fmt(v, def.unit)) }],
+        value: (u, v) => fmt(v, def.unit) })),
+      ...refs.map((r) => ({ label: r.label, stroke: r.key ? colorOf[r.key] : "#c9d1d9", width: 1.25, dash: [6, 4],
+        spanGaps: true, value: (u, v) => fmt(v, def.unit) }))],
+      axes: [{ stroke: "#8a97a5", grid: grid, ticks: ticks, font: AXIS_FONT, space: 80,
+        values: (u, splits, i, space, incr) => (info.ticks.x = { splits: splits.slice(), incr: incr, labels: timeLabels(splits, incr) }).labels },
+      yAxis],
       cursor: { drag: { x: true, y: false, setScale: false }, sync: { key: "gpuscope" } },
       legend: { live: true },
       hooks: {
         draw: [(u) => { drawMarkers(u); if (seq === loadSeq) done(); }],
+        setSize: [() => alignTimeline()],
         setSelect: [(u) => {
           // The cursor sync hands the selection to every chart: act once, for the chart dragged on.
           if (u.select.width < 4 || zooming) return;
           zooming = true;
           setTimeout(() => { zooming = false; }, 0);
-          const a = u.posToVal(u.select.left, "x"), b = u.posToVal(u.select.left + u.select.width, "x");
+          let a = u.posToVal(u.select.left, "x"), b = u.posToVal(u.select.left + u.select.width, "x");
+          const ms = b - a < 120;  // a short selection keeps its milliseconds
+          if (!ms) { a = Math.floor(a); b = Math.ceil(b); }
           u.setSelect({ left: 0, top: 0, width: 0, height: 0 }, false);
-          setRange(a.toFixed(3), b.toFixed(3));  // zoom = a new, finer query over the selection
+          setRange(stamp(a, ms), stamp(b, ms));  // zoom = a new, finer query over the selection
         }],
       },
     };
-    return new uPlot(opts, d, box);
+    const u = new uPlot(opts, d, box);
+    u.gpuscope = info;  // what tests read: the series layout and the tick labels drawn
+    return u;
   }
 
   async function loadCharts(seq, keys) {
-    const box = $("#charts");
-    const requests = CHARTS.map((def) => Promise.all(def.metrics.map((m) => getJson("/ui/api/range?" + query({ metric: m, step: "auto" })))));
+    const box = $("#charts"), known = new Set(meta ? meta.metrics : []);
+    const ask = (m) => getJson("/ui/api/range?" + query({ metric: m, step: "auto" }));
+    const requests = CHARTS.map((def) => Promise.all([Promise.all(def.metrics.map(ask)),
+      def.ref && known.has(def.ref.metric) ? ask(def.ref.metric).then((r) => [r]) : null]));
     const results = await Promise.all(requests);
     if (seq !== loadSeq) return;
     for (const c of api.charts) c.destroy();
     api.charts = [];
     box.textContent = "";
     data = [];
-    const first = results[0][0];
-    rangeS = [first.start_ns / 1e9, first.end_ns / 1e9];
+    const first = results[0][0][0];
+    const rangeS = [first.start_ns / 1e9, first.end_ns / 1e9];
+    axis[0] = rangeS[0];
+    axis[1] = rangeS[1];
     stepS = first.step_s;
-    $("#range-label").textContent = new Date(rangeS[0] * 1000).toLocaleString() + " – " +
-      (isLive() ? "now" : new Date(rangeS[1] * 1000).toLocaleString()) + " · step " + stepS + " s";
+    $("#range-label").textContent = stamp(rangeS[0]) + " – " + (isLive() ? "now" : stamp(rangeS[1])) + " · step " + stepS + " s";
     renderHeader(first.simulated || (meta && meta.simulated));
     if (typeof uPlot === "undefined") {
       showMessage("The chart library is missing: run `make web` (npm ci --prefix src/gpuscope/web --omit=dev --no-audit --no-fund).");
@@ -350,15 +492,18 @@
     let pending = CHARTS.length;
     const done = () => { if (--pending === 0) api.renderedAt = performance.now(); };
     CHARTS.forEach((def, i) => {
-      const d = align(results[i], keys);
+      const d = align(results[i][0], keys);
       for (let j = 1; j < d.length; j++) d[j] = d[j].map((v) => scaled(def, v));
+      const refs = refColumns(def, results[i][1], keys, d[0]);
+      for (const r of refs) d.push(r.values);
       data.push(d);
       const cbox = el("div", "chart");
       box.appendChild(cbox);
       let fired = false;
-      api.charts.push(makeChart(def, cbox, d, keys, seq, () => { if (!fired) { fired = true; done(); } }));
+      api.charts.push(makeChart(def, cbox, d, keys, refs, seq, () => { if (!fired) { fired = true; done(); } }));
       if (!d[0].length) cbox.appendChild(el("div", "empty", "No data in this range yet."));
     });
+    alignTimeline();
   }
 
   // -- diagnosis timeline ----------------------------------------------------------------------------
@@ -370,49 +515,73 @@
     for (const c of api.charts) c.redraw(false);
     renderTimeline(tl);
   }
+  // The lanes' tracks lie exactly under the charts' plot areas: a time is at the same x in both.
+  function alignTimeline() {
+    const c = api.charts[0], box = $("#timeline");
+    if (!c || !c.over.isConnected) return;
+    const over = c.over.getBoundingClientRect(), at = box.getBoundingClientRect();
+    box.style.setProperty("--track-left", (over.left - at.left).toFixed(2) + "px");
+    box.style.setProperty("--track-width", over.width.toFixed(2) + "px");
+  }
+  // Bands and markers sit on the shared axis; placeAll() moves them when the axis moves (live).
+  function place(node, a, b) {
+    const [t0, t1] = axis, span = Math.max(1e-9, t1 - t0);
+    if (b === undefined) {
+      node.hidden = a < t0 || a > t1;
+      node.style.left = ((a - t0) / span * 100).toFixed(3) + "%";
+      return;
+    }
+    const lo = Math.max(a, t0), hi = Math.min(b, t1);
+    node.hidden = hi <= lo && !(a === b && a >= t0 && a <= t1);
+    const left = (lo - t0) / span * 100;
+    node.style.left = left.toFixed(3) + "%";
+    node.style.width = Math.min(100 - left, Math.max(0.2, (hi - lo) / span * 100)).toFixed(3) + "%";
+  }
+  function placeAll() { for (const [node, a, b] of placed) place(node, a, b); }
+  function legendItem(legend, color, text, cls) {
+    const item = el("span", cls), sw = el("i");
+    sw.style.background = color;
+    item.append(sw, document.createTextNode(text));
+    legend.appendChild(item);
+  }
   function renderTimeline(tl) {
-    const box = $("#timeline"), [t0, t1] = rangeS, span = Math.max(1e-9, t1 - t0);
+    const box = $("#timeline");
     box.textContent = "";
+    placed = [];
     const kinds = new Set();
     for (const key of gpuKeys()) {
-      const lane = el("div", "lane"), track = el("div", "track");
-      lane.append(el("span", "name", key), track);
-      const place = (node, a, b) => {
-        node.style.left = (Math.max(0, (a - t0) / span) * 100).toFixed(3) + "%";
-        if (b !== undefined) node.style.width = (Math.max(0.2, (Math.min(b, t1) - Math.max(a, t0)) / span * 100)).toFixed(3) + "%";
-      };
+      const lane = el("div", "lane"), track = el("div", "track"), name = el("span", "name", key);
+      name.title = key;
+      lane.append(name, track);
       for (const s of tl.spans.filter((s) => s.gpu_key === key)) {
         const d = el("div", "span");
-        d.style.background = VERDICT_COLORS[s.kind] || "#6e7681";
-        d.title = s.kind + ": " + s.summary;
-        place(d, s.start_ns / 1e9, s.end_ns / 1e9);
+        d.style.background = VERDICT_COLORS[s.kind] || UNKNOWN_VERDICT_COLOR;
+        d.dataset.kind = s.kind;
+        d.dataset.start = s.start_ns / 1e9;  // seconds, for a reader of the page (tests)
+        d.dataset.end = s.end_ns / 1e9;
+        d.title = s.kind.replace(/_/g, " ") + ": " + s.summary;
+        placed.push([d, s.start_ns / 1e9, s.end_ns / 1e9]);
         track.appendChild(d);
         kinds.add(s.kind);
       }
       for (const e of tl.events.filter((e) => e.gpu_key === key && !e.kind.startsWith("process_"))) {
         const d = el("div", "event");
         d.style.background = EVENT_COLORS[e.kind] || "#888";
+        d.dataset.kind = e.kind;
         d.title = e.message;
-        place(d, e.time_ns / 1e9);
+        placed.push([d, e.time_ns / 1e9]);
         track.appendChild(d);
       }
       box.appendChild(lane);
     }
+    placeAll();
+    alignTimeline();
     if (!tl.spans.length) box.appendChild(el("div", "muted", "No diagnosis for this range yet (it needs samples)."));
     const legend = $("#legend");
     legend.textContent = "";
-    for (const k of kinds) {
-      const item = el("span"), sw = el("i");
-      sw.style.background = VERDICT_COLORS[k] || "#6e7681";
-      item.append(sw, document.createTextNode(k.replace(/_/g, " ")));
-      legend.appendChild(item);
-    }
-    for (const [k, c] of Object.entries(EVENT_COLORS)) {
-      const item = el("span", "muted"), sw = el("i");
-      sw.style.background = c;
-      item.append(sw, document.createTextNode(k.replace(/_/g, " ") + " marker"));
-      legend.appendChild(item);
-    }
+    for (const k of kinds) legendItem(legend, VERDICT_COLORS[k] || UNKNOWN_VERDICT_COLOR, k.replace(/_/g, " "));
+    legendItem(legend, "", "no data", "muted nodata");
+    for (const [k, c] of Object.entries(EVENT_COLORS)) legendItem(legend, c, k.replace(/_/g, " ") + " marker", "muted marker");
   }
 
   // -- live updates ----------------------------------------------------------------------------------
@@ -422,28 +591,38 @@
     renderHeader(ov.simulated);
     renderCards(ov);
     renderProcesses(ov);
-    renderAlerts(ov.alerts || {});
+    renderAlerts(ov.alerts || {}, ov.time_ns / 1e9);
     if (!isLive() || !api.charts.length) return;
     const t = ov.time_ns / 1e9, keys = gpuKeys(), byKey = new Map(ov.gpus.map((g) => [g.key, g]));
+    if (t <= axis[1]) return;
+    const span = axis[1] - axis[0];
+    axis[0] = t - span;  // the one axis moves: charts and bands together
+    axis[1] = t;
     CHARTS.forEach((def, i) => {
-      const d = data[i];
-      if (!d) return;
+      const d = data[i], u = api.charts[i];
+      if (!d || !u) return;
       const last = d[0].length ? d[0][d[0].length - 1] : -Infinity;
-      if (t - last < stepS * 0.999) return;  // keep the query's resolution: at most one point per step
-      d[0].push(t);
-      keys.forEach((k, j) => {
-        const g = byKey.get(k);
-        let v = null;
-        if (g) for (const m of def.metrics) { const x = g.values[m]; if (x !== null && x !== undefined) v = (v || 0) + x; }
-        d[j + 1].push(scaled(def, v));
-      });
-      const cutoff = t - (rangeS[1] - rangeS[0]);
-      let drop = 0;
-      while (drop < d[0].length && d[0][drop] < cutoff) drop++;
-      drop = Math.max(drop, d[0].length - LIVE_TRIM);
-      if (drop > 0) for (const col of d) col.splice(0, drop);
-      api.charts[i].setData(d);
+      if (t - last >= stepS * 0.999) {  // keep the query's resolution: at most one point per step
+        d[0].push(t);
+        keys.forEach((k, j) => {
+          const g = byKey.get(k);
+          let v = null;
+          if (g) for (const m of def.metrics) { const x = g.values[m]; if (x !== null && x !== undefined) v = (v || 0) + x; }
+          d[j + 1].push(scaled(def, v));
+        });
+        u.gpuscope.refKeys.forEach((k, j) => {
+          const g = k === null ? keys.map((x) => byKey.get(x)).find((x) => x && x.values[def.ref.metric] != null) : byKey.get(k);
+          const v = g ? g.values[def.ref.metric] : null;
+          d[keys.length + 1 + j].push(v === undefined ? null : v);
+        });
+        let drop = 0;
+        while (drop < d[0].length && d[0][drop] < axis[0]) drop++;
+        drop = Math.max(drop, d[0].length - LIVE_TRIM);
+        if (drop > 0) for (const col of d) col.splice(0, drop);
+      }
+      u.setData(d);
     });
+    placeAll();
   }
   // EventSource hides the answer of a refused stream: ask for it once more to show its sentence.
   function whyRefused() {
@@ -559,11 +738,18 @@
       loadKernels().catch(() => {});
       setInterval(() => loadKernels().catch(() => {}), 30000);
     }
-    let resizeTimer = 0;
-    window.addEventListener("resize", () => {
+    // A narrower window, or a scroll bar that appears: the charts follow their column, the lanes follow the charts.
+    let resizeTimer = 0, width = $("#charts").clientWidth;
+    new ResizeObserver(() => {
+      const w = $("#charts").clientWidth;
+      if (w === width) return;
+      width = w;
       clearTimeout(resizeTimer);
-      resizeTimer = setTimeout(() => { for (const c of api.charts) c.setSize({ width: chartWidth(c.root.parentNode), height: 220 }); }, 150);
-    });
+      resizeTimer = setTimeout(() => {
+        for (const c of api.charts) c.setSize({ width: chartWidth(c.root.parentNode), height: CHART_HEIGHT });
+        alignTimeline();
+      }, 100);
+    }).observe($("#charts"));
   }
 
   start();
