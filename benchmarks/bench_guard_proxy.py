@@ -4,8 +4,9 @@
 
 Starts one upstream on a free loopback port (an aiohttp app answering a 27-byte JSON, or nginx `return
 200`), nginx (Debian: apt-get install nginx-light wrk) in front of it with `limit_req` and an upstream
-keep-alive pool, and `gpuscope guard proxy` in front of it with two priority classes, a class rate bucket
-and the default adaptive limit; then, with wrk (one thread), for each of direct, nginx and the guard:
+keep-alive pool, and `gpuscope guard proxy` in front of it with two priority classes, class rate buckets
+and a fixed concurrency limit of 256 (`--controller gradient` for the adaptive one, which in front of an
+upstream this fast settles at a few requests in flight and queues the rest); then, with wrk (one thread), for each of direct, nginx and the guard:
 - 64 connections closed loop: requests/s, and the CPU the proxy process spent per request (utime +
   stime from /proc/PID/stat over the run, divided by the requests wrk completed);
 - one connection: p50 latency, and what the proxy adds to direct's p50.
@@ -54,6 +55,7 @@ classes:
   - {name: interactive, share: 0.8, rate: 1000000, burst: 1000000}
   - {name: batch, share: 0.2, rate: 1000000, burst: 1000000}
 classify: {header: x-priority, default: interactive}
+controller: {mode: CONTROLLER, max_limit: 256}
 """
 
 
@@ -120,9 +122,9 @@ def start_limit_req(tmp: Path, upstream_port: int) -> tuple[subprocess.Popen, in
                           proxy_http_version 1.1; proxy_set_header Connection ""; proxy_buffering off; }} }}""")
 
 
-def start_guard(tmp: Path, upstream_port: int) -> tuple[subprocess.Popen, int]:
+def start_guard(tmp: Path, upstream_port: int, controller: str) -> tuple[subprocess.Popen, int]:
     cfg = tmp / "guard.yaml"
-    cfg.write_text(GUARD_CFG)
+    cfg.write_text(GUARD_CFG.replace("CONTROLLER", controller))
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen([sys.executable, "-c", "import sys; from gpuscope.cli import main; sys.exit(main())",
@@ -173,6 +175,9 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--connections", type=int, default=64)
     ap.add_argument("--upstream", choices=("aiohttp", "nginx"), default="aiohttp")
+    ap.add_argument("--controller", choices=("fixed", "gradient", "aimd"), default="fixed",
+                    help="the guard's concurrency controller (default fixed at 256: the data path alone; the "
+                         "adaptive limit's own behaviour under load is another benchmark's)")
     ap.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     a = ap.parse_args()
     if not shutil.which("wrk"):
@@ -186,7 +191,7 @@ def main() -> int:
             procs.append(up)
             ngx, ngx_port = start_limit_req(tmp, up_port)
             procs.append(ngx)
-            guard, guard_port = start_guard(tmp, up_port)
+            guard, guard_port = start_guard(tmp, up_port, a.controller)
             procs.append(guard)
             res = {"direct": measure(up_port, None, a.seconds, a.connections),
                    "nginx": measure(ngx_port, ngx.pid, a.seconds, a.connections),
@@ -200,7 +205,8 @@ def main() -> int:
                 except subprocess.TimeoutExpired:
                     p.kill()
     direct, nginx, guard_r = res["direct"], res["nginx"], res["guard"]
-    print(f"{a.connections} connections and 1 connection, {a.seconds:g} s each, wrk -t1, upstream: {a.upstream}")
+    print(f"{a.connections} connections and 1 connection, {a.seconds:g} s each, wrk -t1, upstream: {a.upstream}, "
+          f"guard controller: {a.controller}")
     print(f"{'':8} {'req/s':>9} {'CPU/req':>9} {'p50 (1 conn)':>13} {'added p50':>10} {'p50 (many)':>11} errors")
     for name, r in res.items():
         cpu = f"{r['cpu_per_request_s'] * 1e6:7.1f}us" if r["cpu_per_request_s"] is not None else f"{'-':>9}"

@@ -26,7 +26,7 @@ import httptools
 from ._classify import OVERSIZE, RequestInfo
 from ._http import GUARD_HEADER, cache_key, parse_json, refusal, rewrite_model
 from ._upstream import Pool, Up
-from ._wire import CHUNKED, NONE, answer, body_framing, request_head, response_head
+from ._wire import CHUNKED, HOP, NONE, Head, Headers, answer, request_head, response_head
 
 __all__ = ["Client"]
 
@@ -58,49 +58,46 @@ class _Refused(Exception):
 
 
 class _Exchange:
-    """One request and its answer."""
+    """One request and its answer. The fields a request usually leaves as they start are class attributes (as
+    the guard's Decision does): an instance stores only what differs, and is built once per request."""
 
-    __slots__ = ("client", "url", "headers", "method", "http11", "keep", "length", "head_done", "body_done",
-                 "body", "body_size", "collecting", "expect", "trailers", "parsed", "d", "task", "pool", "up",
-                 "t0", "up_deadline", "ttft", "status", "out", "started", "to_client", "close_after", "sent_whole",
-                 "replay", "retried", "kept", "kept_size", "done", "connecting", "path")
+    url = b""
+    method = b""
+    path = ""
+    http11 = True
+    keep = True
+    length = NONE
+    head_done = False
+    body_done = False
+    body_size = 0
+    collecting = False  # the decision waits for the body (cost: tokens, a cached or model: fallback)
+    expect = False  # the client waits for 100 Continue before it sends the body
+    trailers: list[tuple[bytes, bytes]] = []  # noqa: RUF012 - replaced, never appended to, while empty
+    parsed: Any = None
+    d: Any = None  # the admitted decision, until released
+    task: asyncio.Task | None = None  # a decision that may queue, or an upstream connection being opened
+    pool: Pool | None = None
+    up: Up | None = None
+    t0 = 0.0
+    up_deadline = INF
+    ttft: float | None = None
+    status = 0
+    started = False  # the answer's head has gone to the client
+    to_client = NONE  # the answer's framing to the client: its length, CHUNKED or NONE (to the close)
+    close_after = False
+    sent_whole = False  # the whole request is written upstream
+    replay: list[bytes] | None = None  # what was written upstream, for one retry (idempotent, small)
+    retried = False
+    kept: list[bytes] | None = None  # the answer's body for the cached fallback
+    kept_size = 0
+    done = False
+    connecting = False
 
     def __init__(self, client: Client) -> None:
         self.client = client
-        self.url = b""
-        self.headers: list[tuple[bytes, bytes]] = []
-        self.method = b""
-        self.path = ""
-        self.http11 = True
-        self.keep = True
-        self.length = NONE
-        self.head_done = False
-        self.body_done = False
+        self.head = Head()
         self.body: list[bytes] = []  # received, not yet sent upstream
-        self.body_size = 0
-        self.collecting = False  # the decision waits for the body (cost: tokens, a cached or model: fallback)
-        self.expect = False  # the client waits for 100 Continue before it sends the body
-        self.trailers: list[tuple[bytes, bytes]] = []
-        self.parsed: Any = None
-        self.d: Any = None  # the admitted decision, until released
-        self.task: asyncio.Task | None = None  # a decision that may queue, or an upstream connection being opened
-        self.pool: Pool | None = None
-        self.up: Up | None = None
-        self.t0 = 0.0
-        self.up_deadline = INF
-        self.ttft: float | None = None
-        self.status = 0
         self.out: list[bytes] = []  # for the client, written at the end of the upstream read that made it
-        self.started = False  # the answer's head has gone to the client
-        self.to_client = NONE  # the answer's framing to the client: its length, CHUNKED or NONE (to the close)
-        self.close_after = False
-        self.sent_whole = False  # the whole request is written upstream
-        self.replay: list[bytes] | None = None  # what was written upstream, for one retry (idempotent, small)
-        self.retried = False
-        self.kept: list[bytes] | None = None  # the answer's body for the cached fallback
-        self.kept_size = 0
-        self.done = False
-        self.connecting = False
 
     # -- the request's body as it comes ---------------------------------------------------------------
     def req_body(self, chunk: bytes) -> None:
@@ -147,7 +144,7 @@ class _Exchange:
     def up_head(self, up: Up) -> None:
         c = self.client
         self.status = status = up.status
-        framing = body_framing(up.headers)
+        framing = up.head.length
         if self.method == b"HEAD" or status in (204, 304):
             to_client = NONE
             length = framing if framing >= 0 else NONE
@@ -161,7 +158,7 @@ class _Exchange:
         self.to_client = to_client
         close = self.close_after or not self.keep or not self.body_done
         self.close_after = close
-        self.out.append(response_head(status, up.reason, up.headers, length, close,
+        self.out.append(response_head(status, up.reason, up.head.forwarded(), length, close,
                                       keep_alive_header=not close and not self.http11))
         if c.server.keep_cache and status == 200:
             self.kept = []
@@ -208,7 +205,7 @@ class _Exchange:
         self.up = None
         if self.kept is not None and self.d is not None and self.d.degrade == "":
             server.guard.cache_put(cache_key(self.method.decode("latin-1"), self.path, self.parsed), b"".join(self.kept),
-                                   _header(up.headers, b"content-type") or "application/json")
+                                   (up.head.content_type or b"application/json").decode("latin-1"))
         self.release(self.status)
         c.finish(self)
 
@@ -253,9 +250,10 @@ class _Exchange:
         up, self.up = self.up, None
         if up is not None:
             up.abort()
-        if self.task is not None:
+        if self.task is not None and self.connecting:
             self.task.cancel()
             self.task = None
+            self.connecting = False
         self.out.clear()
         if self.started:
             server.count("idle_timeout")
@@ -314,7 +312,7 @@ class _Exchange:
         length = self.length
         if self.body_done and length == CHUNKED and not self.trailers:
             length = self.body_size  # all here: sent with its length
-        parts = [request_head(self.method, pool.prefix + self.url, pool.host_header, self.headers, length)]
+        parts = [request_head(self.method, pool.prefix + self.url, pool.host_header, self.head.forwarded(), length)]
         if length == CHUNKED:
             for chunk in body:
                 parts += (b"%x\r\n" % len(chunk), chunk, b"\r\n")
@@ -345,13 +343,6 @@ def _last_chunk(trailers: list[tuple[bytes, bytes]]) -> bytes:
     if not trailers:
         return b"0\r\n\r\n"
     return b"0\r\n" + b"".join(n + b": " + v + b"\r\n" for n, v in trailers) + b"\r\n"
-
-
-def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:
-    for n, v in headers:
-        if n.lower() == name:
-            return v.decode("latin-1")
-    return None
 
 
 class Client(asyncio.Protocol):
@@ -399,7 +390,9 @@ class Client(asyncio.Protocol):
 
     def _drop(self, ex: _Exchange, status: int) -> None:
         ex.done = True
-        if ex.task is not None:
+        if ex.task is not None and ex.connecting:
+            # a connection being opened; a decision under way is left to finish (a task cancelled after its waiter
+            # was given a slot would lose the slot): decided() then releases it as a 499
             ex.task.cancel()
             ex.task = None
         if ex.up is not None:
@@ -621,15 +614,21 @@ class Client(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         ex = self.parsing
-        assert ex is not None
         if len(name) + len(value) > MAX_LINE:
             raise _Refused(431, "headers_too_large",
                            f"A request header is longer than {MAX_LINE} bytes; send shorter headers.")
-        if ex.head_done:
-            ex.trailers.append((name, value))
+        if ex.head_done:  # type: ignore[union-attr]
+            ex.trailers = [*ex.trailers, (name, value)]  # type: ignore[union-attr]
             return
-        ex.headers.append((name, value))
-        if len(ex.headers) > MAX_HEADERS:
+        n = name.lower()  # Head.add, written out: this runs once per header
+        head = ex.head  # type: ignore[union-attr]
+        raw = head.raw
+        raw[n] = value
+        if n in HOP:
+            head.hop(n, value)
+        else:
+            head.parts += (name, b": ", value, b"\r\n")
+        if len(raw) > MAX_HEADERS:
             raise _Refused(431, "headers_too_large", "The request has too many headers.")
 
     def on_headers_complete(self) -> None:
@@ -642,7 +641,7 @@ class Client(asyncio.Protocol):
         ex.method = p.get_method()
         ex.http11 = p.get_http_version() == "1.1"
         ex.keep = p.should_keep_alive()
-        ex.length = length = body_framing(ex.headers)
+        ex.length = length = ex.head.length
         if length == NONE or length == 0:
             ex.body_done = length == NONE  # a length of 0 ends at message complete, like any other
             self.phase = ""
@@ -671,14 +670,14 @@ class Client(asyncio.Protocol):
         raw_path, _, _ = ex.url.partition(b"?")
         path = raw_path.decode("latin-1")
         ex.path = urllib.parse.unquote(path) if "%" in path else path
-        for name, value in ex.headers:
-            if name.lower() == b"expect":
-                if value.strip().lower() != b"100-continue":
-                    self._answer(ex, 417, {"Content-Type": "application/json", GUARD_HEADER: "proxy_error"},
-                                 s.error_body(417, f"This proxy knows no expectation but 100-continue, not "
-                                                   f"{value.decode('latin-1')[:60]!r}."), close=True)
-                    return
-                ex.expect = ex.http11 and not ex.body_done
+        value = ex.head.expect
+        if value is not None:
+            if value.strip().lower() != b"100-continue":
+                self._answer(ex, 417, {"Content-Type": "application/json", GUARD_HEADER: "proxy_error"},
+                             s.error_body(417, f"This proxy knows no expectation but 100-continue, not "
+                                               f"{value.decode('latin-1')[:60]!r}."), close=True)
+                return
+            ex.expect = ex.http11 and not ex.body_done
         if ex.path == s.metrics_path and ex.method in (b"GET", b"HEAD"):
             self._answer(ex, 200, {"Content-Type": s.metrics_type}, s.metrics())
             return
@@ -698,8 +697,7 @@ class Client(asyncio.Protocol):
     def decide(self, ex: _Exchange, parsed: Any) -> None:
         s = self.server
         ex.parsed = parsed
-        hdrs = {n.decode("latin-1").lower(): v.decode("latin-1") for n, v in ex.headers}
-        info = RequestInfo(ex.path, hdrs, parsed, ex.method.decode("latin-1"))
+        info = RequestInfo(ex.path, Headers(ex.head.raw), parsed, ex.method.decode("latin-1"))
         g = s.guard
         if s.inline and not g.queued_total and g.inflight_total < g._effective_limit():
             # the queueing API would admit or refuse this one at once, as acquire() does: no task for it

@@ -25,7 +25,7 @@ from typing import Any
 
 import httptools
 
-from ._wire import NONE, body_framing
+from ._wire import HOP, NONE, Head
 
 __all__ = ["IDLE_S", "Pool"]
 
@@ -84,7 +84,7 @@ class Pool:
 class Up(asyncio.Protocol):
     """One connection to the upstream."""
 
-    __slots__ = ("pool", "transport", "parser", "ex", "reused", "got", "status", "reason", "headers", "trailers",
+    __slots__ = ("pool", "transport", "parser", "ex", "reused", "got", "status", "reason", "head", "trailers",
                  "head_done", "interim", "complete", "stray", "eof_body", "keep", "keep_s", "expires", "closed")
 
     def __init__(self, pool: Pool) -> None:
@@ -102,7 +102,7 @@ class Up(asyncio.Protocol):
         self.got = False
         self.status = 0
         self.reason = b""
-        self.headers: list[tuple[bytes, bytes]] = []
+        self.head = Head()
         self.trailers: list[tuple[bytes, bytes]] = []
         self.head_done = False
         self.interim = False
@@ -190,8 +190,15 @@ class Up(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         if self.head_done:
             self.trailers.append((name, value))
-        else:
-            self.headers.append((name, value))
+            return
+        n = name.lower()  # Head.add, written out
+        head = self.head
+        if n in HOP:
+            head.hop(n, value)
+            return
+        if n == b"content-type":
+            head.content_type = value
+        head.parts += (name, b": ", value, b"\r\n")
 
     def on_headers_complete(self) -> None:
         if self.stray:
@@ -199,7 +206,7 @@ class Up(asyncio.Protocol):
         status = self.parser.get_status_code()
         if status < 200 and status != 101:  # interim (100, 102, 103): dropped; the final answer follows
             self.interim = True
-            self.headers = []
+            self.head = Head()
             self.reason = b""
             return
         self.status = status
@@ -208,10 +215,9 @@ class Up(asyncio.Protocol):
         ex = self.ex
         if status == 101:
             return  # the parser raises HttpParserUpgrade for it next: a failure
-        framing = body_framing(self.headers)
-        self.eof_body = framing == NONE and status not in (204, 304)
-        if self.keep:
-            self.keep_s = _keep_alive_s(self.headers)
+        self.eof_body = self.head.length == NONE and status not in (204, 304)
+        if self.keep and self.head.keep_alive is not None:
+            self.keep_s = _keep_alive_s(self.head.keep_alive)
         ex.up_head(self)
         if ex.method == b"HEAD" and self.ex is ex:
             # llhttp cannot be told that a HEAD's answer has no body: it is whole now, and the connection,
@@ -236,13 +242,11 @@ class Up(asyncio.Protocol):
             self.complete = True
 
 
-def _keep_alive_s(headers: list[tuple[bytes, bytes]]) -> float:
-    """How long the upstream keeps an idle connection, from its `Keep-Alive: timeout=N` less a second
-    (IDLE_S when it says nothing, or more)."""
-    for name, value in headers:
-        if name.lower() == b"keep-alive":
-            for part in value.split(b","):
-                k, _, v = part.strip().partition(b"=")
-                if k.lower() == b"timeout" and v.strip().isdigit():
-                    return max(0.0, min(IDLE_S, int(v) - 1.0))
+def _keep_alive_s(value: bytes) -> float:
+    """How long the upstream keeps an idle connection, from its `Keep-Alive: timeout=N` less a second (IDLE_S when
+    it says more, or nothing)."""
+    for part in value.split(b","):
+        k, _, v = part.strip().partition(b"=")
+        if k.lower() == b"timeout" and v.strip().isdigit():
+            return max(0.0, min(IDLE_S, int(v) - 1.0))
     return IDLE_S
