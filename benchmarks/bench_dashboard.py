@@ -35,9 +35,9 @@ import bench_store_data as data  # noqa: E402
 
 from gpuscope.store import Store  # noqa: E402
 
-# The dashboard's charts (app.js CHARTS), for the peer page.
+# The dashboard's charts (app.js CHARTS), for the peer page (without their dashed reference lines).
 CHARTS = [["gpu_sm_active_ratio"], ["gpu_tensor_active_ratio"], ["gpu_dram_active_ratio"], ["gpu_utilization_ratio"],
-          ["gpu_memory_used_bytes"], ["gpu_power_watts"], ["gpu_temperature_celsius"],
+          ["gpu_sm_clock_hertz"], ["gpu_power_watts"], ["gpu_memory_used_bytes"], ["gpu_temperature_celsius"],
           ["gpu_pcie_rx_bytes_per_second", "gpu_pcie_tx_bytes_per_second"],
           ["gpu_nvlink_rx_bytes_per_second", "gpu_nvlink_tx_bytes_per_second"]]
 
