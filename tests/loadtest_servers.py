@@ -33,7 +33,7 @@ path one behaviour (`?ms=N` delays the answer N ms); every connection's requests
 - /expect: sends 100 Continue when the request says `Expect: 100-continue`, then reads the body.
 - /trailers: a chunked answer with a trailer field. /head: Content-Length 5, no body to a HEAD.
 - /bad_status: a status line that is not HTTP's; /status_600: a status code past 599;
-  /huge_head: 70 KiB of headers; /long_body: 5 bytes past its Content-Length; /short_body: 9 of its 100
+  /huge_head: 70 KiB of headers (70 fields); /huge_field: one field of 100 KB; /long_body: 5 bytes past its Content-Length; /short_body: 9 of its 100
   bytes, then the close; /stall_body: 9 of its 100 bytes, then silence (the connection held 60 s).
 The HTTP/1.0 port (`h10_url(path)`) is Python's own http.server (HTTP/1.0, a connection per request):
 /cd answers without Content-Length (close-delimited), /file with it, /sse streams events without length.
@@ -343,6 +343,8 @@ async def _script_answer(path: str, method: str, writer: asyncio.StreamWriter) -
     elif path == "/huge_head":
         w(b"HTTP/1.1 200 OK\r\n" + b"".join(b"X-Filler-%d: %s\r\n" % (n, b"f" * 1000) for n in range(70))
           + b"Content-Length: 2\r\n\r\nok")
+    elif path == "/huge_field":
+        w(b"HTTP/1.1 200 OK\r\nX-Filler: " + b"f" * 100_000 + b"\r\nContent-Length: 2\r\n\r\nok")
     elif path == "/long_body":
         w(OK_2 + b"EXTRA")
     elif path == "/short_body":

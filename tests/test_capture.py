@@ -18,10 +18,15 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from loadtest_servers import LoadtestServer
 from servers import ExampleService, free_port
 from test_example_service import _wait_for, metrics, stream
 
+from gpuscope.loadtest import schedule as S
 from gpuscope.loadtest.capture import anonymise, filler, is_secret_header, prompt_chars, recorded_headers
+from gpuscope.loadtest.requests import Protocol
+from gpuscope.loadtest.runner import execute, summarize
+from gpuscope.loadtest.worker import WorkerConfig
 
 # Not `-m gpuscope.cli`: that would load cli twice (as __main__ and as gpuscope.cli), with two UsageErrors.
 GPUSCOPE = [sys.executable, "-c", "import sys; from gpuscope.cli import main; sys.exit(main())"]
@@ -295,3 +300,78 @@ def test_helpers():
     assert recorded_headers({"Host": "h", "Connection": "x", "Accept": "a"}) == {"Accept": "a"}
     assert prompt_chars({"prompt": ["ab", "cde"]}) == 5 and prompt_chars({"input": "abc"}) == 3
     assert anonymise({"prompt": [1, 2, 3], "n": 1}) == {"prompt": [1, 2, 3], "n": 1}
+
+
+# -- HTTP/1.1 as upstreams speak it (issue 18): the scripted servers of loadtest_servers behind the proxy ----------
+@pytest.fixture(scope="module")
+def scripted() -> Iterator[LoadtestServer]:
+    with LoadtestServer() as s:
+        yield s
+
+
+def _load(url: str, n: int = 4, proto: Protocol | None = None) -> tuple[dict, list]:
+    """gpuscope loadtest's own client through the proxy: n requests at 20/s, the summary and the records."""
+    cfg = WorkerConfig(url=url, proto=proto or Protocol(), keep_records=True, timeout_s=10.0,
+                       plan=S.plan([S.Stage(None, rate=20, arrival="constant", requests=n)], seed=1))
+    res = execute(cfg, 1)
+    return summarize(cfg, res, url=url, protocol="http", stage_names=["s"])["overall"], res.records
+
+
+def test_upstreams_that_speak_http11_their_own_way_pass_through(scripted, tmp_path):
+    cap = Capture(f"http://127.0.0.1:{scripted.script_port}", tmp_path / "c.jsonl")
+    try:
+        for path in ("/eof_body", "/interim", "/trailers", "/close_header", "/close_each", "/head", "/keep"):
+            proto = Protocol(method="HEAD") if path == "/head" else None
+            o, recs = _load(cap.url + path, proto=proto)
+            assert o["errors"] == {} and [r.status for r in recs] == [200] * 4, (path, o["errors"], recs[0])
+        o, recs = _load(cap.url + "/eof_sse", proto=Protocol(kind="openai-completions"))
+        assert o["errors"] == {} and all(len(r.chunk_times or []) == 3 for r in recs), o["errors"]
+        o, _ = _load(cap.url + "/keep", proto=Protocol(headers={"Connection": "close"}))   # the client's own close
+        assert o["errors"] == {}
+        o, _ = _load(cap.url + "/expect", proto=Protocol(method="POST", body="x" * 100,
+                                                         headers={"Expect": "100-continue"}))
+        assert o["errors"] == {}
+
+        async def body() -> bytes:
+            async with aiohttp.ClientSession() as s, s.get(cap.url + "/eof_body") as r:
+                return await r.read()
+        assert run(body()) == b"part one, part two, the end"   # a close-delimited body, whole
+    finally:
+        rc, err = cap.stop()
+    assert rc == 0 and "Traceback" not in err
+    lines = cap.lines()
+    assert all(x["status"] == 200 and "error" not in x for x in lines), [x for x in lines if x["status"] != 200][:1]
+    assert [x["output_tokens"] for x in lines if x["path"] == "/eof_sse"] == [3] * 4
+
+
+@pytest.mark.parametrize("path, says", [
+    ("/bad_status", "not valid HTTP (Bad status line)"),
+    ("/status_600", "answered status 600, which is not an HTTP status"),
+    ("/switch", "switched protocols (101), which the capture proxy does not relay"),
+    ("/huge_field", "not valid HTTP (Got more than 8190 bytes"),
+    ("/long_body", "not valid HTTP (Bad status line)"),   # the bytes past its body, read as the next answer
+])
+def test_an_upstream_answer_that_is_not_http_is_a_502_with_its_sentence(scripted, tmp_path, path, says):
+    cap = Capture(f"http://127.0.0.1:{scripted.script_port}", tmp_path / "c.jsonl")
+    try:
+        o, _ = _load(cap.url + path, n=2)
+    finally:
+        rc, err = cap.stop()
+    assert o["errors"] == {"http_5xx": 2} and rc == 0 and "Traceback" not in err
+    assert all(x["status"] == 502 and says in x["error"] for x in cap.lines()), cap.lines()
+
+
+def test_an_upstream_that_cuts_or_stalls_its_body_cuts_the_clients(scripted, tmp_path):
+    cap = Capture(f"http://127.0.0.1:{scripted.script_port}", tmp_path / "c.jsonl", "--timeout", "1")
+    try:
+        o, recs = _load(cap.url + "/short_body", n=2)
+        assert o["errors"] == {"disconnect": 2}
+        o, recs = _load(cap.url + "/stall_body", n=2)
+        assert o["errors"] == {"disconnect": 2}          # cut at the proxy's --timeout, not left hanging
+    finally:
+        rc, err = cap.stop()
+    assert rc == 0 and "Traceback" not in err
+    lines = cap.lines()
+    assert [x["path"] for x in lines] == ["/short_body"] * 2 + ["/stall_body"] * 2
+    assert all("closed the connection before the answer was complete" in x["error"] for x in lines[:2])
+    assert all("did not answer in time" in x["error"] for x in lines[2:4])

@@ -162,6 +162,7 @@ def test_a_head_answer_has_no_body_whatever_its_content_length(srv) -> None:
     ("/status_600", "malformed", "status 600, which is not an HTTP status"),
     ("/switch", "malformed", "switched protocols (101)"),
     ("/huge_head", "malformed", "headers exceed 64 KiB"),
+    ("/huge_field", "malformed", "headers exceed 64 KiB"),
     ("/long_body", "malformed", "past the end of its Content-Length"),
     ("/short_body", "disconnect", "9 of its 100 bytes"),
 ])

@@ -5,6 +5,14 @@ it arrives (SSE included: nothing is buffered); each request becomes one JSON li
 replay format of docs/loadtest-replay.md, which `gpuscope loadtest --replay` reads. Lines are written in
 arrival order (a line waits for the requests before it to finish), so `t` never decreases.
 
+Upstreams speak HTTP/1.1 their own ways and pass through: a body that ends with the connection (HTTP/1.0,
+SSE without chunking) is forwarded chunked; 1xx interim answers are read past; trailers are read, not
+forwarded; a kept-alive upstream connection closed under an idempotent request is retried once (aiohttp),
+a POST is never sent twice (the client gets a 502 saying the upstream closed the connection). An answer
+that is not HTTP — a bad status line, a field over 8,190 bytes, bytes past its body, a status outside
+200-599, a 101 — is a 502 with one sentence; a body cut short, or stalled past --timeout, cuts the
+client's answer too (it never sees a clean end).
+
 Credentials never reach the file: Authorization, Cookie, API-key and other secret-looking headers are
 forwarded upstream but not recorded. `--anonymise` replaces prompt and message text with filler of the
 same length and word count, keeping the JSON structure, the model, the roles and every number.
@@ -34,9 +42,10 @@ from ..http.net import is_loopback_host, parse_listen, parse_upstream
 from ..http.serve import start
 
 # Hop-by-hop headers (RFC 9110 section 7.6.1) belong to one connection, never forwarded or recorded; Host
-# and Content-Length are recomputed by whoever sends the request again.
+# and Content-Length are recomputed by whoever sends the request again; Expect (100-continue) is met by this
+# proxy itself, which reads the whole body before it forwards anything.
 _HOP = frozenset({"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
-                  "upgrade", "host", "content-length"})
+                  "upgrade", "host", "content-length", "expect"})
 # A header whose name (split on - and _) has a part like these carries a credential: never written.
 _SECRET_PART = re.compile(r"(?:key|token|secret|password|passwd|cookie|session|credential|signature)s?$|^auth")
 # Request-body keys whose strings are structure, not content: kept by --anonymise.
@@ -247,6 +256,13 @@ class CaptureProxy:
             async with self.session.request(request.method, self.upstream + request.path_qs, headers=forward,
                                             data=raw or None, allow_redirects=False,
                                             skip_auto_headers=("Accept-Encoding", "User-Agent", "Content-Type")) as up:
+                if up.status == 101 or not 200 <= up.status <= 599:
+                    # (1xx interim answers never get here: the client reads past them.) A 101 would tell the
+                    # client its connection now speaks another protocol, which this proxy does not relay.
+                    raise _NotHttp(f"The upstream {self.upstream} switched protocols (101), which the capture proxy "
+                                   "does not relay." if up.status == 101 else
+                                   f"The upstream {self.upstream} answered status {up.status}, which is not an HTTP "
+                                   "status.")
                 headers = {k: v for k, v in up.headers.items() if k.lower() not in _HOP or k.lower() == "content-length"}
                 if up.headers.get("Transfer-Encoding", "").lower() == "chunked":
                     headers.pop("Content-Length", None)
@@ -263,7 +279,7 @@ class CaptureProxy:
                     record["prompt_tokens"] = scanner.prompt_tokens
                 await resp.write_eof()
                 return resp
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, _NotHttp) as e:
             sentence = _upstream_failure(self.upstream, e)
             record["error"] = sentence
             if resp is None:  # nothing sent yet: the client gets a 502 that says why
@@ -282,7 +298,16 @@ class CaptureProxy:
             self.recorder.finish(seq, record)
 
 
+class _NotHttp(Exception):
+    """An upstream answer the proxy will not pass on; the message is the client's sentence."""
+
+
 def _upstream_failure(upstream: str, e: BaseException) -> str:
+    if isinstance(e, _NotHttp):
+        return str(e)
+    if isinstance(e, aiohttp.ClientResponseError):   # aiohttp's parser refused the answer (bad status line,
+        what = (e.message or "").strip().splitlines()  # a field over 8190 bytes, bytes past the body...)
+        return f"The upstream {upstream} sent an answer that is not valid HTTP ({(what or ['?'])[0].rstrip(':.')})."
     if isinstance(e, asyncio.TimeoutError):
         return f"The upstream {upstream} did not answer in time."
     if isinstance(e, aiohttp.ClientConnectorError):
