@@ -238,7 +238,7 @@ class Up(asyncio.Protocol):
         if self.interim:
             self.interim = False
             return
-        if not self.stray:
+        if not self.stray and self.status != 101:  # a 101 is no answer to pass on: the parser's upgrade error says so
             self.complete = True
 
 
