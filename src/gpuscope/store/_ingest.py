@@ -458,11 +458,15 @@ class HotWindow:
                 self.values -= len(buf) * int(buf.v.shape[1])
 
     def trim(self, before: int) -> None:
-        for lid in list(self.bufs):
-            buf = self.bufs[lid]
+        gone = []
+        for lid, buf in self.bufs.items():
+            if buf.ordered and buf.hi > buf.lo and buf.t[buf.lo] >= before:
+                continue  # nothing that old (most layouts, most flushes): no search
             self.values -= buf.trim(before)
             if not len(buf):
-                del self.bufs[lid]
+                gone.append(lid)
+        for lid in gone:
+            del self.bufs[lid]
 
 
 def merge_pieces(pieces: list[tuple[Int64Array, FloatArray]]) -> tuple[Int64Array, FloatArray]:
