@@ -398,20 +398,27 @@ def test_open_breaker_sheds_with_503_or_routes_to_the_cheaper_model():
 
 # ---- adaptive limits ----------------------------------------------------------------------------------------------
 def _feed(g: Guard, clock: Clock, latency: float, n: int, inflight: int | None = None) -> None:
+    """n completions of `latency` each with `inflight` in flight (default: the limit), spaced as Little's law has
+    them (latency / inflight apart): an upstream that shows no queue at that concurrency."""
     for _ in range(n):
-        clock.t += 0.01
-        g.limiter.observe(latency, inflight if inflight is not None else int(g.limiter.limit), False, clock.t)
+        k = inflight if inflight is not None else max(1, int(g.limiter.limit))
+        clock.t += latency / k
+        g.limiter.observe(latency, k, False, clock.t)
 
 
-def test_gradient_grows_at_steady_latency_and_shrinks_when_latency_climbs():
+def test_gradient_grows_while_the_upstream_shows_no_queue_and_a_slower_upstream_is_not_a_queue():
     clock = Clock()
     g = Guard(parse_config({"classes": [{"name": "a"}]}), clock=clock)
     start = g.limiter.limit
-    _feed(g, clock, 0.1, 300)
+    _feed(g, clock, 0.1, 600)
     grown = g.limiter.limit
-    assert grown > start
-    _feed(g, clock, 1.0, 100)  # 10x the baseline: gradient 0.5 until the baseline catches up
-    assert g.limiter.limit < grown
+    assert grown > 1.5 * start  # latency flat as concurrency rises: no queue, so the limit is not the bound yet
+    assert g.limiter.base_s == pytest.approx(0.1)
+    assert g.limiter.probes >= 1  # the no-load latency was measured, not assumed
+    # 10x slower at every concurrency (longer answers): latency that does not grow with concurrency is no queue
+    _feed(g, clock, 1.0, 600)
+    assert g.limiter.limit >= grown * 0.9
+    assert g.limiter.base_s == pytest.approx(1.0)  # re-measured by a probe, not left at 0.1
 
 
 def test_gradient_does_not_move_when_app_limited():
@@ -437,8 +444,11 @@ def test_gpu_overload_backs_off_and_sm_activity_alone_only_stops_growth():
     g = Guard(parse_config({"classes": [{"name": "a"}]}), clock=clock)
     g.observe_gpu(GpuSignal(clock.t, sm_active_ratio=1.0, memory_free_ratio=0.5))
     assert g.limiter.limit == 20.0
-    _feed(g, clock, 0.1, 100)
-    assert g.limiter.limit == 20.0  # saturated: no growth while the signal is fresh
+    _feed(g, clock, 0.1, 300)
+    g.observe_gpu(GpuSignal(clock.t, sm_active_ratio=1.0, memory_free_ratio=0.5))
+    _feed(g, clock, 0.1, 300)
+    assert not g.limiter.probing
+    assert g.limiter.limit == 20.0  # saturated: no growth while the signal is fresh (unsaturated, it grows: above)
     for what in ({"memory_free_ratio": 0.01}, {"throttled": True}, {"queue_waiting": 50}):
         before = g.limiter.limit
         g.observe_gpu(GpuSignal(clock.t, **what))
@@ -452,8 +462,8 @@ def test_stale_gpu_signal_holds_then_falls_back_to_latency_alone():
     g.observe_gpu(GpuSignal(clock.t, sm_active_ratio=0.2))
     clock.t += 5
     assert g.limiter.gpu_signal_state(clock.t) == "stale_hold"
-    _feed(g, clock, 0.1, 100)
-    assert g.limiter.limit == 20.0  # held
+    _feed(g, clock, 0.1, 300)
+    assert g.limiter.limit == 20.0 and not g.limiter.probing  # held
     clock.t += 10
     assert g.limiter.gpu_signal_state(clock.t) == "stale_ignored"
     _feed(g, clock, 0.1, 200)

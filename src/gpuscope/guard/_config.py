@@ -39,6 +39,9 @@ class ClassConfig:
     tenant_rate: float | None = None  # cost units per second per tenant within this class
     tenant_burst: float | None = None
     queue_timeout_s: float = 1.0  # longest wait in the queue before the request is shed
+    # longest an admitted request holds its concurrency slot: past it the slot is given back (a drop for the
+    # limiter) even if the request never ends; None: no bound (the proxy's own timeouts still end it)
+    deadline_s: float | None = None
 
 
 @dataclass(slots=True)
@@ -77,9 +80,9 @@ class ControllerConfig:
     min_limit: float = 2.0
     max_limit: float = 200.0
     smoothing: float = 0.2  # gradient: weight of the new estimate
-    rtt_tolerance: float = 1.5  # gradient: latency may grow this much over the long-run baseline
-    long_window: int = 600  # gradient: samples in the long-run latency average
-    window_samples: int = 10  # gradient: samples per short window
+    rtt_tolerance: float = 1.25  # gradient: the limit is this x the capacity found (latency grows this much)
+    long_window: int = 600  # gradient: re-measure the no-load latency after this many samples (and 10 s) under load
+    window_samples: int = 10  # gradient: samples per short window (and per probe)
     window_s: float = 1.0  # gradient: longest short window
     backoff_ratio: float = 0.9  # aimd
     timeout_s: float = 5.0  # aimd: a sample slower than this counts as a drop
@@ -178,6 +181,8 @@ def parse(data: Any) -> GuardConfig:
                 raise GuardConfigError(f"classes[{i}].{k} must be a positive number, not {v}.")
         if c.queue_timeout_s < 0:
             raise GuardConfigError(f"classes[{i}].queue_timeout_s must not be negative.")
+        if c.deadline_s is not None and not (c.deadline_s > 0 and math.isfinite(c.deadline_s)):
+            raise GuardConfigError(f"classes[{i}].deadline_s must be a positive number of seconds, not {c.deadline_s:g}.")
     if sum(c.share for c in classes) > 1.0 + 1e-9:
         raise GuardConfigError(f"The class shares add up to {sum(c.share for c in classes):g}; they must not exceed 1.")
     sections = {k: _build(cls, {} if data.get(k) is None else data[k], k) for k, cls in _SECTIONS.items()}
@@ -210,6 +215,9 @@ def _check(cfg: GuardConfig, names: list[str]) -> None:
         raise GuardConfigError("controller limits must satisfy 1 <= min_limit <= initial_limit <= max_limit.")
     if not 0 < ctl.smoothing <= 1:
         raise GuardConfigError("controller.smoothing must be in (0, 1].")
+    if not (ctl.rtt_tolerance >= 1 and ctl.window_samples >= 1 and ctl.long_window >= 1 and ctl.window_s > 0):
+        raise GuardConfigError("controller.rtt_tolerance must be at least 1, window_samples and long_window at least 1, "
+                               "and window_s positive.")
     if not 0.5 <= ctl.backoff_ratio < 1:
         raise GuardConfigError("controller.backoff_ratio must be in [0.5, 1).")
     steps: dict[str, float] = {}

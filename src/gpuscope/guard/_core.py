@@ -17,6 +17,12 @@ class's share is always available to it, and what it does not use is borrowable 
 slot frees, classes under their share are served first, then the highest priority. When the queue is
 full, a newcomer evicts the newest waiter of a lower class, or is shed itself: the lowest priority is
 shed first.
+
+Deadlines (a class's `deadline_s`): an admitted request that still holds its slot that long after its
+admission gives the slot back (`Decision.expired`): a drop for the limiter, no outcome for the breaker (a slow
+upstream is the limiter's business; a probe that never answers does fail), and its later release does
+nothing. So a request stuck in flight (a hung handler, an answer behind a backlog) never holds the limit
+for ever. Checked on every decision and release, and by a timer while requests wait in the queue.
 """
 
 from __future__ import annotations
@@ -59,7 +65,7 @@ class Decision:
     lookup. A plain class rather than a slotted one for that reason: an instance stores only what differs."""
 
     FIELDS = ("admitted", "klass", "tenant", "cost", "status", "reason", "retry_after_s", "queued_s", "degrade",
-              "target", "class_index", "start_s", "probe", "released")
+              "target", "class_index", "start_s", "probe", "released", "deadline_s", "expired", "inflight_at")
 
     admitted = True
     klass = ""
@@ -75,6 +81,9 @@ class Decision:
     start_s = 0.0
     probe: str | None = "pass"
     released = False
+    deadline_s = math.inf  # monotonic time past which the guard takes the slot back (its class's deadline_s)
+    expired = False  # the guard took the slot back at deadline_s; a data path may stop the request too
+    inflight_at = 0  # requests in flight when it was admitted (what it found ahead of it)
 
     def __init__(self, admitted: bool, klass: str, tenant: str, cost: float, class_index: int = 0,
                  start_s: float = 0.0, reason: str = "admitted", released: bool = False) -> None:
@@ -134,6 +143,15 @@ class Guard:
         n = len(self._names)
         self._shares = [c.share for c in cfg.classes]
         self._timeouts = [c.queue_timeout_s for c in cfg.classes]
+        self._deadlines = [c.deadline_s or 0.0 for c in cfg.classes]
+        # per class with a deadline, its admitted decisions in admission (so deadline) order; released ones
+        # leave when they reach the front
+        self._held: list[deque[Decision]] = [deque() for _ in range(n)]
+        self._next_expiry = math.inf
+        self._expiry_timer: asyncio.TimerHandle | None = None
+        self.expired_total = [0] * n
+        self._expiry_logged_at = -math.inf
+        self._expiry_logged_n = 0
         self._classifier = Classifier(cfg)
         self._class_cache = self._classifier.cache
         self._class_header = cfg.classify.header
@@ -164,8 +182,9 @@ class Guard:
         self.queue_wait_sum_s = [0.0] * n
         self.queue_wait_count = [0] * n
         self._cache: dict[str, tuple[bytes, str]] = {}
-        # acquire()'s inline paths: cost 1 (a token cost needs the body parsed), local or Redis buckets
-        if not self._tokens:
+        # acquire()'s inline paths: cost 1 (a token cost needs the body parsed), local or Redis buckets, no
+        # deadline to keep
+        if not self._tokens and not any(self._deadlines):
             if self._local_buckets:
                 self.acquire = _inline_acquire(self)  # type: ignore[method-assign,assignment]
             elif hasattr(self.buckets, "take"):
@@ -271,6 +290,9 @@ class Guard:
         if now >= self._next_refresh:
             self._next_refresh = now + _REFRESH_S
             self.limiter.refresh(now)
+        if now >= self._next_expiry:
+            with self._lock:
+                self._expire(now)
         h = info.headers
         if info.klass is None and not self._tokens:
             idx = self._class_cache.get((info.path, h.get(self._class_header)), -1)
@@ -330,9 +352,62 @@ class Guard:
         return self.queued_total > 0 and any(self._queues[i] for i in range(idx + 1))
 
     def _admit(self, d: Decision) -> None:
-        self.inflight[d.class_index] += 1
+        idx = d.class_index
+        d.inflight_at = self.inflight_total
+        self.inflight[idx] += 1
         self.inflight_total += 1
-        self.admitted_total[d.class_index] += 1
+        self.admitted_total[idx] += 1
+        deadline = self._deadlines[idx]
+        if deadline:
+            d.deadline_s = self._clock() + deadline
+            self._held[idx].append(d)
+            if d.deadline_s < self._next_expiry:
+                self._next_expiry = d.deadline_s
+
+    def _expire(self, now: float) -> None:
+        """Take back the slots of requests past their deadline, then serve the queue. Holds the lock."""
+        nxt = math.inf
+        freed = False
+        for idx, held in enumerate(self._held):
+            while held and (held[0].released or held[0].deadline_s <= now):
+                d = held.popleft()
+                if d.released:
+                    continue
+                d.released = True
+                d.expired = True
+                inflight = self.inflight_total
+                self.inflight[idx] -= 1
+                self.inflight_total -= 1
+                self.expired_total[idx] += 1
+                freed = True
+                if d.probe == "probe":  # a probe that never answered is a failed one (and frees its probe slot)
+                    self.breaker.record("probe", 504, self._deadlines[idx], True, now)
+                if self._adaptive:
+                    self.limiter.observe(self._deadlines[idx], inflight, True, now, d.inflight_at)
+            if held and held[0].deadline_s < nxt:
+                nxt = held[0].deadline_s
+        self._next_expiry = nxt
+        if freed:
+            if now >= self._expiry_logged_at + 10.0:  # at most one line per 10 s, with the count since the last
+                log.warning("gpuscope guard: %d requests held their slot past their class's deadline_s; slots taken "
+                            "back", sum(self.expired_total) - self._expiry_logged_n)
+                self._expiry_logged_at, self._expiry_logged_n = now, sum(self.expired_total)
+            if self.queued_total > 0:
+                self._dispatch()
+
+    def _arm_expiry(self, loop: asyncio.AbstractEventLoop) -> None:
+        """A timer at the next deadline while requests wait: with no arrival and no release nothing else looks.
+        Holds the lock."""
+        if self._next_expiry == math.inf or (self._expiry_timer is not None and not self._expiry_timer.cancelled()):
+            return
+        self._expiry_timer = loop.call_later(max(0.0, self._next_expiry - self._clock()), self._expiry_tick, loop)
+
+    def _expiry_tick(self, loop: asyncio.AbstractEventLoop) -> None:
+        with self._lock:
+            self._expiry_timer = None
+            self._expire(self._clock())
+            if self.queued_total > 0:
+                self._arm_expiry(loop)
 
     def _shed(self, d: Decision, reason: str, retry_after_s: float, status: int = 429) -> Decision:
         d.admitted = False
@@ -348,8 +423,8 @@ class Guard:
         return d
 
     def _concurrency_retry_s(self) -> float:
-        # a slot frees in about one typical latency; the gradient's long-run average is the best estimate
-        return max(0.1, self.limiter._long_s or 1.0)
+        # a slot frees in about one typical latency; the gradient's latest window mean is the best estimate
+        return max(0.1, self.limiter.typical_latency_s() or 1.0)
 
     # -- the queue ---------------------------------------------------------------------------------
     def _enqueue(self, d: Decision, loop: asyncio.AbstractEventLoop) -> _Waiter | None:
@@ -366,6 +441,8 @@ class Guard:
         self.queued_count_total[idx] += 1
         timeout = self._timeouts[idx]
         w.handle = loop.call_later(timeout, self._on_timeout, w)
+        if self._next_expiry != math.inf:
+            self._arm_expiry(loop)
         return w
 
     def _newest_lower_waiter(self, idx: int) -> _Waiter | None:
@@ -451,9 +528,12 @@ class Guard:
                 self.inflight[d.class_index] -= 1
                 self.inflight_total -= 1
                 self.breaker.record(d.probe, status, latency_s, timed_out, now)
-                # a fixed limit takes no samples (the call spared); a client's 499 says nothing of the service
-                if self._adaptive and status != 499:
-                    self.limiter.observe(sample, inflight, dropped, now)
+                # a fixed limit takes no samples (the call spared); a client's 499 says nothing of the service,
+                # and an error's latency (other than an overload's 503) nothing of its capacity
+                if self._adaptive and status != 499 and (status < 500 or dropped):
+                    self.limiter.observe(sample, inflight, dropped, now, d.inflight_at)
+                if now >= self._next_expiry:
+                    self._expire(now)
                 if self.queued_total > 0:
                     self._dispatch()
             finally:
@@ -612,14 +692,16 @@ def _inline_acquire(g: Guard) -> Callable[[RequestInfo], Decision]:
                     tats[tenant] = tnew
                 if has_class:
                     class_tat[idx] = cnew
+                found = g.inflight_total
                 inflight[idx] += 1
-                g.inflight_total += 1
+                g.inflight_total = found + 1
                 admitted[idx] += 1
             finally:
                 drop_lock()
             d = new(Admitted)
             d.tenant = tenant
             d.start_s = now
+            d.inflight_at = found
             return d
         except Exception:  # noqa: BLE001 - the guard runs inside the user's service and must not break it
             log.exception("gpuscope guard: decision failed; admitting this request")
@@ -689,10 +771,12 @@ def _inline_acquire_shared(g: Guard) -> Callable[[RequestInfo], Decision]:
                         d = Decision(True, Admitted.klass, tenant, 1.0, idx, now)  # another thread took the slot
                         d.probe = "pass"
                         return g._shed(d, "concurrency", g._concurrency_retry_s())
+                    found = g.inflight_total
                     inflight[idx] += 1
-                    g.inflight_total += 1
+                    g.inflight_total = found + 1
                     admitted[idx] += 1
                     d = new(Admitted)
+                    d.inflight_at = found
             finally:
                 drop_lock()
             d.tenant = tenant

@@ -1,11 +1,32 @@
-"""Adaptive concurrency limits: Gradient2 and AIMD on latency, the GPU/queue signal on top, the simple step mode.
+"""Adaptive concurrency limits: a capacity estimate on latency (default) and AIMD, the GPU/queue signal on top,
+the simple step mode.
 
-Gradient2 (after Netflix concurrency-limits' Gradient2Limit): per short window (10 samples or 1 s) the mean
-latency `short`; a long-run exponential average `long` over 600 samples; `gradient = clamp(tol*long/short,
-0.5, 1)`; `L' = L*gradient + queue` with `queue = sqrt(L)`; `L <- L*(1-s) + L'*s`. No growth while fewer
-than L/2 requests are in flight (the limit is not what holds traffic back). When `long/short > 2` the
-baseline decays (x0.95) so a lasting latency improvement is adopted. Averages, not minima: a minimum
-over-sheds on noisy inference latency.
+Gradient (default): the limit is what the upstream holds without queueing (its capacity), times
+`rtt_tolerance` (1.25: a queue of a quarter of the capacity inside the upstream keeps it busy; the rest waits
+in the guard's priority queue, where priority acts). Per short window (`window_samples` completions spanning
+at least 4 latencies, or `window_s`) the mean latency `R` and the mean concurrency `N` the upstream held
+(Little's law: the window's slot-seconds over its length; with TTFT as the signal, the in-flight count at the
+releases). Against the upstream's no-load latency `base`, `capacity = N * base / R` (at saturation
+`R = N / C * base`, so this is the upstream's own concurrency C whatever the limit) and
+`target = rtt_tolerance * capacity`; while nothing queues (R <= 1.1 base) with the limit full, at least
+`rtt_tolerance * L`. Growth with no queue is taken at once (at most x2 a window); otherwise
+`L <- L*(1-s) + target*s` (s = smoothing); a target under L/2 starts a probe instead. Drops (timeouts,
+deadlines, 429/503 from upstream) are no latency samples; a tenth of a window or more caps the target at
+L x backoff_ratio, and a window of nothing but drops backs off by it. No change while fewer than L/2 are in
+flight (the limit is not being tested); such a window confirms `base` when within 10 % of it.
+`base` (no window under load is free of our own queue) comes from *probes*: at the start, after
+`long_window` samples and 10 s under load without a confirmation, after a probe that may itself have queued,
+and when the target falls under L/2 (congestion, or a no-load latency grown since it was measured), the
+limit drops to 0.5 x the capacity estimate and the mean latency of the next `window_samples` requests that
+found at most that many in flight when admitted (nothing of ours queued ahead of them) becomes `base`. If it
+fell with the concurrency (under 0.9 R), there was a queue: `capacity = N * base / R` and the limit is set to
+`rtt_tolerance x capacity` at once, and a probe whose own limit was 0.8 x that or more is repeated (lower);
+if not, the upstream showed no queue at N and the limit goes back where it was. A probe lasts at most
+max(window_s, 4 latencies); one that gets no clean sample keeps its lower limit. A lower window mean under
+load is adopted as `base` at once (a queue only adds to it). Why not Gradient2's long-run average: it follows
+the latency it causes, so under sustained overload the limit climbed to max_limit and the queue moved inside
+the upstream, where priority cannot act; single-sample minima over-shed on noisy inference latency, so means
+over windows are compared. `history` keeps the last 4096 updates (time, limit, base, capacity, event).
 
 AIMD: a drop (rejected upstream, timeout, or latency over `timeout_s`) multiplies the limit by
 `backoff_ratio`; otherwise +1 when at least half the limit is in flight.
@@ -22,13 +43,15 @@ means 'admit everything'. `gpu_signal_state()` says which ('fresh', 'stale_hold'
 
 Simple mode (the seed design): a rate factor of 1.0 / 0.7 / 0.4 / 0.0 when GPU saturation (SM activity,
 else NVML utilization) is at or over 0.85 / 0.90 / 0.95 for `consecutive` readings in a row; it goes back
-up one level after that many readings below the level's threshold, and one more level after as many again. With a stale signal it holds, then falls back to Gradient2.
+up one level after that many readings below the level's threshold, and one more level after as many again. With a
+stale signal it holds, then falls back to the gradient controller.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from collections import deque
 from dataclasses import dataclass
 
 from ._config import ControllerConfig, SignalsConfig
@@ -36,6 +59,12 @@ from ._config import ControllerConfig, SignalsConfig
 __all__ = ["AdaptiveLimit", "GpuSignal"]
 
 log = logging.getLogger("gpuscope.guard")
+
+_PROBE_RATIO = 0.5  # a probe's limit, as a fraction of the capacity estimate: well below it, so no queue forms
+_REPROBE_AT = 0.8  # a probe whose limit was at least this fraction of the capacity it found is repeated
+_PROBE_EVERY_S = 10.0
+_WINDOW_LATENCIES = 4  # a window spans this many latencies (up to window_s): fewer, and a batch finishing together
+# inside or just outside it moves the concurrency seen by a whole batch  # re-measure the no-load latency this often (and long_window samples) under sustained load
 
 
 @dataclass(slots=True)
@@ -57,12 +86,37 @@ class AdaptiveLimit:
         self.s = sig
         self.limit = float(ctl.initial_limit) if ctl.mode != "fixed" else float(ctl.max_limit)
         self.rate_factor = 1.0
-        self._long_s = 0.0
-        self._long_n = 0
+        # gradient: the current short window
         self._win_sum = 0.0
         self._win_n = 0
         self._win_start = now
         self._win_inflight_max = 0
+        self._win_inflight_sum = 0
+        self._win_drops = 0
+        self._win_first = now  # the earliest admission among the window's samples
+        self._win_n_closed = 0
+        # gradient: the upstream's no-load latency (0: not measured yet), when a window last confirmed it, and
+        # the samples since; the latest window's mean latency
+        self.base_s = 0.0
+        self._base_at_n = 0
+        self._base_at_s = now
+        self._samples = 0
+        self._reprobe = True
+        self.latency_s = 0.0
+        self.capacity = 0.0  # the latest estimate of what the upstream holds without queueing
+        # gradient: the probe under way ('' none, 'measure') and what it needs
+        self.probing = ""
+        self._probe_limit = 0.0
+        self._probe_from = 0.0
+        self._probe_start = 0.0
+        self._probe_end = 0.0
+        self._probe_sum = 0.0
+        self._probe_n = 0
+        self._pre = (0.0, 0.0, 0.0)  # (limit, mean in flight, mean latency) of the window that started it
+        self.probes = 0
+        # (monotonic s, limit, base_s, capacity, event) per update: 'window', 'probe', 'probed', 'probe_aborted',
+        # 'drop', 'signal'
+        self.history: deque[tuple[float, float, float, float, str]] = deque(maxlen=4096)
         self._last_signal: GpuSignal | None = None
         self._overloaded = False
         self._saturated = False
@@ -150,8 +204,10 @@ class AdaptiveLimit:
             self._stale_logged = True
 
     # -- latency -----------------------------------------------------------------------------
-    def observe(self, latency_s: float, inflight: int, dropped: bool, now: float) -> None:
-        """One finished request: its latency (or TTFT), how many were in flight, whether it was a drop."""
+    def observe(self, latency_s: float, inflight: int, dropped: bool, now: float,
+                admitted_with: int | None = None) -> None:
+        """One finished request: its latency (or TTFT), how many were in flight (before its release), whether it
+        was a drop, and how many were in flight when it was admitted (None: not known)."""
         mode = self.c.mode
         if mode == "fixed":
             return
@@ -160,7 +216,7 @@ class AdaptiveLimit:
             return
         if mode == "simple" and self.gpu_signal_state(now) != "stale_ignored":
             return  # simple mode acts on the rate factor; the concurrency limit stays where it is
-        self._gradient(latency_s, inflight, dropped, now)
+        self._gradient(latency_s, inflight, dropped, now, admitted_with)
 
     def _aimd(self, latency_s: float, inflight: int, dropped: bool, now: float) -> None:
         c = self.c
@@ -169,38 +225,149 @@ class AdaptiveLimit:
         elif inflight * 2 >= self.limit and not self._signal_blocks_growth(now):
             self.limit = min(c.max_limit, self.limit + 1.0)
 
-    def _gradient(self, latency_s: float, inflight: int, dropped: bool, now: float) -> None:
+    def typical_latency_s(self) -> float:
+        """The latency a slot is held for, as the gradient controller last saw it (0 before any window)."""
+        return self.latency_s or self.base_s
+
+    def _gradient(self, latency_s: float, inflight: int, dropped: bool, now: float, admitted_with: int | None
+                  ) -> None:
         c = self.c
-        if dropped:
-            latency_s = max(latency_s, c.timeout_s)  # a drop is a very slow sample, not a missing one
-        self._win_sum += latency_s
-        self._win_n += 1
+        self._samples += 1
+        if self.probing:
+            self._probe_sample(latency_s, inflight, dropped, now, admitted_with)
+            return
         if inflight > self._win_inflight_max:
             self._win_inflight_max = inflight
-        if self._win_n < c.window_samples and now - self._win_start < c.window_s:
-            return
-        short = self._win_sum / self._win_n
-        inflight_max = self._win_inflight_max
-        self._win_sum, self._win_n, self._win_start, self._win_inflight_max = 0.0, 0, now, 0
-        if short <= 0:
-            return
-        if self._long_n == 0:
-            self._long_s = short
+        if dropped:
+            # a timeout, a deadline or an overload answer: its latency is no measure of the upstream's (a
+            # deadline's is a floor, a quick 503's says nothing), so it only counts as a drop
+            self._win_drops += 1
         else:
-            k = 2.0 / (min(self._long_n, c.long_window) + 1)  # EMA that warms up over the first samples
-            self._long_s = self._long_s * (1 - k) + short * k
-        self._long_n += 1
-        if self._long_s / short > 2.0:
-            self._long_s *= 0.95
+            if self._win_n == 0 or now - latency_s < self._win_first:
+                self._win_first = now - latency_s
+            self._win_sum += latency_s
+            self._win_n += 1
+            self._win_inflight_sum += inflight
+        elapsed = now - self._win_start
+        if elapsed < c.window_s and (self._win_n < c.window_samples or elapsed < _WINDOW_LATENCIES * (
+                self.base_s or self._win_sum / self._win_n)):
+            return
+        if self._win_n == 0:  # nothing but drops for window_s: back off
+            self._win_start, self._win_inflight_max, self._win_drops = now, 0, 0
+            self.limit = max(c.min_limit, self.limit * c.backoff_ratio)
+            self.history.append((now, self.limit, self.base_s, self.capacity, "drop"))
+            return
+        r = self._win_sum / self._win_n
+        self._win_n_closed = self._win_n
+        span = now - max(self._win_start, self._win_first)
+        # the mean concurrency the upstream held: Little's law on what completed (its slot-seconds over the
+        # window), or with TTFT as the signal (the slot outlives the sample) the in-flight count at releases
+        n_mean = (self._win_sum / span if span > 0 else 0.0) if c.signal == "latency" else \
+            self._win_inflight_sum / self._win_n
+        inflight_max, drops = self._win_inflight_max, self._win_drops
+        self._win_sum, self._win_n, self._win_start, self._win_inflight_max = 0.0, 0, now, 0
+        self._win_inflight_sum = self._win_drops = 0
+        if r <= 0 or n_mean <= 0:
+            return
+        self.latency_s = r
+        if not drops and self.base_s and r < self.base_s:
+            self.base_s = r  # the no-load latency is at most this: adopted (a queue inside only adds to it)
         if inflight_max < self.limit / 2:
-            return  # app-limited: the limit is not being tested, so latency says nothing about it
-        gradient = max(0.5, min(1.0, c.rtt_tolerance * self._long_s / short))
-        queue = math.sqrt(self.limit)
-        if gradient >= 1.0 and self._signal_blocks_growth(now):
-            queue = 0.0
-            gradient = 1.0
-        new = self.limit * gradient + queue
-        new = self.limit * (1 - c.smoothing) + new * c.smoothing
-        if self._signal_blocks_growth(now) and new > self.limit:
-            new = self.limit
+            # app-limited: the limit is not being tested, so latency says nothing about it; but nothing queued
+            # inside the upstream either, so this latency is the no-load latency, confirmed
+            if not drops and self.base_s and r <= self.base_s * 1.1:
+                self._base_at_n = self._samples
+                self._base_at_s = now
+            return
+        if self._reprobe or not self.base_s or (self._samples - self._base_at_n > c.long_window
+                                                 and now - self._base_at_s >= _PROBE_EVERY_S):
+            self._start_probe(n_mean, r, now)
+            return
+        self.capacity = n_mean * self.base_s / r
+        target = c.rtt_tolerance * self.capacity
+        if r <= 1.1 * self.base_s and inflight_max >= 0.9 * self.limit:
+            # the limit is full and still nothing queues: more is allowed, whatever the estimate (slots held by
+            # requests that are not in the upstream, lost or stuck until their deadline, count for the limit)
+            target = max(target, c.rtt_tolerance * self.limit)
+        if target < 0.5 * self.limit:
+            # halve the limit or worse: real congestion, or a no-load latency that has grown since it was
+            # measured (longer requests); a probe tells them apart and lands on the right limit at once
+            self._start_probe(n_mean, r, now)
+            return
+        if drops >= 0.1 * (drops + self._win_n_closed):
+            # drops are a tenth of the window or more: overload the latency may not show (the upstream refuses
+            # or stalls); a few lost requests are not
+            target = min(target, self.limit * c.backoff_ratio)
+        target = min(self.limit * 2.0, target)
+        if target > self.limit and self._signal_blocks_growth(now):
+            target = self.limit
+        if target > self.limit and r <= 1.1 * self.base_s:
+            new = target  # no queue at all: grow at once (up to x2 a window), as after a backlog or a slow spell
+        else:
+            new = self.limit * (1 - c.smoothing) + target * c.smoothing
         self.limit = max(c.min_limit, min(c.max_limit, new))
+        self.history.append((now, self.limit, self.base_s, self.capacity, "drop" if drops else "window"))
+
+    def _start_probe(self, n_mean: float, r: float, now: float) -> None:
+        """Lower the limit until the upstream holds no queue, to measure its no-load latency."""
+        c = self.c
+        capacity = n_mean * self.base_s / r if self.base_s and self.base_s < r else n_mean
+        probe = max(c.min_limit, min(self.limit, _PROBE_RATIO * capacity))
+        self._pre = (self.limit, n_mean, r)
+        self._probe_limit = probe
+        self._probe_start = now
+        self._probe_from = now + r
+        self._probe_end = now + max(c.window_s, 4 * r)
+        self._probe_sum, self._probe_n = 0.0, 0
+        self.probing = "measure"
+        self.probes += 1
+        self.limit = probe
+        self.history.append((now, self.limit, self.base_s, capacity, "probe"))
+
+    def _probe_sample(self, latency_s: float, inflight: int, dropped: bool, now: float, admitted_with: int | None
+                      ) -> None:
+        # a probe sample is a request that found at most the probe's limit in flight when admitted (one over:
+        # classes' guaranteed shares round up), so nothing of ours queued ahead of it inside the upstream;
+        # without that count, one admitted a latency after the probe began, when what was in flight has left
+        if not dropped and now - latency_s >= self._probe_start and (
+                admitted_with <= self._probe_limit + 1 if admitted_with is not None
+                else now - latency_s >= self._probe_from):
+            self._probe_sum += latency_s
+            self._probe_n += 1
+        if self._probe_n >= self.c.window_samples or now >= self._probe_end:
+            self._end_probe(now)
+
+    def _end_probe(self, now: float) -> None:
+        c = self.c
+        pre_limit, n_mean, r = self._pre
+        self.probing = ""
+        self._win_sum, self._win_n, self._win_start, self._win_inflight_max = 0.0, 0, now, 0
+        self._win_inflight_sum = self._win_drops = 0
+        self._base_at_n = self._samples
+        self._base_at_s = now
+        self._reprobe = False
+        if self._probe_n < min(3, c.window_samples):
+            # nothing came back unqueued in time (a backlog ahead of us, a stalled upstream): the probe's limit
+            # stays (the latency seen says the upstream is slow for now), with that latency as the base if
+            # there is none; the next windows move the limit from there
+            if not self.base_s:
+                self.base_s = r
+            self.history.append((now, self.limit, self.base_s, self.capacity, "probe_aborted"))
+            return
+        base = self._probe_sum / self._probe_n
+        self.base_s = base
+        if base < 0.9 * r:
+            # the latency fell with the concurrency, as a queue's does: there was a queue at n_mean, and the
+            # upstream holds n_mean * base / r without one
+            self.capacity = n_mean * base / r
+            # a probe whose limit was near that may have queued too: measure again, lower
+            self._reprobe = self._probe_limit >= _REPROBE_AT * self.capacity and self._probe_limit > c.min_limit
+            target = c.rtt_tolerance * self.capacity
+        else:
+            # no queue at n_mean (or a transient): the upstream holds at least that; the windows grow from there
+            self.capacity = n_mean
+            target = pre_limit
+        if target > pre_limit and self._signal_blocks_growth(now):
+            target = pre_limit
+        self.limit = max(c.min_limit, min(c.max_limit, min(target, 2.0 * pre_limit)))
+        self.history.append((now, self.limit, self.base_s, self.capacity, "probed"))
