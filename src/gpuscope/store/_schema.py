@@ -60,13 +60,20 @@ CREATE TABLE IF NOT EXISTS latest (series_id INTEGER PRIMARY KEY, time_ns INTEGE
 """
 
 
+WRITER_CACHE_KIB = 16_000
+READER_CACHE_KIB = 4_000
+
+
 def _connect(uri: str, *, readonly: bool) -> sqlite3.Connection:
     conn = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False, timeout=10.0)
     conn.execute("PRAGMA busy_timeout = 10000")
     if not readonly:
         conn.execute("PRAGMA synchronous = NORMAL")  # WAL + NORMAL: a commit survives kill -9
         conn.execute("PRAGMA journal_size_limit = 16777216")  # the WAL shrinks back after bursts
-    conn.execute("PRAGMA cache_size = -32000")
+    # SQLite's page cache, per connection: the writer's holds the hot pages of the tables it updates every
+    # flush; a reader (one per query thread) re-reads chunks the OS keeps cached anyway. 32 MB for each made
+    # an agent's RSS grow with its store by up to 32 MB per query thread.
+    conn.execute(f"PRAGMA cache_size = {-WRITER_CACHE_KIB if not readonly else -READER_CACHE_KIB}")
     return conn
 
 
