@@ -147,3 +147,38 @@ def _top_in_tmux(a: AgentProc, pid: int) -> None:
         assert "H200" in screen and str(pid) in screen, screen
     finally:
         subprocess.run([*tm, "kill-server"], capture_output=True)
+
+
+def test_top_screenshot_on_a_real_gpu(workload):
+    """The README's picture of `gpuscope top` on the H200 while the workload trains (textual's own SVG export,
+    as the simulated one in tests/test_top.py): the real GPU, its verdict and the workload's row."""
+    import asyncio
+    import html
+
+    from gpuscope import Sampler, SamplerConfig
+    from gpuscope.top import LocalFeed
+    from gpuscope.top.app import TopApp
+
+    feed = LocalFeed(Sampler(SamplerConfig(interval=0.1)), 0.25).start()
+    svg: list[str] = []
+    try:
+        app = TopApp(feed, refresh=0.25)
+
+        def text() -> str:
+            return "\n".join(app.query_one(f"#{w}").text.plain for w in ("header", "gpus", "procs"))
+
+        async def go() -> None:
+            async with app.run_test(size=(140, 36)) as p:
+                deadline = time.monotonic() + 60
+                while not ("H200" in text() and str(workload) in text() and "gathering" not in text()):
+                    assert time.monotonic() < deadline, text()
+                    await p.pause(0.1)
+                await p.pause(3.0)  # a few refreshes of history in the sparklines
+                svg.append(app.export_screenshot(title="gpuscope top on an NVIDIA H200 (healthy_training.py)"))
+
+        asyncio.run(go())
+    finally:
+        feed.stop()
+    shown = html.unescape(svg[0]).replace("\u00a0", " ")
+    assert "H200" in shown and str(workload) in shown and "SIMULATED" not in shown
+    _record("top-h200.svg", svg[0])
