@@ -98,3 +98,15 @@ def test_requests_stuck_in_flight_are_released_by_their_deadline():
     assert late.ok == late.sent - lost  # every high-priority request but the lost ones was served
     assert res.stuck_at_end == 0 and res.guard.inflight == [0, 0]  # the late releases did not count twice
     assert res.guard.breaker.state == "closed"  # slowness is the limiter's to handle, not a failure
+
+
+def test_a_bad_deadline_or_tolerance_is_one_sentence():
+    from gpuscope.guard import GuardConfigError, parse_config
+
+    for cfg, words in (({"classes": [{"name": "a", "deadline_s": 0}]}, "classes[0].deadline_s must be a positive"),
+                       ({"classes": [{"name": "a", "deadline_s": -1}]}, "classes[0].deadline_s must be a positive"),
+                       ({"classes": [{"name": "a"}], "controller": {"rtt_tolerance": 0.8}},
+                        "controller.rtt_tolerance must be at least 1")):
+        with pytest.raises(GuardConfigError, match=words.replace("[", r"\[").replace("]", r"\]")):
+            parse_config(cfg)
+    assert parse_config({"classes": [{"name": "a", "deadline_s": 2.5}]}).classes[0].deadline_s == 2.5
