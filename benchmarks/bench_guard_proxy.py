@@ -92,13 +92,19 @@ def start_nginx(tmp: Path, name: str, body: str) -> tuple[subprocess.Popen, int]
     conf = d / "nginx.conf"
     conf.write_text(textwrap.dedent(f"""\
         worker_processes 1; daemon off; master_process off; pid {d}/nginx.pid; error_log {d}/error.log;
+        {"user root root;" if os.geteuid() == 0 else ""}
         events {{ worker_connections 4096; }}
         http {{ access_log off; keepalive_requests 10000000; client_body_temp_path {d}; proxy_temp_path {d};
+               fastcgi_temp_path {d};
                {body.replace("PORT", str(port))} }}
         """))
     proc = subprocess.Popen([_nginx(), "-c", str(conf), "-p", str(d)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
-    _wait_port(port, proc, f"nginx ({name})")
+    try:
+        _wait_port(port, proc, f"nginx ({name})")
+    except SystemExit:
+        log = d / "error.log"
+        sys.exit(f"nginx ({name}) did not start: {log.read_text().strip().splitlines()[-1] if log.exists() else '?'}")
     return proc, port
 
 
