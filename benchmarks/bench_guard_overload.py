@@ -313,6 +313,7 @@ def run_scenario(arm: str, scenario: str, url: str, up: CappedUpstream, reqs: Pa
                      "p50_wait_ms": 1000 * (pct(st["queue_wait_s"], 0.5) or 0),
                      "by_priority": st["by_priority"]}
     s["loadtest_rc"] = rc["rc"]
+    s["send_lag_p99_ms"] = 1000 * (pct([r["t_sent"] - r["t_intended"] for r in recs], 0.99) or 0)
     s["backlog_jobs"] = backlog_n
     if poller and poller.samples:
         lims = [p["limit"] for p in poller.samples]
@@ -334,8 +335,9 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"upstream: {args.concurrency} x {args.service_ms:g} ms = {args.concurrency * 1000 / args.service_ms:g} "
           f"req/s; offered {args.rate:g} req/s (20 % high) for {args.seconds:g} s; SLO high p99 <= {args.slo_ms:g} ms")
     print("| arm | scenario | unloaded p50 ms | high ok | high p50 ms | p50/unloaded | high p99 ms | low ok | "
-          "low shed | limit settled s | limit median after 10 s | upstream max wait ms | breaker opened |")
-    print("|" + "---|" * 13)
+          "low shed | limit settled s | limit median after 10 s | upstream p50 / max wait ms | breaker opened | "
+          "send lag p99 ms |")
+    print("|" + "---|" * 14)
     for arm, r in res.items():
         for sc in args.scenarios:
             s = r.get(sc)
@@ -348,8 +350,14 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> None:
             print(f"| {arm} | {sc} | {r['unloaded_p50_ms']:.1f} | {f(h['success'], '{:.1%}')} | {f(h['p50_ms'])} | "
                   f"{ratio(h['p50_ms'], r['unloaded_p50_ms'])} | {f(h['p99_ms'])} | {f(lo['success'], '{:.1%}')} | "
                   f"{f(lo['shed'] / lo['sent'] if lo['sent'] else None, '{:.1%}')} | {f(lim.get('settled_s'), '{:.1f}')} | "
-                  f"{f(lim.get('median_after_10s'), '{:.1f}')} | {s['upstream']['max_wait_ms']:.0f} | "
-                  f"{'yes' if lim.get('breaker_opened') else 'no' if lim else '-'} |")
+                  f"{f(lim.get('median_after_10s'), '{:.1f}')} | {s['upstream']['p50_wait_ms']:.0f} / "
+                  f"{s['upstream']['max_wait_ms']:.0f} | {'yes' if lim.get('breaker_opened') else 'no' if lim else '-'} | "
+                  f"{s['send_lag_p99_ms']:.1f} |")
+            a = s.get("high_after_drain")
+            if a:
+                print(f"| {arm} | {sc}: high from {args.backlog_s + 4:g} s | | {f(a['success'], '{:.1%}')} | "
+                      f"{f(a['p50_ms'])} | {ratio(a['p50_ms'], r['unloaded_p50_ms'])} | {f(a['p99_ms'])} |"
+                      + " |" * 7)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
