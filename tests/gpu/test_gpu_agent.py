@@ -39,3 +39,46 @@ def test_agent_on_a_real_gpu(tmp_path):
         print("agent status on the GPU:", json.dumps(st)[:2000])
     finally:
         assert a.stop() == 0
+
+
+def test_gr_engine_active_with_gpm_graphics_and_throttle_time_never_outruns_the_clock(tmp_path):
+    """`[sampler] gpm_graphics = true` makes dcgm-exporter's default DCGM_FI_PROF_GR_ENGINE_ACTIVE appear, in
+    the one-job naming too; every throttle-time counter grows at most one second per second of wall time."""
+    cfg = tmp_path / "agent.toml"
+    cfg.write_text("[sampler]\ngpm_graphics = true\n")
+    a = AgentProc(tmp_path, "--config", str(cfg))
+    try:
+        a.wait_ready(30)
+    except AssertionError as e:
+        a.stop()
+        if "No NVIDIA driver" in str(e):
+            pytest.skip("no NVIDIA driver")
+        raise
+    try:
+        time.sleep(3.0)
+
+        def counters() -> tuple[float, dict[str, float]]:
+            code, body = http(a.port, "/metrics")
+            assert code == 200
+            out = {}
+            for line in body.decode().splitlines():
+                if line.startswith(("gpu_throttle_seconds_total{", "gpu_thermal_throttle_seconds_total{")):
+                    key, value = line.rsplit(" ", 1)
+                    out[key] = float(value)
+            return time.monotonic(), out
+
+        t0, c0 = counters()
+        time.sleep(5.0)
+        t1, c1 = counters()
+        assert c0 and c1.keys() == c0.keys()
+        for k in c0:
+            assert c1[k] - c0[k] <= (t1 - t0) + 0.5, (k, c0[k], c1[k], t1 - t0)  # 0.5 s: the sampling grain
+        for naming in ("dcgm", "canonical,dcgm"):
+            code, body = http(a.port, f"/metrics?naming={naming}")
+            text = body.decode()
+            assert code == 200 and "DCGM_FI_PROF_GR_ENGINE_ACTIVE{" in text, naming
+            vals = [float(x.rsplit(" ", 1)[1]) for x in text.splitlines()
+                    if x.startswith("DCGM_FI_PROF_GR_ENGINE_ACTIVE{")]
+            assert vals and all(0.0 <= v <= 1.0 for v in vals), vals
+    finally:
+        assert a.stop() == 0
