@@ -95,10 +95,13 @@ def test_a_post_is_never_sent_twice_unless_it_says_it_is_idempotent(srv) -> None
     log = _log_since(srv, start)
     served = sum(len(c["requests"]) for c in log) + sum(c["dropped"] for c in log)
     assert served == 12                                   # each request reached the server once, none twice
-    # Each failed POST's connection is gone, so the next one opens a fresh connection (answered) and the one
-    # after it reuses that: every second request is dropped by the server, and recorded as a disconnect.
+    # The second POST goes on the kept connection and is dropped: recorded as a disconnect, not sent again.
+    # Having seen the server close a kept connection unsaid, the client sends the next POSTs on a fresh
+    # connection rather than one that went idle a moment ago (how many still meet a dropped one depends on
+    # the machine's pace: a kept connection idle for over 10 ms is taken again).
     dropped = [r for r in recs if r.error is not None]
-    assert len(dropped) == sum(c["dropped"] for c in log) == 6 and {r.error for r in dropped} == {"disconnect"}
+    assert len(dropped) == sum(c["dropped"] for c in log) >= 1 and {r.error for r in dropped} == {"disconnect"}
+    assert recs[1].error == "disconnect"
     assert all("not sent again" in (r.error_detail or "") for r in dropped), dropped[0].error_detail
     assert summary["overall"]["retried"] == 0
     # An Idempotency-Key says the server may be asked twice: retried like a GET.

@@ -61,6 +61,10 @@ MAX_OPENING = 64
 # given this much beyond its request's deadline, so that it never fails before the deadline.
 _TIMER_TICK_S = 0.001
 
+# A connection idle for longer than this has had its server's close, if any, read by the loop (which reads
+# after running its timers, in ticks of 1 ms; a busy server closes a few ms after its answer).
+_SETTLED_S = 0.010
+
 OnDone = Callable[[RequestRecord], None]
 OnChunk = Callable[[bytes, float], "str | None"]   # returns an error class to abort, else None
 
@@ -202,7 +206,7 @@ class _Conn(asyncio.Protocol):
 
     __slots__ = ("client", "transport", "parser", "rec", "on_done", "on_chunk", "deadline", "now", "keep",
                  "payload", "flags", "served", "written", "head", "headers_done", "complete", "excess", "interim",
-                 "bad", "body_n")
+                 "bad", "body_n", "idle_at")
 
     def __init__(self, client: Client) -> None:
         self.client = client
@@ -225,6 +229,7 @@ class _Conn(asyncio.Protocol):
         self.interim = False         # the answer being parsed is a 1xx (skipped)
         self.bad: str | None = None  # why the answer's status line is not one to accept
         self.body_n = 0              # body bytes of the answer so far
+        self.idle_at = 0.0           # when its last answer ended (seconds since t0)
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -266,10 +271,15 @@ class _Conn(asyncio.Protocol):
             self._answered(reuse=self.keep)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.client._forget(self)
+        client = self.client
+        client._forget(self)
         rec = self.rec
         if rec is None:
+            if self.served and perf_counter() - client.t0 - self.idle_at < _SETTLED_S:
+                client.closes_after_answers = True   # closed, unsaid, right after an answer
             return
+        if self.served and rec.t_first_byte is None:
+            client.closes_after_answers = True
         if self.headers_done and exc is None and answer_framing(self.head or b"") == (None, False):
             # No Content-Length, no chunking: the body ends with the connection (HTTP/1.0 style, or SSE
             # without chunking). A reset instead of a clean close leaves it unknown, so that is a disconnect.
@@ -419,6 +429,7 @@ class _Conn(asyncio.Protocol):
         rec, done = self.rec, self.on_done
         self.rec = self.on_done = self.on_chunk = None
         if reuse:
+            self.idle_at = self.now
             self.client._idle.append(self)
             if self.client._waiting:
                 self.client._drain_waiting()
@@ -462,14 +473,17 @@ class Client:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = float("inf")
         self._traits_of: tuple[bytes, int] = (b"", 0)   # the last payload's traits (a static one is one object)
+        # The server was seen closing a kept-alive connection right after an answer without saying so: a
+        # request that may not be sent twice then waits for a settled connection (see _take_idle).
+        self.closes_after_answers = False
 
     @property
     def in_flight(self) -> int:
         return len(self._all) - len(self._idle) + self._opening
 
     def send(self, rec: RequestRecord, payload: bytes, on_done: OnDone, on_chunk: OnChunk | None = None) -> None:
-        if self._idle:
-            self._idle.pop().start(rec, payload, on_done, on_chunk)
+        if self._idle and (conn := self._take_idle(payload)) is not None:
+            conn.start(rec, payload, on_done, on_chunk)
         elif (self.max_connections and len(self._all) + self._opening >= self.max_connections) \
                 or self._opening >= MAX_OPENING:
             self._waiting.append((rec, payload, on_done, on_chunk))
@@ -484,6 +498,28 @@ class Client:
         is already gone, so --max-connections still holds)."""
         self._opening += 1
         asyncio.get_running_loop().create_task(self._open_and_send(rec, payload, on_done, on_chunk))
+
+    def _take_idle(self, payload: bytes) -> _Conn | None:
+        """The idle connection to send on: the one that went idle last (the others may then time out at the
+        server while idle, cleanly), except for a request that may not be sent twice.
+
+        A server that closes after each answer without saying so is seen closing only when the loop next
+        reads, after it has run its timers, and sends fall due at that very moment (a loop timer is due
+        within its 1 ms tick): a connection idle for less than _SETTLED_S may be closed already, and for a
+        POST that is a disconnect, not a retry. So, once the server has been seen doing that, such a request
+        takes the latest connection idle for longer, or (None) a fresh connection when it may open one, and
+        only failing both the latest."""
+        idle = self._idle
+        if not self.closes_after_answers or self.traits(payload) & _RETRY:
+            return idle.pop()
+        settled = perf_counter() - self.t0 - _SETTLED_S
+        for k in range(len(idle) - 1, max(len(idle) - 5, -1), -1):
+            if idle[k].idle_at < settled:
+                return idle.pop(k)
+        if self._opening < MAX_OPENING and (
+                not self.max_connections or len(self._all) + self._opening < self.max_connections):
+            return None
+        return idle.pop()
 
     def traits(self, payload: bytes) -> int:
         """request_traits(payload), looked up once for a payload sent again and again."""
