@@ -670,7 +670,8 @@ def start_agent(args: argparse.Namespace, work: str, log: Any) -> tuple[Any, int
         if args.tracemalloc:
             env["GPUSCOPE_SOAK_TRACEMALLOC"] = os.path.join(work, "tracemalloc")
             os.makedirs(env["GPUSCOPE_SOAK_TRACEMALLOC"], exist_ok=True)
-            cmd = [sys.executable, "-X", f"tracemalloc={TRACEMALLOC_FRAMES}", "-c", TRACEMALLOC_WRAPPER, *agent]
+            env["GPUSCOPE_SOAK_TRACEMALLOC_FRAMES"] = str(TRACEMALLOC_FRAMES)
+            cmd = [sys.executable, "-c", TRACEMALLOC_WRAPPER, *agent]
         else:
             cmd = [sys.executable, "-m", "gpuscope", *agent]
         proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL, env=env,
@@ -691,13 +692,18 @@ def start_agent(args: argparse.Namespace, work: str, log: Any) -> tuple[Any, int
     raise RuntimeError(f"the agent did not start (exit {proc.returncode}); see {log.name}")
 
 
-# The agent under tracemalloc: SIGUSR1 writes a snapshot (N.tm) into $GPUSCOPE_SOAK_TRACEMALLOC.
+# The agent under tracemalloc: SIGUSR1 writes a snapshot (N.tm) into $GPUSCOPE_SOAK_TRACEMALLOC. Tracing starts at
+# the first one (the end of the warm-up), not at start: the agent runs at full speed until then (tracing from the
+# start slowed its flushes so much that the store fell minutes behind), and the last snapshot holds exactly the
+# blocks allocated after the warm-up and still alive, which is the growth.
 TRACEMALLOC_FRAMES = 4
 TRACEMALLOC_WRAPPER = """
 import os, signal, sys, tracemalloc
 def dump(signum, frame):
     out = os.environ["GPUSCOPE_SOAK_TRACEMALLOC"]
     n = sum(1 for x in os.listdir(out) if x.endswith(".tm"))
+    if not tracemalloc.is_tracing():
+        tracemalloc.start(int(os.environ.get("GPUSCOPE_SOAK_TRACEMALLOC_FRAMES", "4")))
     tracemalloc.take_snapshot().dump(os.path.join(out, ".tmp"))
     os.replace(os.path.join(out, ".tmp"), os.path.join(out, f"{n}.tm"))
 signal.signal(signal.SIGUSR1, dump)
@@ -768,7 +774,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="print only the JSON summary")
     p.add_argument("--tracemalloc", action="store_true",
                    help="run the agent under tracemalloc and report where its Python heap grew between the end "
-                        "of the warm-up and the end (slows the agent; for finding a leak, not for the figures)")
+                        "of the warm-up and the end (tracing starts then and slows the agent from then on; for finding a leak, not for the figures)")
     args = p.parse_args(argv)
     try:
         args.duration_s = parse_duration(args.duration, "--duration")
