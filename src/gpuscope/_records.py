@@ -94,8 +94,13 @@ class ProcessRecord:
     user: str = ""
     cmdline: str = ""  # secrets redacted
     gpu_memory_bytes: float | None = None
+    # The process's share of the GPU's SM activity (GPM): NVML's per-process utilization scaled so that
+    # the processes of one GPU sum to gpu_sm_active_ratio (gpuscope.shares); NVML's own figure,
+    # unscaled, where the GPU has no GPM.
     sm_ratio: float | None = None
     memory_ratio: float | None = None
+    utilization_ratio: float | None = None  # NVML's per-process smUtil, 0..1: time a kernel of it ran
+    energy_joules: float | None = None  # GPU energy shared out to it by SM share, since first seen
     cpu_cores: float | None = None  # cores: 1.0 = one core saturated
     thread_cpu_max_ratio: float | None = None
     rss_bytes: float | None = None
@@ -107,6 +112,22 @@ class ProcessRecord:
     namespace: str = ""
     slurm_job: str = ""
     host_visible: bool = True  # False when the pid lives outside our pid namespace
+
+
+@dataclass(slots=True)
+class PodRecord:
+    """The processes of one pod (or, outside a known pod, one container) on one GPU, summed
+    (gpuscope.shares.roll_up)."""
+
+    gpu: str
+    gpu_uuid: str
+    namespace: str = ""
+    pod: str = ""
+    container: str = ""  # set only when the pod is unknown and the roll-up is per container
+    processes: int = 0
+    gpu_memory_bytes: float | None = None
+    sm_ratio: float | None = None
+    energy_joules: float | None = None  # a counter: kept across the pod's process starts and stops
 
 
 @dataclass(slots=True)
@@ -139,6 +160,7 @@ class Snapshot:
     events: list[Event]  # events that arrived since the previous snapshot
     simulated: str | None = None  # the scenario name when this is the simulated node
     hostname: str = ""
+    pods: list[PodRecord] = field(default_factory=list)  # per pod and GPU (gpuscope.shares.roll_up)
 
     def gpu(self, label: str | int) -> GpuRecord:
         label = str(label)

@@ -202,11 +202,32 @@ _METRICS = [
            "GPU memory held by the process.", "nvmlDeviceGetComputeRunningProcesses",
            labels=("pid", "process", "user")),
     Metric("gpu_process_sm_active_ratio", "ratio", G, "processes", Cost.SLOW,
-           "NVML per-process SM utilization over the last period.", "nvmlDeviceGetProcessUtilization",
-           labels=("pid", "process", "user"), needs="no-mig"),
+           "The process's share of the GPU's SM activity: NVML per-process utilization scaled so that the "
+           "processes of a GPU sum to gpu_sm_active_ratio (an estimate; NVML's own figure, unscaled, where "
+           "the GPU has no GPM).", "nvmlDeviceGetProcessUtilization", labels=("pid", "process", "user"),
+           needs="no-mig"),
     Metric("gpu_process_memory_utilization_ratio", "ratio", G, "processes", Cost.SLOW,
            "NVML per-process memory-controller utilization.", "nvmlDeviceGetProcessUtilization",
            labels=("pid", "process", "user"), needs="no-mig"),
+    Metric("gpu_process_utilization_ratio", "ratio", G, "processes", Cost.SLOW,
+           "NVML per-process utilization (smUtil): share of time a kernel of the process ran, the "
+           "per-process gpu_utilization_ratio. NOT how busy the SMs were; see gpu_process_sm_active_ratio.",
+           "nvmlDeviceGetProcessUtilization", labels=("pid", "process", "user"), needs="no-mig"),
+    Metric("gpu_process_energy_joules_total", "joules", C, "processes", Cost.SLOW,
+           "GPU energy shared out to the process by its share of the GPU's busy time, since the agent first "
+           "saw it on this GPU (an estimate).", "nvmlDeviceGetProcessUtilization",
+           labels=("pid", "process", "user"), needs="no-mig"),
+    # ---- per pod on a GPU: its processes summed (gpuscope.shares.roll_up) ----
+    Metric("gpu_pod_memory_used_bytes", "bytes", G, "processes", Cost.SLOW,
+           "GPU memory held by the pod's processes.", "nvmlDeviceGetComputeRunningProcesses",
+           labels=("namespace", "pod", "container")),
+    Metric("gpu_pod_sm_active_ratio", "ratio", G, "processes", Cost.SLOW,
+           "The pod's share of the GPU's SM activity (its processes' gpu_process_sm_active_ratio summed).",
+           "nvmlDeviceGetProcessUtilization", labels=("namespace", "pod", "container"), needs="no-mig"),
+    Metric("gpu_pod_energy_joules_total", "joules", C, "processes", Cost.SLOW,
+           "GPU energy shared out to the pod's processes by SM share, while the pod has a process on the GPU "
+           "(an estimate).", "nvmlDeviceGetProcessUtilization", labels=("namespace", "pod", "container"),
+           needs="no-mig"),
     Metric("process_cpu_cores", "cores", G, "processes", Cost.SLOW,
            "CPU used by the process, in cores (1.0 = one core saturated).", "",
            labels=("pid", "process", "user")),
@@ -251,10 +272,19 @@ PROCESS_SERIES: tuple[tuple[str, str], ...] = (
     ("gpu_memory_bytes", "gpu_process_memory_used_bytes"),
     ("sm_ratio", "gpu_process_sm_active_ratio"),
     ("memory_ratio", "gpu_process_memory_utilization_ratio"),
+    ("utilization_ratio", "gpu_process_utilization_ratio"),
+    ("energy_joules", "gpu_process_energy_joules_total"),
     ("cpu_cores", "process_cpu_cores"),
     ("thread_cpu_max_ratio", "process_thread_cpu_max_ratio"),
     ("rss_bytes", "process_resident_memory_bytes"),
     ("threads", "process_threads"),
+)
+
+#: PodRecord attribute -> the series it is exported as (labels gpu, namespace, pod, container).
+POD_SERIES: tuple[tuple[str, str], ...] = (
+    ("gpu_memory_bytes", "gpu_pod_memory_used_bytes"),
+    ("sm_ratio", "gpu_pod_sm_active_ratio"),
+    ("energy_joules", "gpu_pod_energy_joules_total"),
 )
 
 #: Clock-event (throttle) reason bits, as NVML defines them, and our names for them.

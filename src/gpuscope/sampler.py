@@ -30,7 +30,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from ._nvml import GpuLost, Nvml
-from ._records import Capability, Event, GpuRecord, HostRecord, ProcessRecord, Snapshot
+from ._records import Capability, Event, GpuRecord, HostRecord, PodRecord, ProcessRecord, Snapshot
 from .catalog import CATALOG, decode_clock_event_reasons
 from .errors import UsageError
 from .sources import DeviceSource
@@ -140,6 +140,7 @@ class Sampler:
         self._pending_events: list[Event] = []
         self._latest: Snapshot | None = None
         self._processes: list[ProcessRecord] = []
+        self._pods: list[PodRecord] = []
         self._host: HostRecord | None = None
         self._subscribers: list[Callable[[Snapshot], None]] = []
         self._thread: threading.Thread | None = None
@@ -331,6 +332,7 @@ class Sampler:
                 util_due = self._due("process_utilization", cfg.process_utilization, now)
                 try:
                     self._processes = self._proc_source.collect(self.devices, events, util_due)
+                    self._pods = self._proc_source.pods
                 except Exception as e:  # noqa: BLE001 - never stop sampling
                     self._log_once("processes", e)
                 cpu["processes"] = cpu.get("processes", 0.0) + time.thread_time() - c
@@ -376,7 +378,8 @@ class Sampler:
             mask = dev.values.get("gpu_clock_event_reasons")
             reasons = decode_clock_event_reasons(int(mask)) if mask is not None and dev.healthy else []
             gpus.append(GpuRecord(dev.identity, now_ns, dict(dev.values), dev.healthy, reasons))
-        snap = Snapshot(now_ns, gpus, list(self._processes), self._host, list(events), self.simulated, self.hostname)
+        snap = Snapshot(now_ns, gpus, list(self._processes), self._host, list(events), self.simulated, self.hostname,
+                        list(self._pods))
         self.events_history.extend(events)
         self.history.append(snap)
         self._latest = snap

@@ -16,8 +16,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from .._records import GpuIdentity, ProcessRecord, Snapshot
-from ..catalog import CATALOG, PROCESS_SERIES, Kind, split_series_key
+from .._records import GpuIdentity, PodRecord, ProcessRecord, Snapshot
+from ..catalog import CATALOG, POD_SERIES, PROCESS_SERIES, Kind, split_series_key
 
 log = logging.getLogger("gpuscope.export")
 
@@ -86,6 +86,8 @@ _CANON = {m.name: _family(m.name, m.kind.value, m.help, _ORDER[m.name]) for m in
 
 #: ProcessRecord attribute -> canonical family.
 PROCESS_FIELDS: tuple[tuple[str, Family], ...] = tuple((attr, _CANON[name]) for attr, name in PROCESS_SERIES)
+#: PodRecord attribute -> canonical family.
+POD_FIELDS: tuple[tuple[str, Family], ...] = tuple((attr, _CANON[name]) for attr, name in POD_SERIES)
 
 # dcgm-exporter's help texts (etc/default-counters.csv) for the fields it enables by default, so a
 # DCGM dashboard's tooltips read the same; the rest say what they are in DCGM's unit.
@@ -237,6 +239,8 @@ class Model:
             buckets[GPU_INFO] = info_rows
         if snap.processes:
             self._processes(snap.processes, by_label, host, sim, top, buckets)
+        if snap.pods:
+            self._pods(snap.pods, by_label, buckets)
         if snap.host is not None:
             hctx = self._host_ctx(host, sim, CANONICAL)
             for key, v in snap.host.values.items():
@@ -313,9 +317,28 @@ class Model:
                 if octx is None:
                     octx = self._ctx[("other", gctx)] = Ctx(_process_labels(gctx, "other", "other", None))
                 for attr, fam in PROCESS_FIELDS:
+                    if fam.kind == "counter":  # a sum over whichever processes are outside the top is no counter
+                        continue
                     vals = [v for v in (getattr(p, attr) for p in rest) if v is not None]
                     if vals:
                         buckets.setdefault(fam, []).append((octx, (), sum(vals)))
+
+    def _pods(self, pods: list[PodRecord], by_label: dict[str, Ctx], buckets: dict[Family, list[Row]]) -> None:
+        for r in pods:
+            gctx = by_label.get(r.gpu)
+            if gctx is None:
+                continue
+            k = ("pod", gctx, r.namespace, r.pod, r.container)
+            ctx = self._ctx.get(k)
+            if ctx is None:
+                base = tuple(kv for kv in gctx.labels if kv[0] != "simulated")
+                sim = tuple(kv for kv in gctx.labels if kv[0] == "simulated")
+                ctx = self._ctx[k] = Ctx(_finish(base + (("namespace", r.namespace), ("pod", r.pod),
+                                                         ("container", r.container)) + sim, None))
+            for attr, fam in POD_FIELDS:
+                v = getattr(r, attr)
+                if v is not None:
+                    buckets.setdefault(fam, []).append((ctx, (), v))
 
     # -- DCGM -------------------------------------------------------------------------------
     def _dcgm(self, snap: Snapshot, host: str, sim: str | None, buckets: dict[Family, list[Row]]) -> None:

@@ -165,6 +165,7 @@ class GpmSource:
             return
         values, dropped = dev.values, False
         keep = []
+        sm = None
         for i, (series, mid, scale) in enumerate(st.active):
             m = q.metrics[i]
             if m.nvmlReturn != 0:
@@ -175,6 +176,8 @@ class GpmSource:
             v = m.value * scale
             values[series] = v
             dev.supported(series)
+            if mid == 2:  # SM_UTIL: gpu_sm_active_ratio
+                sm = v
             counter = _COUNTERS.get(series)
             if counter is not None and not dev.state.get("counters_from_nvml"):
                 # GPM's rate is an average over the window, so rate x window is exact.
@@ -184,3 +187,8 @@ class GpmSource:
             st.active = keep
             st._load(q)
         dev.state["gpm_window_s"] = window
+        if sm is not None:
+            # SM activity integrated over time, so that a reader with a longer window (the per-process
+            # shares, gpuscope.shares) gets its exact mean: (change of sm_active_s) / (change of gpm_s).
+            dev.state["sm_active_s"] = dev.state.get("sm_active_s", 0.0) + sm * window
+            dev.state["gpm_s"] = dev.state.get("gpm_s", 0.0) + window
