@@ -320,6 +320,34 @@ def test_the_prometheus_rule_groups_pass_promtool(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+def test_the_readme_commands_match_the_manifests():
+    """The README's Kubernetes section: its Secret is the one the DaemonSet mounts and the ServiceMonitor
+    sends, its apply command names the overlays, its build command the Containerfile and the image tag."""
+    import gpuscope
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("\n## Kubernetes\n"):]
+    section = section[:section.index("\n## ", 1)]
+    (secret_cmd,) = [line for line in section.splitlines() if "create secret generic" in line]
+    argv = shlex.split(secret_cmd)
+    assert argv[argv.index("-n") + 1] == NAMESPACE
+    name = argv[argv.index("generic") + 1]
+    (literal,) = [a for a in argv if a.startswith("--from-literal=")]
+    key = literal.removeprefix("--from-literal=").split("=", 1)[0]
+    docs = rendered("prometheus-operator")
+    mount = next(m for m in agent_container(docs)["volumeMounts"] if m["name"] == "token")
+    volume = next(v for v in one(docs, "DaemonSet")["spec"]["template"]["spec"]["volumes"] if v["name"] == "token")
+    assert (volume["secret"]["secretName"], mount["subPath"]) == (name, key)
+    assert one(docs, "ServiceMonitor")["spec"]["endpoints"][0]["authorization"]["credentials"] == \
+        {"name": name, "key": key}
+    assert "kubectl apply -k deploy/kubernetes/overlays/plain" in section
+    for overlay in OVERLAYS:
+        assert f"`{overlay}`" in section
+    image = agent_container(docs)["image"]  # the base's `images:` entry, tagged with the package's version
+    assert image.endswith(f":{gpuscope.__version__}")
+    assert f"-f {CONTAINERFILE.relative_to(ROOT)} -t {image} ." in section and f"docker push {image}" in section
+
+
 # -- the image -----------------------------------------------------------------------------------
 def containerfile() -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) of the Containerfile, continuation lines joined, comments dropped."""
