@@ -79,8 +79,8 @@ def test_a_get_that_crossed_the_servers_close_is_retried_once_on_a_fresh_connect
     o = summary["overall"]
     assert o["errors"] == {} and [r.status for r in recs] == [200] * 12
     retried = [r for r in recs if r.t_retried is not None]
-    assert len(retried) == sum(c["dropped"] for c in log) == o["retried"] == 11
-    assert summary["stages"][0]["stats"]["retried"] == 11
+    assert len(retried) == sum(c["dropped"] for c in log) == o["retried"] == summary["stages"][0]["stats"]["retried"]
+    assert recs[1].t_retried is not None                    # the first request sent on a kept connection
     assert sum(len(c["requests"]) for c in log) == 12       # each answered once: none sent a third time
     # The same at 20/s (open loop): each request dropped is retried, none is an error.
     summary, recs = _run(srv.script_url("/close_next"))
@@ -96,7 +96,7 @@ def test_a_post_is_never_sent_twice_unless_it_says_it_is_idempotent(srv) -> None
     served = sum(len(c["requests"]) for c in log) + sum(c["dropped"] for c in log)
     assert served == 12                                   # each request reached the server once, none twice
     # The second POST goes on the kept connection and is dropped: recorded as a disconnect, not sent again.
-    # Having seen the server close a kept connection unsaid, the client sends the next POSTs on a fresh
+    # Having seen the server close a kept connection unsaid, the client sends the next requests on a fresh
     # connection rather than one that went idle a moment ago (how many still meet a dropped one depends on
     # the machine's pace: a kept connection idle for over 10 ms is taken again).
     dropped = [r for r in recs if r.error is not None]
@@ -107,7 +107,7 @@ def test_a_post_is_never_sent_twice_unless_it_says_it_is_idempotent(srv) -> None
     # An Idempotency-Key says the server may be asked twice: retried like a GET.
     summary, recs = _run(srv.script_url("/close_next"), proto=Protocol(method="POST", body="{seq}",
                                                                         headers={"Idempotency-Key": "k"}), one_by_one=True)
-    assert summary["overall"]["errors"] == {} and summary["overall"]["retried"] == 11
+    assert summary["overall"]["errors"] == {} and summary["overall"]["retried"] >= 1 and recs[1].t_retried
 
 
 def test_a_server_that_closes_after_each_answer_costs_no_request(srv) -> None:

@@ -37,6 +37,7 @@ bytes past an answer's end are malformed.
 from __future__ import annotations
 
 import asyncio
+import math
 import socket
 import ssl
 import time
@@ -64,6 +65,7 @@ _TIMER_TICK_S = 0.001
 # A connection idle for longer than this has had its server's close, if any, read by the loop (which reads
 # after running its timers, in ticks of 1 ms; a busy server closes a few ms after its answer).
 _SETTLED_S = 0.010
+_CLOSER_MEMORY_S = 1.0   # how long a server seen closing right after an answer is taken to go on doing so
 
 OnDone = Callable[[RequestRecord], None]
 OnChunk = Callable[[bytes, float], "str | None"]   # returns an error class to abort, else None
@@ -275,11 +277,12 @@ class _Conn(asyncio.Protocol):
         client._forget(self)
         rec = self.rec
         if rec is None:
-            if self.served and perf_counter() - client.t0 - self.idle_at < _SETTLED_S:
-                client.closes_after_answers = True   # closed, unsaid, right after an answer
+            now = perf_counter() - client.t0
+            if self.served and now - self.idle_at < _SETTLED_S:
+                client.unsaid_close_at = now   # closed right after an answer that did not say so
             return
         if self.served and rec.t_first_byte is None:
-            client.closes_after_answers = True
+            client.unsaid_close_at = perf_counter() - client.t0
         if self.headers_done and exc is None and answer_framing(self.head or b"") == (None, False):
             # No Content-Length, no chunking: the body ends with the connection (HTTP/1.0 style, or SSE
             # without chunking). A reset instead of a clean close leaves it unknown, so that is a disconnect.
@@ -473,9 +476,9 @@ class Client:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = float("inf")
         self._traits_of: tuple[bytes, int] = (b"", 0)   # the last payload's traits (a static one is one object)
-        # The server was seen closing a kept-alive connection right after an answer without saying so: a
-        # request that may not be sent twice then waits for a settled connection (see _take_idle).
-        self.closes_after_answers = False
+        # When the server was last seen closing a kept-alive connection right after an answer without saying
+        # so (seconds since t0): for a while after that, requests wait for a settled connection (_take_idle).
+        self.unsaid_close_at = -math.inf
 
     @property
     def in_flight(self) -> int:
@@ -501,18 +504,23 @@ class Client:
 
     def _take_idle(self, payload: bytes) -> _Conn | None:
         """The idle connection to send on: the one that went idle last (the others may then time out at the
-        server while idle, cleanly), except for a request that may not be sent twice.
+        server while idle, cleanly).
 
         A server that closes after each answer without saying so is seen closing only when the loop next
         reads, after it has run its timers, and sends fall due at that very moment (a loop timer is due
-        within its 1 ms tick): a connection idle for less than _SETTLED_S may be closed already, and for a
-        POST that is a disconnect, not a retry. So, once the server has been seen doing that, such a request
-        takes the latest connection idle for longer, or (None) a fresh connection when it may open one, and
-        only failing both the latest."""
+        within its 1 ms tick): a connection idle for less than _SETTLED_S may be closed already, which costs
+        a GET a retry and a POST a disconnect. So, for _CLOSER_MEMORY_S after the server was last seen doing
+        that, a request takes the latest connection idle for longer, or (None) a fresh connection when it may
+        open one, and only failing both the latest. Against servers that keep their connections nothing
+        changes (one comparison)."""
         idle = self._idle
-        if not self.closes_after_answers or self.traits(payload) & _RETRY:
+        seen = self.unsaid_close_at
+        if seen == -math.inf:
             return idle.pop()
-        settled = perf_counter() - self.t0 - _SETTLED_S
+        now = perf_counter() - self.t0
+        if now - seen > _CLOSER_MEMORY_S:
+            return idle.pop()
+        settled = now - _SETTLED_S
         for k in range(len(idle) - 1, max(len(idle) - 5, -1), -1):
             if idle[k].idle_at < settled:
                 return idle.pop(k)
