@@ -211,3 +211,26 @@ def test_memory_follows_the_series_in_use_while_the_store_keeps_every_series_his
     with Store(tmp_path, readonly=True) as reader:  # a fresh reader sees the same
         assert len(reader.series(SM)) == 30
         assert reader._reader.labels()["pid"][:2] == ["20000", "20001"]
+
+
+def test_a_query_over_many_series_reads_only_those_with_data_in_its_range_and_misses_none(tmp_path: Path) -> None:
+    """Past 256 matching series, a query asks first which hold samples in its range (a chunk of any tier, staging,
+    late rows, the hot window): the answer is the same as reading them all, sealed or not, in-process or not."""
+    from gpuscope.store import _read
+
+    gap = 25 * 60 * SEC
+    rounds = [[30_000 + 1000 * r + i for i in range(100)] for r in range(4)]
+    with Store(tmp_path, flush_interval=60) as store:
+        for r, pids in enumerate(rounds):
+            run_round(store, T0 + r * gap, pids, sm=(r + 1) / 8)
+        assert len(store.series(SM)) == 400 > _read.ACTIVE_FILTER_OVER
+        readers = [store]
+        with Store(tmp_path, readonly=True) as other:  # reads staging from the file, not the writer's memory
+            readers.append(other)
+            for rd in readers:
+                for r, pids in enumerate(rounds):  # the last round is not sealed yet: staging / the hot window
+                    got = rd.query(SM, T0 + r * gap, T0 + r * gap + 10 * SEC, 1)
+                    assert sorted(int(x.labels["pid"]) for x in got) == pids, (rd.readonly, r)
+                    assert all(x.values.tolist() == [(r + 1) / 8] * 5 for x in got)
+                whole = rd.query(SM, T0, T0 + 4 * gap, 60, agg="count")
+                assert len(whole) == 400 and sum(float(np.nansum(x.values)) for x in whole) == 400 * 5

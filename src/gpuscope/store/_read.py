@@ -33,6 +33,7 @@ from ._schema import DB_NAME
 log = logging.getLogger("gpuscope.store")
 
 MAX_POINTS = 100_000
+ACTIVE_FILTER_OVER = 256  # a query matching more series first asks which have data in its range
 SERIES_CACHE = 10_000  # parsed labels of this many series, per reader (about 5 MB)
 Columns = dict[int, tuple[Int64Array, FloatArray]]
 # (series ids, lo, hi) -> (raw watermark, columns with t >= max(lo, watermark)): the writer's hot window.
@@ -373,6 +374,9 @@ class Reader:
                              f"{span / MAX_POINTS / 1e9:.3g} s.")
         pct = parse_agg(agg)
         found = self.find(metric, dict(labels or {}))
+        if len(found) > ACTIVE_FILTER_OVER:  # many series (processes that came and went): read only the ones with data here
+            active = self._active([s for s, _, _ in found], start, end)
+            found = [f for f in found if f[0] in active]
         if not found:
             return []
         data = self.fetch([s for s, _, _ in found], start, end, preferred_tier(step_ns, pct),
@@ -383,6 +387,23 @@ class Reader:
             if len(pts):
                 ts, vals = aggregate(pts, start, step_ns, agg, pct)
                 out.append(SeriesResult(m, dict(lab), ts, vals))
+        return out
+
+    def _active(self, sids: list[int], start: int, end: int) -> set[int]:
+        """Which of `sids` may hold samples in [start, end): a chunk of any tier overlaps it, or rows not yet sealed
+        (staging, late rows, the writer's hot window). A superset, never missing one."""
+        want = set(sids)
+        out: set[int] = set()
+        with self.tx() as conn:
+            for tier in TIERS:
+                out.update(sid for (sid,) in conn.execute(
+                    "SELECT DISTINCT series_id FROM chunks INDEXED BY chunks_age WHERE tier = ? AND t_max >= ? "
+                    "AND t_min < ?", (tier.index, start, end)) if sid in want)
+            for (blob,) in conn.execute("SELECT sids FROM layouts WHERE id IN (SELECT layout FROM staging WHERE "
+                                        "t_max >= ? AND t_min < ? UNION SELECT layout FROM late)", (start, end)):
+                out.update(s for s in np.frombuffer(blob, dtype=np.int64).tolist() if s in want)
+        if self._tail is not None:
+            out.update(self._tail(want - out, start, end)[1])
         return out
 
     def events(self, start_ns: object, end_ns: object, kind: str | None = None,
