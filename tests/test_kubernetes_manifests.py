@@ -385,8 +385,10 @@ def test_the_image_is_the_package_and_its_entrypoint_is_the_agent():
 
 def test_the_containerfile_install_steps_give_a_working_gpuscope_in_a_fresh_venv(tmp_path):
     """The Containerfile's WORKDIR, COPY and `pip install` steps, run as written into a fresh virtual
-    environment, with pip's cache (the image's --no-cache-dir is dropped so that the cache is reused:
-    25 s here with it warm). The other RUN (useradd) changes the system and is not run."""
+    environment but for two flags: the image's --no-cache-dir is dropped, so that pip's cache is reused,
+    and --no-compile added (byte-compiling every dependency was the step's largest cost, and the commands
+    below import what they use). With the cache warm: 25 s on an idle machine, 43 s at a load of 6.5 on
+    2 cores (71 s with byte-compiling). The other RUN (useradd) changes the system and is not run."""
     import gpuscope
 
     venv = tmp_path / "venv"
@@ -413,7 +415,7 @@ def test_the_containerfile_install_steps_give_a_working_gpuscope_in_a_fresh_venv
             if argv[0] == "useradd":
                 continue
             assert argv[:2] == ["pip", "install"], f"a RUN step this test does not know: {rest}"
-            argv = [str(venv / "bin" / "pip"), *[a for a in argv[1:] if a != "--no-cache-dir"]]
+            argv = [str(venv / "bin" / "pip"), *[a for a in argv[1:] if a != "--no-cache-dir"], "--no-compile"]
             done = subprocess.run(argv, cwd=workdir, capture_output=True, text=True, timeout=540)
             assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
             ran_pip = True
@@ -423,6 +425,12 @@ def test_the_containerfile_install_steps_give_a_working_gpuscope_in_a_fresh_venv
     assert done.returncode == 0 and done.stdout.strip() == f"gpuscope {gpuscope.__version__}", done.stderr
     done = subprocess.run([str(exe), *entrypoint()[1:], "--help"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "--config" in done.stdout, done.stderr
+    # The extras the image asks for are installed (the kubernetes one: the PodResources client's gRPC).
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    if "kubernetes" in extras:
+        done = subprocess.run([str(venv / "bin" / "python"), "-c", "import grpc, google.protobuf"],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
 
 
 # -- the agent, started from the rendered manifests ----------------------------------------------
