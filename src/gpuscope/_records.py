@@ -36,6 +36,15 @@ class GpuIdentity:
         return f"{self.parent_index}/mig{self.gpu_instance_id}"
 
 
+@dataclass(frozen=True, slots=True, order=True)
+class PodRef:
+    """A container of a Kubernetes pod, by name (as the kubelet's PodResources API names it)."""
+
+    namespace: str
+    pod: str
+    container: str = ""
+
+
 @dataclass(slots=True)
 class GpuRecord:
     """One GPU at one instant. `values` maps series keys (see catalog.series_key) to floats in base
@@ -47,6 +56,9 @@ class GpuRecord:
     values: dict[str, float]
     healthy: bool = True
     throttle_reasons: list[str] = field(default_factory=list)
+    # The pods' containers the kubelet says hold this GPU (several when it is shared); empty outside
+    # Kubernetes, where `values` has no gpu_allocation_state either.
+    allocated_to: list[PodRef] = field(default_factory=list)
 
     @property
     def index(self) -> int:

@@ -149,6 +149,11 @@ _METRICS = [
            labels=("cause",)),
     Metric("gpu_healthy", "", G, "nvml", Cost.DERIVED,
            "1 while NVML answers for the GPU, 0 after it fell off the bus (GPU is lost).", ""),
+    # ---- Kubernetes: the kubelet's PodResources API joined with the processes' cgroups ----
+    Metric("gpu_allocation_state", "", G, "kubelet", Cost.DERIVED,
+           "1 for the GPU's state, 0 for the other three: unallocated (no pod holds it), allocated_idle (a pod "
+           "holds it, nothing runs), in_use_by_pod, in_use_outside_kubernetes (a process in no pod's cgroup). "
+           "Only where the agent reads the kubelet's PodResources API.", "", labels=("state",)),
     # ---- GPM (Hopper and newer): what the SMs, pipes and memory really did ----
     Metric("gpu_graphics_active_ratio", "ratio", G, "gpm", Cost.GPM,
            "Share of time the graphics/compute engine was active (GPM; like NVML utilization). Off by default: "
@@ -311,6 +316,10 @@ def decode_clock_event_reasons(mask: int) -> list[str]:
 @functools.lru_cache(maxsize=256)  # a handful of masks recur in every sample of a diagnosis
 def _decode_reasons(mask: int) -> tuple[str, ...]:
     return tuple(name for bit, name in CLOCK_EVENT_REASONS.items() if mask & bit)
+
+
+#: gpu_allocation_state's states (its `state` label), as its help names them.
+ALLOCATION_STATES: tuple[str, ...] = ("unallocated", "allocated_idle", "in_use_by_pod", "in_use_outside_kubernetes")
 
 
 def series_key(name: str, **labels: object) -> str:

@@ -38,6 +38,7 @@ from .sources.device import Device, discover, mark_lost
 from .sources.events import EventSource
 from .sources.gpm import MIN_WINDOW_S, GpmSource
 from .sources.nvml import NvmlSource
+from .sources.pods import PodJoin, PodSource
 from .sources.procs import CMDLINE_MODES
 
 log = logging.getLogger("gpuscope.sampler")
@@ -119,14 +120,19 @@ class Sampler:
         gpus: int | None = None,
         processes: int | None = None,
         churn_s: float | None = None,
+        pods: PodSource | None = None,
     ) -> None:
         self.config = config or SamplerConfig()
         self.config.validate()
         self.simulated: str | None = None
+        # Where the node's pods come from (the kubelet, sources.podresources): process records get their pod,
+        # GPU records their holders and allocation state. A simulated node then runs its processes in pods.
+        self.pods = pods
+        self._pod_join = PodJoin(pods) if pods is not None else None
         if simulate is not None:
             from .sim import SimulatedNode
 
-            node = SimulatedNode(simulate, gpus=gpus, processes=processes, churn_s=churn_s)
+            node = SimulatedNode(simulate, gpus=gpus, processes=processes, churn_s=churn_s, pods=pods is not None)
             nvml, host_reader = node.nvml, node.host_reader
             host_source = host_source or node.host_source
             self.simulated = node.scenario
@@ -167,6 +173,8 @@ class Sampler:
             return
         self.nvml.init()
         self.devices = discover(self.nvml, self._pending_events)
+        if self.pods is not None:
+            self.pods.start({d.identity.uuid: d.label for d in self.devices})
         self._nvml_source = NvmlSource(self.nvml, self._pending_events)
         self._gpm_source = GpmSource(self.nvml, self.config.gpm_window, self.config.gpm_graphics) if self.config.gpm else None
         sources: list[DeviceSource] = [self._nvml_source] + ([self._gpm_source] if self._gpm_source else [])
@@ -176,6 +184,8 @@ class Sampler:
             from .sources.procs import ProcessSource
 
             self._proc_source = ProcessSource(self.nvml, self._host_reader, cmdline=self.config.cmdline)
+            if self._pod_join is not None:
+                self._proc_source.attribute = self._pod_join.attribute
         if self.config.collect_host and self._host_source is None:
             from .sources.host import HostSource
 
@@ -197,6 +207,8 @@ class Sampler:
 
     def stop(self) -> None:
         self._stop.set()
+        if self.pods is not None:
+            self.pods.stop()
         if self._thread is not None:
             self._thread.join(timeout=5.0)
             if self._thread.is_alive():
@@ -378,6 +390,8 @@ class Sampler:
             mask = dev.values.get("gpu_clock_event_reasons")
             reasons = decode_clock_event_reasons(int(mask)) if mask is not None and dev.healthy else []
             gpus.append(GpuRecord(dev.identity, now_ns, dict(dev.values), dev.healthy, reasons))
+        if self._pod_join is not None:
+            self._pod_join.annotate(gpus, self._processes)
         snap = Snapshot(now_ns, gpus, list(self._processes), self._host, list(events), self.simulated, self.hostname,
                         list(self._pods))
         self.events_history.extend(events)

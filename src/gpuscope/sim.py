@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 
 import pynvml as _nv
 
+from ._cgroup import attribution_from_cgroup
 from ._hostproc import HostProcInfo
 from .catalog import series_key
 from .errors import UsageError
@@ -106,12 +107,25 @@ class UnknownScenario(UsageError, ValueError):
 
 @dataclass
 class _SimProcess(FakeProcess):
-    """A simulated process: its rank on its GPU, how many processes held that slot before it, and when
-    it started (unix seconds)."""
+    """A simulated process: its rank on its GPU, how many processes held that slot before it, when it
+    started (unix seconds), and its /proc/<pid>/cgroup text ('' when the node runs no pods)."""
 
     rank: int = 0
     generation: int = 0
     started_at: float = 0.0
+    cgroup: str = ""
+
+
+def _cgroup(gpu: int, gpus: int) -> str:
+    """The cgroup of GPU `gpu`'s processes on a node that runs pods (SimulatedNode(pods=True)): one pod per
+    GPU, a containerd container under the kubelet's systemd slices; on a node of several GPUs the last one's
+    processes run outside Kubernetes (a login session), so that every allocation state has a GPU to show."""
+    if gpus > 1 and gpu == gpus - 1:
+        return "0::/user.slice/user-1000.slice/session-2.scope"
+    uid = f"5171a7ed_0000_4000_8000_{gpu:012d}"
+    container = (f"{gpu:02x}5171a7ed" * 7)[:64]
+    return (f"0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{uid}.slice/"
+            f"cri-containerd-{container}.scope")
 
 
 def _pct(rng: random.Random, v: float, rel: float = 0.03) -> float:
@@ -221,11 +235,12 @@ class _SimHostReader:
         sim = proc if isinstance(proc, _SimProcess) else _SimProcess(pid=proc.pid, rank=proc.pid % 10_000)
         rank, generation = sim.rank, sim.generation
         tail = (f" --rank {rank}" if len(gpu.processes) > 1 else "") + (f" --run {generation}" if generation else "")
+        where = attribution_from_cgroup(sim.cgroup)  # the real parser, as for a host process
         return HostProcInfo(
             pid=pid, name="python", user="sim", cmdline=f"{cmd} --gpu {drv.index}{tail}",
             cpu_cores=drv.cpu * share, thread_cpu_max_ratio=drv.thread_cpu, rss_bytes=float(8 << 30),
             threads=24, started_at=sim.started_at or self.node.started_at, pod="", namespace="",
-            container="", pod_uid="", slurm_job="",
+            container=where.container, pod_uid=where.pod_uid, slurm_job="",
         )
 
     def forget(self, alive: set[int]) -> None:
@@ -258,10 +273,11 @@ class _SimHostSource:
 
 
 class SimulatedNode:
-    """A named scenario on `gpus` simulated H200s. `nvml`, `host_reader`, `host_source` plug into Sampler."""
+    """A named scenario on `gpus` simulated H200s. `nvml`, `host_reader`, `host_source` plug into Sampler.
+    With `pods`, the node is a Kubernetes node: its processes run in pods' cgroups (see _cgroup)."""
 
     def __init__(self, scenario: str, gpus: int | None = None, seed: int = 1,
-                 processes: int | None = None, churn_s: float | None = None) -> None:
+                 processes: int | None = None, churn_s: float | None = None, pods: bool = False) -> None:
         scenario = scenario.replace("-", "_")
         if scenario not in DESCRIPTIONS:
             raise UnknownScenario(
@@ -286,8 +302,10 @@ class SimulatedNode:
             if scenario in ("gpu_lost", "xid_storm"):
                 prof = "healthy"
             drv = _GpuDriver(prof, i, seed * 1000 + i)
+            cgroup = _cgroup(i, n) if pods else ""
             g = FakeGPU(index=i, uuid=f"GPU-5171a7ed-0000-4000-8000-{i:012d}", name="NVIDIA H200 (simulated)",
-                        processes=[_SimProcess(pid=_BASE_PID + 10_000 * i + k, rank=k) for k in range(per_gpu[i])],
+                        processes=[_SimProcess(pid=_BASE_PID + 10_000 * i + k, rank=k, cgroup=cgroup)
+                                   for k in range(per_gpu[i])],
                         dynamics=drv)
             self.drivers.append(drv)
             fake_gpus.append(g)
@@ -326,7 +344,8 @@ class SimulatedNode:
                 generation = old.generation + 1 if isinstance(old, _SimProcess) else 1
                 g.processes[k] = _SimProcess(
                     pid=self._next_pid, used_memory_bytes=old.used_memory_bytes, sm_percent=old.sm_percent,
-                    mem_percent=old.mem_percent, rank=k, generation=generation, started_at=self.started_at + t)
+                    mem_percent=old.mem_percent, rank=k, generation=generation, started_at=self.started_at + t,
+                    cgroup=old.cgroup if isinstance(old, _SimProcess) else "")
                 self._next_pid += 1
                 self.replaced += 1
                 # The next one is due a period later; a clock that jumped several periods replaces it once.

@@ -20,6 +20,8 @@ the agent's /ui/api/overview and the Prometheus-backed dashboard.
       "throttle": [str, ...],             # active clock-event reasons that slow the GPU
       "verdict": {"kind", "severity", "confidence", "summary"} | None,   # the primary one
       "side": [{"kind", "severity", "summary"}, ...],                      # side verdicts
+      "allocation": {"state": str | None, "pods": [{"namespace", "pod", "container"}, ...]} | None,
+                                          # Kubernetes (gpu_allocation_state); None where the agent reads no kubelet
     }
     process = {
       "key": "host/pid/gpu", "host": str, "gpu_key": str, "gpu": str, "pid": int, "user": str,
@@ -37,6 +39,8 @@ import os
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
+
+from .catalog import ALLOCATION_STATES, series_key
 
 # The numbers a GPU panel shows; every backend fills what it can and leaves the rest None.
 GPU_METRICS: tuple[str, ...] = (
@@ -115,6 +119,7 @@ def from_snapshot(snapshot: Any, verdicts: Iterable[Any] = (), *, source: str = 
             "simulated": snap.get("simulated"), "values": vals,
             "throttle": [r for r in g.get("throttle_reasons", []) if r not in _BENIGN_REASONS],
             "verdict": primary.get(label), "side": side.get(label, []),
+            "allocation": _allocation(values, g.get("allocated_to") or []),
         })
     procs = []
     for p in snap.get("processes", []):
@@ -134,6 +139,18 @@ def from_snapshot(snapshot: Any, verdicts: Iterable[Any] = (), *, source: str = 
             "gpus": gpus, "processes": procs, "host_values": {m: _num(host_values.get(m)) for m in HOST_METRICS},
             "alerts": {"firing": list((alerts or {}).get("firing", [])), "pending": list((alerts or {}).get("pending", []))},
             "errors": []}
+
+
+_STATE_KEYS = {s: series_key("gpu_allocation_state", state=s) for s in ALLOCATION_STATES}
+
+
+def _allocation(values: dict[str, Any], held: list[Any]) -> dict[str, Any] | None:
+    state = next((s for s, k in _STATE_KEYS.items() if values.get(k) == 1.0), None)
+    pods = [h if isinstance(h, dict) else {"namespace": h.namespace, "pod": h.pod, "container": h.container}
+            for h in held]
+    if state is None and not pods:
+        return None
+    return {"state": state, "pods": [{k: str(p.get(k, "")) for k in ("namespace", "pod", "container")} for p in pods]}
 
 
 def merge(overviews: Sequence[dict[str, Any]], source: str) -> dict[str, Any]:

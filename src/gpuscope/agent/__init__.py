@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import sys
 import threading
 import time
@@ -75,6 +76,8 @@ class Agent:
         self._render_cache: dict[str, tuple[int, bytes]] = {}
         self._render_lock = threading.Lock()
         self._served: Any = None
+        self.pods: Any = None  # sources.podresources.KubeletPods when the agent reads the kubelet
+        self.pods_off = ""  # why it does not, in words
         self.port: int | None = None
 
     # -- what the HTTP side calls --------------------------------------------------------------
@@ -95,6 +98,8 @@ class Agent:
             if self.alerts is not None:
                 extra.update(self.alerts.self_metrics())
             extra.update(self.store.self_metrics())  # gpuscope_store_healthy, ..._last_flush_age_seconds, ...
+            if self.pods is not None:  # gpuscope_kubelet_requests_total, ..._failures_total{reason}, ..._up
+                extra.update(self.pods.self_metrics())
             if self._served is not None:  # gpuscope_http_refusals_total{reason}, ..._open_connections, ...
                 extra.update(self._served.stats.self_metrics())
             body = render(snap, mode=mode, top_processes=self.top_processes, extra=extra)
@@ -119,6 +124,8 @@ class Agent:
             else "token for changes only (loopback)",
             # the HTTP kit's limits and what they refused, by reason (gpuscope.http.serve.REFUSALS)
             "http": self._served.stats.status() if self._served is not None else None,
+            # the kubelet's PodResources API: state, requests, failures by reason, the last answer's age
+            "kubernetes": self.pods.stats() if self.pods is not None else {"state": "off", "reason": self.pods_off},
         }
 
     @property
@@ -177,6 +184,31 @@ class Agent:
         self._start_alerts()
         self._start_baselines()
 
+    def _pod_source(self) -> Any:
+        """The kubelet's PodResources client ([kubernetes] pod_resources_socket), or None with why in pods_off.
+        Off, silently, where nothing says this is a Kubernetes node; a missing package is one line, not a stop."""
+        from ..sources.podresources import DEFAULT_SOCKET, KubeletPods, missing_packages
+
+        k = self.cfg.kubernetes
+        path = k.pod_resources_socket
+        if path in ("off", ""):
+            self.pods_off = "[kubernetes] pod_resources_socket is off"
+            return None
+        if path == "auto":
+            path = DEFAULT_SOCKET
+            if not os.path.exists(path) and "KUBERNETES_SERVICE_HOST" not in os.environ:
+                self.pods_off = f"not a Kubernetes node: no kubelet socket at {path} and the agent runs in no pod"
+                log.debug("pods: %s", self.pods_off, extra={"f_event": "kubelet"})
+                return None
+        why = missing_packages()
+        if why is not None:
+            self.pods_off = why
+            log.warning("pods: %s; GPU series carry no pod labels.", why, extra={"f_event": "kubelet"})
+            return None
+        log.info("pods: asking the kubelet at %s every %g s", path, k.pod_resources_interval,
+                 extra={"f_event": "kubelet"})
+        return KubeletPods(path, interval_s=k.pod_resources_interval, timeout_s=k.pod_resources_timeout)
+
     def _start_baselines(self) -> None:
         """Per GPU x metric x job, what is usual: learnt every 30 s, kept in the data directory."""
         from ..diagnose.baseline import Baselines, Tracker
@@ -207,8 +239,9 @@ class Agent:
 
     def run(self) -> int:
         # NVML first: on a machine without a GPU nothing is written before it says so.
+        self.pods = self._pod_source()
         self.sampler = Sampler(self.sampler_config(), simulate=self.simulate, gpus=self.gpus,
-                               processes=self.processes, churn_s=self.churn_s)
+                               processes=self.processes, churn_s=self.churn_s, pods=self.pods)
         try:
             self.sampler.open()  # raises NvmlUnavailable with its sentence
             self._open_data_dir()

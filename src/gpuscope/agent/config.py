@@ -53,6 +53,13 @@
     slack_urls = []             # Slack-compatible incoming webhooks
     alertmanager_urls = []      # e.g. ["http://alertmanager:9093"]: API v2, every instance of an HA pair
     external_url = ""           # generatorURL in alerts (default http://HOSTNAME:PORT/api/v1/alerts)
+
+    [kubernetes]
+    pod_resources_socket = "auto"   # the kubelet's PodResources API, for pod labels and gpu_allocation_state:
+                                    # "auto" asks /var/lib/kubelet/pod-resources/kubelet.sock when it exists or
+                                    # the agent runs in a pod; a path asks that socket, always; "off" never asks
+    pod_resources_interval = "10s"  # how often the kubelet is asked (a new pod's process asks at once)
+    pod_resources_timeout = "2s"    # the deadline of one request; the sampler never waits for it
 """
 
 from __future__ import annotations
@@ -197,6 +204,13 @@ class AlertsSection:
 
 
 @dataclass
+class KubernetesSection:
+    pod_resources_socket: str = "auto"
+    pod_resources_interval: float = 10.0
+    pod_resources_timeout: float = 2.0
+
+
+@dataclass
 class Config:
     agent: AgentSection = field(default_factory=AgentSection)
     sampler: SamplerSection = field(default_factory=SamplerSection)
@@ -205,6 +219,7 @@ class Config:
     prometheus: PrometheusSection = field(default_factory=PrometheusSection)
     remote_write: RemoteWriteSection = field(default_factory=RemoteWriteSection)
     alerts: AlertsSection = field(default_factory=AlertsSection)
+    kubernetes: KubernetesSection = field(default_factory=KubernetesSection)
     source: str = "defaults"
 
     @property
@@ -219,7 +234,8 @@ class Config:
 _DURATIONS = {("agent", "header_timeout"), ("agent", "body_timeout"), ("agent", "stream_stall"),
               ("sampler", "interval"), ("sampler", "gpm_window"), ("sampler", "slow"), ("store", "flush_interval"),
               ("store", "raw"), ("store", "rollup_1s"), ("store", "rollup_1m"), ("store", "rollup_1h"),
-              ("remote_write", "interval"), ("alerts", "evaluation_interval")}
+              ("remote_write", "interval"), ("alerts", "evaluation_interval"),
+              ("kubernetes", "pod_resources_interval"), ("kubernetes", "pod_resources_timeout")}
 _SIZES = {("store", "max_size")}
 _CHOICES = {("agent", "log_format"): ("text", "json"),
             ("agent", "log_level"): ("debug", "info", "warning", "error"),
@@ -295,6 +311,11 @@ def load(path: str | os.PathLike[str] | None) -> Config:
         # Rule files are found relative to the config file, as Prometheus does.
         files = [alerts["rule_files"]] if isinstance(alerts["rule_files"], str) else alerts["rule_files"]
         alerts["rule_files"] = [str(p.parent / os.path.expanduser(f)) if isinstance(f, str) else f for f in files]
+    kube = data.get("kubernetes")
+    if isinstance(kube, dict) and isinstance(kube.get("pod_resources_socket"), str):
+        sock = kube["pod_resources_socket"]
+        if sock not in ("auto", "off", ""):  # a path relative to this file, as the other files named in it
+            kube["pod_resources_socket"] = str(p.parent / os.path.expanduser(sock))
     return from_dict(data, str(p))
 
 
@@ -316,6 +337,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"{src}[sampler] interval must be a positive duration, not {cfg.sampler.interval:g}.")
     if cfg.prometheus.top_processes < 0:
         raise ConfigError(f"{src}[prometheus] top_processes must be 0 or more.")
+    k = cfg.kubernetes
+    if k.pod_resources_timeout > 60 or k.pod_resources_interval < 0.5:
+        raise ConfigError(f"{src}[kubernetes] pod_resources_timeout must be at most 60s and pod_resources_interval "
+                          "at least 500ms.")
     url = cfg.remote_write.url
     if url and not _is_http_url(url):
         raise ConfigError(f"{src}[remote_write] url must be an http:// or https:// URL, not {url!r}.")

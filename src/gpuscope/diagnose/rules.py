@@ -266,15 +266,24 @@ def _low_sm_verdict(w: Any, th: Thresholds, make: Any, base: dict[str, Any], sm:
                             f"GPU {w.gpu} is idle while its memory grows to {held / 2**30:.1f} GiB: a program "
                             "is setting up.", {**base, "memory_held_bytes": held})
         else:
+            pods = _pods_of(w)
             return make("idle_allocated", "warning", 0.9,
-                            f"GPU {w.gpu} holds {held / 2**30:.1f} GiB with nothing running (SMs {_pct(sm)}).",
-                            {**base, "memory_held_bytes": held, "held_for_s": held_s})
+                            f"GPU {w.gpu} holds {held / 2**30:.1f} GiB with nothing running (SMs {_pct(sm)})"
+                            + (f", allocated to pod{'s' if len(pods) > 1 else ''} {', '.join(pods)}." if pods else "."),
+                            {**base, "memory_held_bytes": held, "held_for_s": held_s, **({"pods": pods} if pods else {})})
     elif sm < th.sm_idle and (util or 0.0) < th.util_active:
         return make("idle", "info", 0.9, f"GPU {w.gpu} is idle.", base)
     else:
         return make("underutilized", "warning", 0.4,
                         f"GPU {w.gpu} is underused: SMs {_pct(sm)} busy (NVML 'utilization' {_pct(util)}).",
                         base)
+
+
+def _pods_of(w: Any) -> list[str]:
+    """The pods (namespace/pod) that hold the GPU: the kubelet's holders, else the pods its processes run in."""
+    held = sorted({f"{h.namespace}/{h.pod}" for h in getattr(w, "pods", [])})
+    return held or sorted({f"{p.namespace}/{p.pod}" if p.namespace else p.pod
+                           for p in w.processes if getattr(p, "pod", "")})
 
 
 def _profile_of(w: Any, th: Thresholds) -> Any:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._records import Event, Snapshot
+from .._records import Event, PodRef, Snapshot
 from .stacks import HostProfile
 
 #: The series the rules read.
@@ -30,6 +30,8 @@ class ProcessView:
     gpu_memory_bytes: float | None = None
     profile: HostProfile | None = None  # its busy threads' stacks, when sampled (stacks.py)
     profile_error: str | None = None  # why they could not be sampled
+    namespace: str = ""  # its Kubernetes pod, where attribution found one
+    pod: str = ""
 
 
 @dataclass
@@ -45,6 +47,7 @@ class GpuWindow:
     processes: list[ProcessView] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
     name: str = ""
+    pods: list[PodRef] = field(default_factory=list)  # the pods' containers the kubelet says hold it, latest
 
 
 @dataclass
@@ -79,6 +82,7 @@ def windows_from_snapshots(snaps: Sequence[Snapshot]) -> list[GpuWindow]:
             for k in SERIES:
                 w.series[k].append(g.values.get(k))
             w.healthy = g.healthy
+            w.pods = list(g.allocated_to)
         for e in snap.events:
             if e.gpu in out:
                 out[e.gpu].events.append(e)
@@ -87,5 +91,5 @@ def windows_from_snapshots(snaps: Sequence[Snapshot]) -> list[GpuWindow]:
         w = out.get(p.gpu)
         if w is not None:
             w.processes.append(ProcessView(p.pid, p.name, p.cmdline, p.cpu_cores, p.thread_cpu_max_ratio,
-                                           p.gpu_memory_bytes))
+                                           p.gpu_memory_bytes, namespace=p.namespace, pod=p.pod))
     return list(out.values())

@@ -14,10 +14,13 @@ import re
 import socket
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._records import GpuIdentity, PodRecord, ProcessRecord, Snapshot
 from ..catalog import CATALOG, POD_SERIES, PROCESS_SERIES, Kind, split_series_key
+
+if TYPE_CHECKING:
+    from .._records import PodRef
 
 log = logging.getLogger("gpuscope.export")
 
@@ -138,6 +141,7 @@ DCGM_ALIASES: dict[str, tuple[Family, float, bool]] = {
     for m in CATALOG.values() if m.dcgm
 }
 XID_FAMILY = _family("DCGM_FI_DEV_XID_ERRORS", "gauge", _DCGM_HELP["DCGM_FI_DEV_XID_ERRORS"], 999)
+STATE_FAMILY = _CANON["gpu_allocation_state"]
 # Our per-reason throttle seconds, as DCGM's violation counters (ns since DCGM started watching).
 # THERMAL is not here: it is the union of two reasons (gpu_thermal_throttle_seconds_total, an alias).
 _VIOLATIONS = {
@@ -203,7 +207,7 @@ class Model:
             if mode != DCGM:
                 self._canonical(snapshot, host, sim, top_processes, buckets)
             if mode != CANONICAL:
-                self._dcgm(snapshot, host, sim, buckets)
+                self._dcgm(snapshot, host, sim, buckets, states=mode == DCGM)
         if extra:
             hctx = self._host_ctx(host, sim, DCGM if mode == DCGM else CANONICAL)
             for key, v in extra.items():
@@ -223,7 +227,9 @@ class Model:
         by_label: dict[str, Ctx] = {}
         for g in snap.gpus:
             ctx = self._gpu_ctx(g.identity, host, sim)
-            by_label[g.identity.label] = ctx
+            by_label[g.identity.label] = ctx  # processes and pods add their own pod labels to this one
+            if g.allocated_to:  # the GPU's own series name the pod that holds it
+                ctx = self._held_ctx(ctx, g.allocated_to)
             info_rows.append((ctx, ctx.info, 1))
             for key, v in g.values.items():
                 parsed = keys.get(key)
@@ -279,6 +285,20 @@ class Model:
                 ("architecture", ident.architecture), ("compute_capability", ident.compute_capability),
                 ("mig", "true" if ident.mig_mode else "false"))
             ctx = self._ctx[k] = Ctx(_finish(labels, sim), _finish(info, None))
+        return ctx
+
+    def _held_ctx(self, gctx: Ctx, holders: list[PodRef]) -> Ctx:
+        """A GPU's context with namespace, pod and container of the pod that holds it (none when pods share it)."""
+        held = holder(holders)
+        if held is None:
+            return gctx
+        k = ("held", gctx, held)
+        ctx = self._ctx.get(k)
+        if ctx is None:
+            base = tuple(kv for kv in gctx.labels if kv[0] != "simulated")
+            sim = tuple(kv for kv in gctx.labels if kv[0] == "simulated")
+            own = (("namespace", held[1]), ("pod", held[2]), ("container", held[0]))
+            ctx = self._ctx[k] = Ctx(_finish(base + own + sim, None), gctx.info)
         return ctx
 
     def _host_ctx(self, host: str, sim: str | None, mode: str) -> Ctx:
@@ -341,7 +361,10 @@ class Model:
                     buckets.setdefault(fam, []).append((ctx, (), v))
 
     # -- DCGM -------------------------------------------------------------------------------
-    def _dcgm(self, snap: Snapshot, host: str, sim: str | None, buckets: dict[Family, list[Row]]) -> None:
+    def _dcgm(self, snap: Snapshot, host: str, sim: str | None, buckets: dict[Family, list[Row]],
+              states: bool = False) -> None:
+        """dcgm-exporter's series. With `states` (DCGM naming alone), gpu_allocation_state too, with DCGM's
+        labels: DCGM has no such field, and canonical,dcgm carries it once, in canonical naming."""
         pods: dict[str, set[tuple[str, str, str]]] = {}
         for p in snap.processes:
             if p.pod:
@@ -350,7 +373,11 @@ class Model:
         for g in snap.gpus:
             ident = g.identity
             pod = pods.get(ident.label)
-            ctx = self._dcgm_ctx(ident, host, sim, next(iter(pod)) if pod and len(pod) == 1 else None)
+            if g.allocated_to:  # the kubelet's word, where it has one; else the one pod whose processes run there
+                held = holder(g.allocated_to)
+                ctx = self._dcgm_ctx(ident, host, sim, held)
+            else:
+                ctx = self._dcgm_ctx(ident, host, sim, next(iter(pod)) if pod and len(pod) == 1 else None)
             violations: dict[Family, float] = {}
             xids: dict[str, float] | None = None
             for key, v in g.values.items():
@@ -371,6 +398,8 @@ class Model:
                     if xids is None:
                         xids = {}
                     xids[d[1]] = v
+                elif tag == 4 and states:
+                    buckets.setdefault(STATE_FAMILY, []).append((ctx, d[1], v))
             for fam, secs in violations.items():
                 buckets.setdefault(fam, []).append((ctx, (), int(round(secs * 1e9))))
             if g.healthy or xids:
@@ -432,7 +461,20 @@ def _parse_dcgm_key(key: str) -> tuple[Any, ...]:
         return (2, VIOLATION_FAMILIES[labels["reason"]])
     if name == "gpu_xid_events_total" and "xid" in labels:
         return (3, labels["xid"])
+    if name == "gpu_allocation_state" and "state" in labels:
+        return (4, (("state", labels["state"]),))
     return (0,)
+
+
+def holder(holders: list[PodRef]) -> tuple[str, str, str] | None:
+    """(container, namespace, pod) of the one pod that holds a GPU (container '' when several of its
+    containers do); None when no pod or several pods hold it (a shared GPU's series are no one pod's)."""
+    pods = {(h.namespace, h.pod) for h in holders}
+    if len(pods) != 1:
+        return None
+    (namespace, pod), = pods
+    containers = {h.container for h in holders}
+    return (next(iter(containers)) if len(containers) == 1 else "", namespace, pod)
 
 
 _XID_LABELS: dict[int, Labels] = {}

@@ -119,6 +119,9 @@ class ProcessSource:
         self.host = host
         self.wall_clock_us = wall_clock_us
         self._seen: dict[str, set[int]] = {}  # gpu label -> pids at the last read
+        # Called with each record once the host has filled it, before anything reads its pod: the kubelet's
+        # names for a pod's process (sources.pods.PodJoin.attribute). Must not raise.
+        self.attribute: Callable[[ProcessRecord], None] | None = None
         self._energy: dict[tuple[str, int], float] = {}  # (gpu label, pid) -> joules shared out to it
         self._pod_energy: dict[tuple[str, Owner], float] = {}
         self._owners: dict[tuple[str, int], Owner | None] = {}  # at the last read, for processes that end
@@ -194,6 +197,8 @@ class ProcessSource:
                     rec.container, rec.pod_uid, rec.pod = valid_text(info.container), valid_text(info.pod_uid), \
                         valid_text(info.pod)
                     rec.namespace, rec.slurm_job = valid_text(info.namespace), valid_text(info.slurm_job)
+                    if self.attribute is not None:
+                        self.attribute(rec)
                 records.append(rec)
                 owners[(dev.label, pid)] = owner(rec)
             for pid, joules in energy_due.items():

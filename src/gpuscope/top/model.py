@@ -156,6 +156,26 @@ def verdict_text(g: dict[str, Any]) -> str:
     return f"{v['kind']}{side}: {v['summary']}"
 
 
+_ALLOCATION = {"unallocated": "unallocated", "allocated_idle": "allocated, idle:", "in_use_by_pod": "in use by",
+               "in_use_outside_kubernetes": "in use outside Kubernetes"}
+
+
+def allocation_text(g: dict[str, Any]) -> str:
+    """The GPU's Kubernetes state, with the pods that hold it: 'k8s: in use by ml/train-0'; '' outside Kubernetes.
+
+    >>> allocation_text({"allocation": {"state": "allocated_idle", "pods": [{"namespace": "nb", "pod": "lab"}]}})
+    'k8s: allocated, idle: nb/lab'
+    """
+    a = g.get("allocation")
+    if not a or not a.get("state"):
+        return ""
+    text = _ALLOCATION.get(a["state"], a["state"])
+    pods = list(dict.fromkeys(f"{p['namespace']}/{p['pod']}" for p in a.get("pods", [])))
+    if a["state"] in ("allocated_idle", "in_use_by_pod"):
+        text += " " + (", ".join(pods) if pods else "a pod")
+    return "k8s: " + text
+
+
 def severity(g: dict[str, Any]) -> str:
     if not g["healthy"]:
         return "critical"
@@ -211,13 +231,16 @@ def dense_line(g: dict[str, Any], width: int) -> str:
     tail = g["verdict"]["kind"] if g.get("verdict") else "…"
     if g["throttle"]:
         tail += f" [{throttle_text(g)}]"
+    if alloc := allocation_text(g):
+        tail += f"  {alloc}"
     return clip(head + printable(tail), width, words=True)
 
 
 def panel_lines(g: dict[str, Any], width: int, ring: Iterable[float | None]) -> list[str]:
     """One GPU in three lines: the verdict, what the SMs and memory really do (with SM history), and
     the NVML figures."""
-    title = printable(f"GPU {g['gpu']} {g['name']}")
+    alloc = allocation_text(g)
+    title = printable(f"GPU {g['gpu']} {g['name']}" + (f" [{alloc}]" if alloc else ""))
     if not g["healthy"]:
         return [clip(f"{title}  LOST", width), clip(printable(f"  {verdict_text(g)}"), width, words=True), ""]
     v = g["values"]

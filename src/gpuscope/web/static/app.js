@@ -275,6 +275,8 @@
         fmt(v.gpu_power_limit_watts, "watts") + " · " + fmt(v.gpu_temperature_celsius, "celsius")));
       card.appendChild(pw);
       if (g.throttle && g.throttle.length) card.appendChild(el("div", "throttle", "Throttled: " + g.throttle.join(", ")));
+      const badge = allocationBadge(g.allocation);
+      if (badge) card.appendChild(badge);
       const vd = el("div", "verdict");
       if (g.verdict) {
         vd.appendChild(el("b", "sev-" + g.verdict.severity, g.verdict.kind.replace(/_/g, " ") + ": "));
@@ -287,6 +289,17 @@
     }
   }
   const pct = (r) => (r === null || r === undefined ? null : r * 100);
+  // Kubernetes (gpu_allocation_state): what holds the GPU and whether it works; nothing outside Kubernetes.
+  const ALLOCATION = { unallocated: "Unallocated", allocated_idle: "Allocated, idle", in_use_by_pod: "In use by a pod",
+    in_use_outside_kubernetes: "In use outside Kubernetes" };
+  function allocationBadge(a) {
+    if (!a || !a.state) return null;
+    const pods = [...new Set((a.pods || []).map((p) => p.namespace + "/" + p.pod))];
+    const named = pods.length && (a.state === "allocated_idle" || a.state === "in_use_by_pod");
+    const b = el("div", "k8s k8s-" + a.state, (ALLOCATION[a.state] || a.state) + (named ? ": " + pods.join(", ") : ""));
+    b.title = "gpu_allocation_state: " + a.state;
+    return b;
+  }
 
   // -- processes -------------------------------------------------------------------------------------
   function renderProcesses(ov) {
