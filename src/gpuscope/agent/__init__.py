@@ -57,8 +57,10 @@ def setup_logging(fmt: str, level: str) -> None:
 
 class Agent:
     def __init__(self, cfg: Config, simulate: str | None = None, gpus: int | None = None,
-                 announce: Any = print, processes: int | None = None, churn_s: float | None = None) -> None:
+                 announce: Any = print, processes: int | None = None, churn_s: float | None = None,
+                 tls: Any = None) -> None:
         self.cfg = cfg
+        self.tls = tls  # gpuscope.http.tls.ServerTls; made from [agent] tls_cert/tls_key by run() when None
         self.simulate = simulate
         self.gpus = gpus
         self.processes = processes
@@ -122,6 +124,7 @@ class Agent:
                 "evaluation_interval_s": self.alerts.interval},
             "bind": f"{self.cfg.agent.bind}:{self.port}", "auth": "token for every request" if not self.loopback_only
             else "token for changes only (loopback)",
+            "tls": self.tls.status() if self.tls is not None else None,
             # the HTTP kit's limits and what they refused, by reason (gpuscope.http.serve.REFUSALS)
             "http": self._served.stats.status() if self._served is not None else None,
             # the kubelet's PodResources API: state, requests, failures by reason, the last answer's age
@@ -238,6 +241,13 @@ class Agent:
                  describe_notifiers(notifiers), extra={"f_event": "alerts"})
 
     def run(self) -> int:
+        a = self.cfg.agent
+        if self.tls is None and a.tls_cert:  # a pair it cannot serve: one sentence (exit 2) before anything starts
+            from ..http.tls import ServerTls
+
+            src = "" if self.cfg.source == "defaults" else f"{self.cfg.source}: "
+            self.tls = ServerTls(a.tls_cert, a.tls_key, cert_name=f"{src}[agent] tls_cert",
+                                 key_name=f"{src}[agent] tls_key")
         # NVML first: on a machine without a GPU nothing is written before it says so.
         self.pods = self._pod_source()
         self.sampler = Sampler(self.sampler_config(), simulate=self.simulate, gpus=self.gpus,
@@ -282,24 +292,27 @@ class Agent:
         app = make_app(self, a.max_request_bytes, streams_per_client=limits.streams_per_client,
                        stream_stall_s=limits.stream_stall_s)
         try:
-            served = await start(app, a.bind, a.port, limits=limits, flag="--port")
+            served = await start(app, a.bind, a.port, limits=limits, flag="--port", tls=self.tls,
+                                 tls_how="--tls-cert and --tls-key (or [agent] tls_cert and tls_key)")
         except ListenError as e:
             raise AgentError(str(e)) from None
         self.port = served.port
         self._served = served
         host = format_host(a.bind)
+        scheme = "https" if self.tls is not None else "http"
         if self.alerts is not None:
             self.alerts.engine.generator_url = (self.cfg.alerts.external_url
-                                                or f"http://{self.sampler.hostname}:{self.port}/api/v1/alerts")
+                                                or f"{scheme}://{self.sampler.hostname}:{self.port}/api/v1/alerts")
             self.alerts.start()
         what = (f"SIMULATED node, scenario '{self.sampler.simulated}'" if self.sampler.simulated
                 else f"{len(self.sampler.devices)} GPU(s)")
         self.announce(f"gpuscope agent {__version__}: sampling {what} every "
                       f"{self.cfg.sampler.interval * 1000:g} ms\n"
-                      f"  dashboard:       http://{host}:{self.port}/ui/\n"
-                      f"  API and status:  http://{host}:{self.port}/api/v1/status\n"
-                      f"  Prometheus:      http://{host}:{self.port}/metrics\n"
+                      f"  dashboard:       {scheme}://{host}:{self.port}/ui/\n"
+                      f"  API and status:  {scheme}://{host}:{self.port}/api/v1/status\n"
+                      f"  Prometheus:      {scheme}://{host}:{self.port}/metrics\n"
                       f"  data:            {self.cfg.data_path}\n"
+                      + ("" if self.tls is None else f"  TLS:             {self.tls.describe()}\n")
                       + ("" if self.loopback_only else f"  token:           {self.token_path} (needed for every request)\n")
                       + "  stop with Ctrl-C")
         log.info("agent started", extra={"f_event": "start", "f_port": self.port, "f_bind": a.bind,

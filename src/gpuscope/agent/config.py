@@ -12,6 +12,8 @@
     max_connections = 4096      # lowered to fit the open-file limit; past it the longest-idle one is closed
     streams_per_client = 8      # live dashboard streams (SSE) one client address may hold
     stream_stall = "30s"        # a stream whose client reads nothing this long is closed, its slot freed
+    tls_cert = ""               # HTTPS: a PEM certificate (chain) and its unencrypted key, both or neither;
+    tls_key = ""                # relative to this file; re-read when they change (every 5 s) or on SIGHUP
 
     [sampler]
     interval = "100ms"          # durations: "250ms", "1s", "5m", "2h", "7d", or a number of seconds
@@ -143,6 +145,8 @@ class AgentSection:
     max_connections: int = Limits.max_connections
     streams_per_client: int = Limits.streams_per_client
     stream_stall: float = Limits.stream_stall_s
+    tls_cert: str = ""
+    tls_key: str = ""
 
     def limits(self) -> Limits:
         """What the agent's HTTP server holds against slow or greedy clients (gpuscope.http.limits)."""
@@ -311,6 +315,11 @@ def load(path: str | os.PathLike[str] | None) -> Config:
         # Rule files are found relative to the config file, as Prometheus does.
         files = [alerts["rule_files"]] if isinstance(alerts["rule_files"], str) else alerts["rule_files"]
         alerts["rule_files"] = [str(p.parent / os.path.expanduser(f)) if isinstance(f, str) else f for f in files]
+    agent = data.get("agent")
+    if isinstance(agent, dict):  # the certificate and key too (as Prometheus reads its tls_config files)
+        for key in ("tls_cert", "tls_key"):
+            if isinstance(agent.get(key), str) and agent[key]:
+                agent[key] = str(p.parent / os.path.expanduser(agent[key]))
     kube = data.get("kubernetes")
     if isinstance(kube, dict) and isinstance(kube.get("pod_resources_socket"), str):
         sock = kube["pod_resources_socket"]
@@ -329,6 +338,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"{src}[agent] max_request_bytes must be at least 1024.")
     if not a.bind.strip():
         raise ConfigError(f"{src}[agent] bind must be an address such as 127.0.0.1.")
+    if bool(a.tls_cert) != bool(a.tls_key):
+        raise ConfigError(f"{src}[agent] tls_cert and tls_key go together: give both files, or neither.")
     try:
         a.limits().checked(lambda key: f"{src}[agent] {key}")
     except UsageError as e:

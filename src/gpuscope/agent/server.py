@@ -1,7 +1,8 @@
 """The agent's HTTP surface: /metrics for Prometheus and /api/v1/* for people and tools.
 
 Scrapes and API reads never call NVML: they read the sampler's latest snapshot or the store.
-Bound to loopback, reads are open; bound beyond it, every request needs the bearer token. Nothing
+Bound to loopback, reads are open; bound beyond it, every request needs the bearer token but the probes
+(/healthz and /readyz), which then answer only alive/ready and a reason naming no file or error. Nothing
 here changes state but POST /api/v1/trace (trace_api.py) and POST /api/v1/events (events_api.py), which
 require the token wherever bound.
 Every bad request ends in a 4xx with a JSON body {"error": "one sentence"}.
@@ -22,7 +23,7 @@ from aiohttp import web
 from .._choices import no_such_gpu
 from .._version import __version__
 from ..export.exposition import MODES as NAMINGS
-from ..http.auth import AGENT_TOKEN_HINT, access
+from ..http.auth import AGENT_TOKEN_HINT, PROBE_PATHS, access, probe_only
 from ..http.responses import BadRequest, error_response, json_errors, json_response
 from ..timeparse import parse_duration, parse_time
 from ._face import AgentFace
@@ -75,8 +76,9 @@ class Api:
             "endpoints": {
                 "/metrics": "Prometheus exposition (?naming=canonical|dcgm|canonical,dcgm)",
                 "/api/v1/status": "agent status, sampler overhead, store statistics and health",
-                "/healthz": "liveness: 200 while the agent answers",
-                "/readyz": "readiness: 200 while the store can write, else 503 with the reason",
+                "/healthz": "liveness: 200 while the agent answers (no token needed: a probe)",
+                "/readyz": "readiness: 200 while the store can write, else 503 with the reason (no token needed: "
+                           "a probe; the details need it)",
                 "/api/v1/latest": "the latest snapshot: GPUs, processes, host, events",
                 "/api/v1/capabilities": "per GPU and metric: supported, and why not",
                 "/api/v1/series": "stored series (?metric=NAME&LABEL=VALUE)",
@@ -110,9 +112,11 @@ class Api:
         return json_response({"alive": True})
 
     async def readyz(self, request: web.Request) -> web.Response:
-        """Readiness: 200 while the store can write, else 503 with why and since when (Store.health())."""
+        """Readiness: 200 while the store can write, else 503 with why and since when (Store.health()); to a
+        probe without the token (beyond loopback), only whether and a reason that names no file or error."""
         health = self.agent.store.health()
-        return json_response(health, status=200 if health["healthy"] else 503)
+        body = public_readiness(health) if probe_only(request) else health
+        return json_response(body, status=200 if health["healthy"] else 503)
 
     async def latest(self, request: web.Request) -> web.Response:
         snap = self.agent.sampler.latest()
@@ -238,6 +242,23 @@ class Api:
         return json_response({"enabled": True, "simulated": self.agent.sampler.simulated, **svc.alerts()})
 
 
+def public_readiness(health: dict[str, Any]) -> dict[str, Any]:
+    """What /readyz tells a caller without the token: healthy, and a reason in words of its own (the store's
+    reason quotes its error, which may name the data directory's files)."""
+    if health.get("healthy"):
+        return {"healthy": True, "reason": None}
+    if health.get("flush_thread_alive") is False:
+        reason = "the store's flush thread has stopped"
+    elif health.get("failing_for_seconds") is not None:
+        reason = (f"the store cannot write (for {health['failing_for_seconds']:.0f} s); the agent's status "
+                  "(/api/v1/status, with the token) says why")
+    elif health.get("last_flush_age_seconds") is not None:
+        reason = f"no flush of the store has completed for {health['last_flush_age_seconds']:.0f} s"
+    else:
+        reason = "the store is not ready; the agent's status (/api/v1/status, with the token) says why"
+    return {"healthy": False, "reason": reason}
+
+
 def _prefers_html(accept: str) -> bool:
     """True when an Accept header ranks text/html above application/json, as browsers' page loads do
     (`*/*` ranks both alike, so curl and scripts keep getting JSON)."""
@@ -267,7 +288,7 @@ def make_app(agent: AgentFace, max_request_bytes: int = 65536, *, streams_per_cl
 
     api = Api(agent)
     guard = access(token=agent.token, loopback_only=agent.loopback_only, server="agent", token_hint=AGENT_TOKEN_HINT,
-                   token_path=agent.token_path)
+                   token_path=agent.token_path, probe_paths=PROBE_PATHS)
     errors = json_errors(server="agent", not_found="No such endpoint: {path}; see /api/v1/ for the list.", log=log)
     app = web.Application(middlewares=[errors, guard], client_max_size=max_request_bytes)
     api.routes(app)

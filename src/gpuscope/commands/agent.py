@@ -14,7 +14,8 @@ DESCRIPTION = 'The main job on a GPU node: samples every GPU, keeps the history 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help="TOML config file (see the README for every key)")
     p.add_argument("--port", type=int, help="TCP port (default 9471)")
-    p.add_argument("--bind", help="address to listen on (default 127.0.0.1; anything else requires the token)")
+    p.add_argument("--bind", help="address to listen on (default 127.0.0.1; anything else requires the token, "
+                   "and HTTPS is advised: --tls-cert and --tls-key)")
     p.add_argument("--data-dir", help="where the history and the token live (default /var/lib/gpuscope as root, "
                    "else ~/.local/share/gpuscope)")
     p.add_argument("--interval", type=interval, help="sampling interval (default 100ms)")
@@ -25,6 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--churn", type=interval, metavar="SECONDS",
                    help="with --simulate: replace each simulated process by a new one (new pid and command line) "
                         "about every SECONDS (e.g. 60 or 5m), spread so that processes come and go continuously")
+    from ..http.tls import add_tls_args
+
+    add_tls_args(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -36,7 +40,11 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--churn only applies to a simulated node; add --simulate SCENARIO.")
     if args.churn is not None and not 1 <= args.churn <= 7 * 86400:
         raise UsageError(f"--churn must be between 1s and 7d, not {args.churn:g} s.")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise UsageError("--tls-cert and --tls-key go together: give both files, or neither.")
     cfg = agent_config.load(args.config)  # a ConfigError is a UsageError: exit 2
+    if args.tls_cert:  # the pair of flags overrides the file's pair
+        cfg.agent.tls_cert, cfg.agent.tls_key = args.tls_cert, args.tls_key
     for flag, section, key in (("port", "agent", "port"), ("bind", "agent", "bind"),
                                ("data_dir", "agent", "data_dir"), ("interval", "sampler", "interval"),
                                ("naming", "prometheus", "naming"), ("log_format", "agent", "log_format")):
@@ -47,5 +55,12 @@ def run(args: argparse.Namespace) -> int:
     check_data_dir(cfg.agent.data_dir,
                    "--data-dir" if args.data_dir is not None else f"{cfg.source}: [agent] data_dir")
     setup_logging(cfg.agent.log_format, "debug" if args.verbose else cfg.agent.log_level)
+    tls = None
+    if cfg.agent.tls_cert:  # checked before the GPUs are opened: TlsError, one sentence, exit 2
+        from ..http.tls import ServerTls
+
+        names = (("--tls-cert", "--tls-key") if args.tls_cert
+                 else (f"{cfg.source}: [agent] tls_cert", f"{cfg.source}: [agent] tls_key"))
+        tls = ServerTls(cfg.agent.tls_cert, cfg.agent.tls_key, cert_name=names[0], key_name=names[1])
     return Agent(cfg, simulate=args.simulate, gpus=args.gpus, processes=args.processes,
-                 churn_s=args.churn).run()  # AgentError: exit 1
+                 churn_s=args.churn, tls=tls).run()  # AgentError: exit 1

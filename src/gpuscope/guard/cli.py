@@ -8,6 +8,7 @@ from typing import Any
 
 from ..http.limits import Limits, add_limit_args, limits_from_args
 from ..http.net import parse_listen, parse_upstream
+from ..http.tls import add_tls_args, tls_from_args
 
 HELP = "GPU-aware admission control: check a config, or run the guard as a proxy in front of a service"
 DESCRIPTION = """\
@@ -34,6 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="where the proxy listens: HOST:PORT, :PORT (127.0.0.1) or [::1]:PORT (default "
                         "127.0.0.1:8090; port 0 picks a free one)")
     add_limit_args(p)
+    add_tls_args(p)
 
 
 def _config(path: str):  # noqa: ANN202 - GuardConfig, imported late
@@ -64,17 +66,28 @@ def run(args: argparse.Namespace) -> int:
     host, port = parse_listen(args.listen, example="127.0.0.1:8090")
     upstream = parse_upstream(args.upstream)
     limits = replace(limits_from_args(args), fds_per_connection=2)  # the client's socket and the upstream's
+    tls = tls_from_args(args)  # TlsError: one sentence, exit 2
     from .proxy import run as run_proxy
 
-    return run_proxy(_serve(cfg, upstream, host, port, limits))
+    return run_proxy(_serve(cfg, upstream, host, port, limits, tls))
 
 
-async def _serve(cfg: Any, upstream: str, host: str, port: int, limits: Limits) -> int:
+async def _serve(cfg: Any, upstream: str, host: str, port: int, limits: Limits, tls: Any = None) -> int:
+    from ..http.tls import warn_clear_text
     from ._core import Guard
     from .proxy import serve
 
-    server = await serve(Guard.from_config(cfg), upstream, host, port, limits=limits, flag="--listen")
+    server = await serve(Guard.from_config(cfg), upstream, host, port, limits=limits, flag="--listen",
+                         ssl=tls.context if tls is not None else None)
+    if tls is not None:
+        tls.watch()  # the files re-read when they change, or on SIGHUP
+    else:
+        warn_clear_text(host, tls, "--tls-cert and --tls-key")
     print(f"gpuscope guard: proxying {server.url} -> {upstream} (metrics at /guard/metrics)", flush=True)
-    await server.wait()
-    await server.close()
+    try:
+        await server.wait()
+        await server.close()
+    finally:
+        if tls is not None:
+            tls.unwatch()
     return 0

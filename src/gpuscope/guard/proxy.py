@@ -118,10 +118,11 @@ class ProxyServer:
         self._server: asyncio.AbstractServer | None = None
         self.host = ""
         self.port = 0
+        self.tls = False
 
     @property
     def url(self) -> str:
-        return f"http://{format_host(self.host)}:{self.port}"
+        return f"{'https' if self.tls else 'http'}://{format_host(self.host)}:{self.port}"
 
     def pool(self, url: str) -> Pool:
         """The pool of another upstream (the breaker's `upstream:URL` fallback)."""
@@ -182,7 +183,7 @@ class ProxyServer:
         return "".join(out).encode()
 
     # -- start and stop ---------------------------------------------------------------------------------
-    async def start(self, host: str, port: int, flag: str) -> None:
+    async def start(self, host: str, port: int, flag: str, ssl: Any = None) -> None:
         before, after = raise_fd_limit()
         self.stats.fd_limit = (before, after)
         self.stats.max_connections = connection_cap(self.limits, after)
@@ -191,12 +192,14 @@ class ProxyServer:
                         self.limits.max_connections, after)
         self.loop.set_exception_handler(loop_exception_handler(self.limits.log_interval_s))
         try:
-            self._server = await self.loop.create_server(lambda: Client(self), host, port, reuse_address=True,
-                                                         backlog=1024)
+            # ssl: an ssl.SSLContext (gpuscope.http.tls.ServerTls.context), its handshake within header_timeout
+            self._server = await self.loop.create_server(
+                lambda: Client(self), host, port, reuse_address=True, backlog=1024, ssl=ssl,
+                ssl_handshake_timeout=self.limits.header_timeout_s if ssl is not None else None)
         except OSError as e:
             raise ListenError(listen_sentence(host, port, flag, e)) from None
         sock = self._server.sockets[0]
-        self.host, self.port = host, sock.getsockname()[1]
+        self.host, self.port, self.tls = host, sock.getsockname()[1], ssl is not None
         for s in self._server.sockets:
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.poller.start()
@@ -244,12 +247,12 @@ class ProxyServer:
 
 
 async def serve(guard: Guard, upstream: str, host: str = "127.0.0.1", port: int = 0, *, limits: Limits | None = None,
-                flag: str = "--listen") -> ProxyServer:
+                flag: str = "--listen", ssl: Any = None) -> ProxyServer:
     """Start the proxy on host:port (port 0: a free one, see .port); ListenError with one sentence naming `flag`
-    when it cannot listen."""
+    when it cannot listen. `ssl`: an ssl.SSLContext to serve HTTPS with."""
     server = ProxyServer(guard, upstream, (limits or Limits(fds_per_connection=2)).checked(),
                          asyncio.get_running_loop())
-    await server.start(host, port, flag)
+    await server.start(host, port, flag, ssl)
     return server
 
 

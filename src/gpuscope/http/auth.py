@@ -4,7 +4,10 @@ The rule: a server bound to loopback answers only requests addressed to a loopba
 cannot reach it through a DNS name that resolves to 127.0.0.1: DNS rebinding) and its reads are open;
 bound beyond loopback, every request needs the token (the Authorization header, or the dashboard
 cookie for reads); changes (POST) need the token wherever it is bound. A refusal never says where the
-token file is (that path goes to the server's own log).
+token file is (that path goes to the server's own log). The one exception: the probe paths a server names
+(the agent's /healthz and /readyz, PROBE_PATHS) answer GET and HEAD without the token, because a
+Kubernetes httpGet probe cannot send one; such a request is marked (`probe_only(request)`) and its
+handler answers only what anyone may know (alive, ready, and a reason that names no file and no error).
 
     token = load_or_create_token(data_dir / "token")          # 0600, made on first start
     app = web.Application(middlewares=[access(token=token, loopback_only=True, server="agent",
@@ -33,8 +36,8 @@ from ..errors import Unavailable
 if TYPE_CHECKING:
     from aiohttp import web
 
-__all__ = ["AGENT_TOKEN_HINT", "COOKIE", "TokenError", "access", "authorized", "cookie_value", "find_token",
-           "load_or_create_token", "token_login", "unauthorized_message"]
+__all__ = ["AGENT_TOKEN_HINT", "COOKIE", "PROBE_PATHS", "TokenError", "access", "authorized", "cookie_value",
+           "find_token", "load_or_create_token", "probe_only", "token_login", "unauthorized_message"]
 
 log = logging.getLogger("gpuscope.http")
 
@@ -42,6 +45,9 @@ COOKIE = "gpuscope_ui"
 AGENT_TOKEN_HINT = "the file 'token' in the agent's data directory (see 'gpuscope agent --help')"
 LOOPBACK_HOSTS = re.compile(r"^(localhost|127\.[0-9.]+|\[::1\])(:[0-9]+)?$", re.ASCII | re.IGNORECASE)
 _SAY_PATH_EVERY_S = 60.0
+#: liveness and readiness: what a kubelet's httpGet probe asks, without a token
+PROBE_PATHS = frozenset({"/healthz", "/readyz"})
+_PROBE_ONLY = "gpuscope.http.probe_only"
 
 
 class TokenError(Unavailable, RuntimeError):
@@ -155,11 +161,18 @@ def unauthorized_message(request: web.Request, token_hint: str) -> str:
     return f"This request needs the token: send 'Authorization: Bearer <token>' (the token is in {token_hint})."
 
 
+def probe_only(request: web.Request) -> bool:
+    """True when `request` was let through only as a probe (a probe path, beyond loopback, without the
+    token): its answer must say nothing but alive/ready and a reason that names no file and no error."""
+    return bool(request.get(_PROBE_ONLY, False))
+
+
 def access(*, token: str | None, loopback_only: bool, server: str, token_hint: str,
-           token_path: str | os.PathLike[str] | None = None) -> Any:
+           token_path: str | os.PathLike[str] | None = None, probe_paths: frozenset[str] = frozenset()) -> Any:
     """The loopback-Host and bearer-token middleware (the rule in this module's docstring). `server` names
     it in the 403 ("This agent listens on loopback only ..."); `token_hint` says where the token is kept,
-    in words; `token_path` goes to the log with the first refusal a minute, not to the client."""
+    in words; `token_path` goes to the log with the first refusal a minute, not to the client.
+    `probe_paths` (PROBE_PATHS for the agent) answer GET and HEAD without the token, marked probe_only."""
     from aiohttp import web
 
     from .responses import error_response
@@ -178,6 +191,10 @@ def access(*, token: str | None, loopback_only: bool, server: str, token_hint: s
             if login is not None:
                 return login
         needs_token = not loopback_only or request.method not in ("GET", "HEAD", "OPTIONS")
+        if (needs_token and request.path in probe_paths and request.method in ("GET", "HEAD")
+                and not (token and authorized(request, token))):
+            request[_PROBE_ONLY] = True
+            return await handler(request)
         if needs_token and not (token and authorized(request, token)):
             now = time.monotonic()
             if token_path is not None and now - said_at[0] >= _SAY_PATH_EVERY_S:

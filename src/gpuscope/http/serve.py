@@ -16,7 +16,10 @@ What `start` adds to aiohttp (the figures: docs/RELIABILITY.md, "Servers under e
   server's JSON error form (431/414/400), not aiohttp's plain text;
 - malformed requests and asyncio's accept errors are logged as one line per interval with a count;
 - every refusal is counted by its reason (`Served.stats`, REFUSALS; the dashboard's streams count theirs
-  through `stats_of(request)`): the agent shows them in /api/v1/status and on /metrics.
+  through `stats_of(request)`): the agent shows them in /api/v1/status and on /metrics;
+- HTTPS with `tls=ServerTls(cert, key)` (gpuscope.http.tls: the files re-read when they change, the TLS
+  handshake within `limits.header_timeout_s`); without it, beyond loopback, one warning line at start
+  when the server says how to turn TLS on (`tls_how`).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from ..errors import Unavailable
 from .limits import Limits
 from .net import format_host
 from .responses import error_bytes
+from .tls import ServerTls, warn_clear_text
 
 __all__ = ["REFUSALS", "ErrorBody", "ListenError", "Served", "Stats", "connection_cap", "listen_sentence", "raise_fd_limit",
            "start", "stats_of"]
@@ -335,10 +339,11 @@ class Served:
     port: int
     stats: Stats
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
+    tls: ServerTls | None = None
 
     @property
     def url(self) -> str:
-        return f"http://{format_host(self.host)}:{self.port}"
+        return f"{'https' if self.tls else 'http'}://{format_host(self.host)}:{self.port}"
 
     def stop_soon(self) -> None:
         self.stopping.set()
@@ -361,14 +366,39 @@ class Served:
                 loop.remove_signal_handler(sig)
 
     async def close(self) -> None:
+        if self.tls is not None:
+            self.tls.unwatch()
         await self.runner.cleanup()
+
+
+class _Site(web.TCPSite):
+    """aiohttp's TCPSite with a deadline on the TLS handshake (asyncio's default is 60 s: a client that
+    stalls in it would hold its socket six times longer than one that stalls in its headers)."""
+
+    def __init__(self, *args: Any, handshake_timeout_s: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._handshake_timeout_s = handshake_timeout_s
+
+    async def start(self) -> None:
+        if self._ssl_context is None:
+            return await super().start()
+        await web.BaseSite.start(self)  # registers the site with its runner
+        server = self._runner.server
+        assert server is not None
+        self._server = await asyncio.get_running_loop().create_server(
+            server, self._host, self._port, ssl=self._ssl_context, backlog=self._backlog,
+            reuse_address=self._reuse_address, reuse_port=self._reuse_port,
+            ssl_handshake_timeout=self._handshake_timeout_s)
+        self._bound_port = self._server.sockets[0].getsockname()[1] if self._server.sockets else self._port
 
 
 async def start(app: web.Application, host: str, port: int, *, limits: Limits | None = None,
                 flag: str = "--port", error_body: ErrorBody = error_bytes, handler_cancellation: bool = False,
-                shutdown_timeout_s: float = 60.0) -> Served:
+                shutdown_timeout_s: float = 60.0, tls: ServerTls | None = None, tls_how: str | None = None) -> Served:
     """Serve `app` on host:port (port 0: a free one, see .port) with the kit's defences; ListenError with
-    one sentence naming `flag` when it cannot listen. `error_body` writes the server's JSON error form."""
+    one sentence naming `flag` when it cannot listen. `error_body` writes the server's JSON error form.
+    `tls`: HTTPS, its files watched while it serves; `tls_how` (e.g. "--tls-cert and --tls-key"): beyond
+    loopback without `tls`, one warning line naming it."""
     limits = (limits or Limits()).checked()
     before, after = raise_fd_limit()
     if after != before:
@@ -385,14 +415,19 @@ async def start(app: web.Application, host: str, port: int, *, limits: Limits | 
                      keepalive_timeout=limits.idle_timeout_s, handler_cancellation=handler_cancellation,
                      shutdown_timeout=shutdown_timeout_s)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_address=True, backlog=1024)
+    site = _Site(runner, host, port, reuse_address=True, backlog=1024, ssl_context=tls.context if tls else None,
+                 handshake_timeout_s=limits.header_timeout_s)
     try:
         await site.start()
     except OSError as e:
         await runner.cleanup()
         raise ListenError(listen_sentence(host, port, flag, e)) from None
     bound = next((a[1] for a in runner.addresses if isinstance(a, tuple)), port)
-    return Served(runner, host, bound, stats)
+    if tls is not None:
+        tls.watch(loop)
+    elif tls_how:
+        warn_clear_text(host, tls, tls_how)
+    return Served(runner, host, bound, stats, tls=tls)
 
 
 def listen_sentence(host: str, port: int, flag: str, e: OSError) -> str:

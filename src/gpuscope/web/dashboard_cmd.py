@@ -4,8 +4,9 @@
     gpuscope dashboard --prometheus http://prometheus:9090 --bind 0.0.0.0   # token required
 
 It listens on 127.0.0.1 unless told otherwise; beyond loopback every request needs a token (made
-once, 0600, in ~/.local/share/gpuscope/dashboard-token, or read from --token-file). It checks that
-Prometheus answers before it starts listening.
+once, 0600, in ~/.local/share/gpuscope/dashboard-token, or read from --token-file), and HTTPS is advised
+(--tls-cert and --tls-key; without them there, one warning line at start). It checks that Prometheus
+answers before it starts listening.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from typing import Any
 
 from ..errors import Unavailable, UsageError
 from ..http.limits import add_limit_args, limits_from_args
-from ..http.net import format_host, is_loopback_host, parse_upstream
+from ..http.net import is_loopback_host, parse_upstream
+from ..http.tls import ServerTls, add_tls_args, tls_from_args
 
 DEFAULT_PORT = 9472
 TOKEN_NAME = "dashboard-token"
@@ -40,6 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"the token beyond loopback (default ~/.local/share/gpuscope/{TOKEN_NAME}, made on first use)")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for Prometheus (default 10)")
     add_limit_args(p, streams=True)
+    add_tls_args(p)
 
 
 def check_url(url: str) -> str:
@@ -65,7 +68,7 @@ def _token(path: Path) -> str:
 
 
 async def _serve(backend: Any, args: argparse.Namespace, token: str | None, path: Path,
-                 announce: Any) -> int:
+                 announce: Any, tls: ServerTls | None = None) -> int:
     from ..http.serve import ListenError, start
     from .api import make_ui_app
     from .backend import BackendError
@@ -80,13 +83,14 @@ async def _serve(backend: Any, args: argparse.Namespace, token: str | None, path
     app = make_ui_app(backend, token=token, loopback_only=loopback, token_path=str(path),
                       streams_per_client=limits.streams_per_client, stream_stall_s=limits.stream_stall_s)
     try:
-        served = await start(app, args.bind, args.port, limits=limits, flag="--port")
+        served = await start(app, args.bind, args.port, limits=limits, flag="--port", tls=tls,
+                             tls_how="--tls-cert and --tls-key")
     except ListenError as e:
         raise DashboardError(str(e)) from None
     found = (f"{gpus} GPU(s) there now" if gpus else
              "no gpu_info series there yet: is it scraping gpuscope agents?")
     announce(f"gpuscope dashboard over Prometheus at {backend.shown} ({found})\n"
-             f"  dashboard: http://{format_host(args.bind)}:{served.port}/ui/" + ("" if loopback else "?token=TOKEN") + "\n"
+             f"  dashboard: {served.url}/ui/" + ("" if loopback else "?token=TOKEN") + "\n"
              + ("" if loopback else f"  token:     {path} (needed for every request)\n")
              + "  stop with Ctrl-C")
     await served.wait()
@@ -104,7 +108,8 @@ def run(args: argparse.Namespace, announce: Any = print) -> int:
     if not 0 < args.timeout < 86400:  # inf once reached aiohttp as a traceback (OverflowError)
         raise UsageError(f"--timeout must be a number of seconds between 0 and 86400, not {args.timeout:g}.")
     limits_from_args(args)  # bad limits are refused before anything is made
+    tls = tls_from_args(args)  # TlsError: one sentence, exit 2
     path = token_path(args.token_file)
     token = None if is_loopback_host(args.bind) and not args.token_file else _token(path)
     backend = PrometheusBackend(url, timeout=args.timeout)
-    return asyncio.run(_serve(backend, args, token, path, announce))
+    return asyncio.run(_serve(backend, args, token, path, announce, tls))
