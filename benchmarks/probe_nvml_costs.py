@@ -47,6 +47,22 @@ def main():
     for fid, nm in ((N.NVML_FI_DEV_MEMORY_TEMP, "MEMORY_TEMP"), (N.NVML_FI_DEV_POWER_INSTANT, "POWER_INSTANT"),
                     (N.NVML_FI_DEV_PCIE_COUNT_RX_BYTES, "PCIE_COUNT_RX"), (N.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX, "NVLINK_RX")):
         measure(f"nvmlDeviceGetFieldValues({nm})", lambda fid=fid: N.nvmlDeviceGetFieldValues(h, [fid]), 50)
+    # Batching (issue 19): the slow group's ECC counters and memory temperature in one field-values call,
+    # against the calls they replace; the violation (throttle time) counters and the energy field, with values.
+    ecc = (N.NVML_FI_DEV_ECC_SBE_VOL_TOTAL, N.NVML_FI_DEV_ECC_DBE_VOL_TOTAL, N.NVML_FI_DEV_MEMORY_TEMP)
+    measure("nvmlDeviceGetFieldValues(ECC SBE, DBE, MEMORY_TEMP)", lambda: N.nvmlDeviceGetFieldValues(h, list(ecc)), 100)
+    measure("2x nvmlDeviceGetTotalEccErrors + FieldValues(MEMORY_TEMP)", lambda: (
+        N.nvmlDeviceGetTotalEccErrors(h, N.NVML_MEMORY_ERROR_TYPE_CORRECTED, N.NVML_VOLATILE_ECC),
+        N.nvmlDeviceGetTotalEccErrors(h, N.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, N.NVML_VOLATILE_ECC),
+        N.nvmlDeviceGetFieldValues(h, [N.NVML_FI_DEV_MEMORY_TEMP])), 100)
+    print("   ECC by call:", N.nvmlDeviceGetTotalEccErrors(h, N.NVML_MEMORY_ERROR_TYPE_CORRECTED, N.NVML_VOLATILE_ECC),
+          N.nvmlDeviceGetTotalEccErrors(h, N.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, N.NVML_VOLATILE_ECC),
+          "by field:", [(f.fieldId, f.nvmlReturn, f.value.ullVal) for f in N.nvmlDeviceGetFieldValues(h, list(ecc))])
+    viol = [74, 75, 76, 77, 78, 79, 80, 81, 269, 270, 271]
+    measure("nvmlDeviceGetFieldValues(11 violation counters)", lambda: N.nvmlDeviceGetFieldValues(h, viol), 50)
+    print("   violation fields:", [(f.fieldId, f.nvmlReturn, f.valueType, f.value.ullVal) for f in
+                                    N.nvmlDeviceGetFieldValues(h, viol)])
+    measure("nvmlDeviceGetFieldValues(ENERGY 191)", lambda: N.nvmlDeviceGetFieldValues(h, [191]), 20)
     measure("nvmlDeviceGetComputeRunningProcesses", lambda: N.nvmlDeviceGetComputeRunningProcesses(h))
     measure("nvmlDeviceGetProcessUtilization(now-1s)", lambda: N.nvmlDeviceGetProcessUtilization(h, int(time.time() * 1e6) - 1000000), 30)
     measure("nvmlDeviceGetPcieReplayCounter", lambda: N.nvmlDeviceGetPcieReplayCounter(h), 50)
@@ -87,6 +103,8 @@ def main():
     print(f"10 Hz wake, memory info only:   {wake([mem]):8.1f} us")
     print(f"10 Hz wake, memory+reasons+clk: {wake([mem, rsn, clk]):8.1f} us")
     print(f"10 Hz wake, reasons+clk:        {wake([rsn, clk]):8.1f} us")
+    print(f"10 Hz wake, FieldValues(ECC+T): {wake([lambda: N.nvmlDeviceGetFieldValues(h, list(ecc))]):8.1f} us")
+    print(f"10 Hz wake, 2 ECC calls+T:      {wake([lambda: N.nvmlDeviceGetTotalEccErrors(h, 0, N.NVML_VOLATILE_ECC), lambda: N.nvmlDeviceGetTotalEccErrors(h, 1, N.NVML_VOLATILE_ECC), lambda: N.nvmlDeviceGetFieldValues(h, [82])]):8.1f} us")
     # Event-set wait: CPU of an idle wait
     es = N.nvmlEventSetCreate()
     N.nvmlDeviceRegisterEvents(h, N.nvmlEventTypeXidCriticalError, es)

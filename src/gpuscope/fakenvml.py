@@ -338,6 +338,8 @@ class FakeNVML:
         g = self._enter("nvmlDeviceGetFieldValues", h)
         table: dict[int, tuple[int, float]] = {
             _real.NVML_FI_DEV_MEMORY_TEMP: (_real.NVML_VALUE_TYPE_UNSIGNED_INT, g.memory_temperature_c),
+            _real.NVML_FI_DEV_ECC_SBE_VOL_TOTAL: (_real.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG, g.ecc_corrected),
+            _real.NVML_FI_DEV_ECC_DBE_VOL_TOTAL: (_real.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG, g.ecc_uncorrected),
             _real.NVML_FI_DEV_POWER_INSTANT: (_real.NVML_VALUE_TYPE_UNSIGNED_INT, int(g.power_w * 1000)),
             _real.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION: (_real.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG, g.energy_mj),
             _real.NVML_FI_DEV_PCIE_COUNT_TX_BYTES: (_real.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG, g.pcie_tx_bytes),

@@ -5,10 +5,12 @@ Each field's cadence fits its cost and its meaning (costs measured on an H200, s
 - 'fast', every tick: memory used/free, clock-event (throttle) reasons, SM clock (~1-8 us each);
 - 'medium', every 200 ms: NVML utilization and power, which the driver itself refreshes only every
   1/6-1 s (power is a 1 s average on Ampere and newer), so reading them faster buys nothing;
-- 'slow', every second: temperatures, other clocks, P-state, encoder/decoder, ECC, field values;
+- 'slow', every second: temperatures, other clocks, P-state, encoder/decoder; memory temperature and the
+  ECC counters in one nvmlDeviceGetFieldValues call;
 - 'energy', every 10 s: the hardware energy counter (~3 ms of CPU per read), integrated from power
   between reads;
-- 'rare', every 30 s: PCIe link and replay counter (~170 us), limits, remapped rows.
+- 'rare', every 30 s: PCIe link and replay counter (~170 us), the power limit, remapped rows; the maximum
+  SM clock is static (read once, at discovery).
 PCIe/NVLink byte counters come from integrating GPM's rates where the GPU has GPM; NVML's own
 counters (~150 us per read) are read every second only on GPUs without it.
 """
@@ -41,7 +43,13 @@ class NvmlSource:
         self.lib = nvml.lib
         self.events = events
         lib = self.lib
-        self._slow_fields = [("gpu_memory_temperature_celsius", lib.NVML_FI_DEV_MEMORY_TEMP, 1.0)]
+        # One nvmlDeviceGetFieldValues call for what has a field id: one driver round trip instead of one per
+        # call (the ECC counters were two nvmlDeviceGetTotalEccErrors calls; benchmarks/probe_nvml_costs.py).
+        self._slow_fields = [
+            ("gpu_memory_temperature_celsius", lib.NVML_FI_DEV_MEMORY_TEMP, 1.0),
+            ("gpu_ecc_corrected_errors_total", lib.NVML_FI_DEV_ECC_SBE_VOL_TOTAL, 1.0),
+            ("gpu_ecc_uncorrected_errors_total", lib.NVML_FI_DEV_ECC_DBE_VOL_TOTAL, 1.0),
+        ]
         # Only where GPM is missing (with GPM, its rates are integrated instead: far cheaper).
         self._counter_fields = [
             ("gpu_pcie_tx_bytes_total", lib.NVML_FI_DEV_PCIE_COUNT_TX_BYTES, 1.0),
@@ -232,11 +240,6 @@ class NvmlSource:
         put(dev, "gpu_encoder_utilization_ratio", enc if isinstance(enc, Unavailable) else enc[0], 0.01)
         dec = call("nvmlDeviceGetDecoderUtilization", h)
         put(dev, "gpu_decoder_utilization_ratio", dec if isinstance(dec, Unavailable) else dec[0], 0.01)
-        lib = self.lib
-        put(dev, "gpu_ecc_corrected_errors_total",
-            call("nvmlDeviceGetTotalEccErrors", h, lib.NVML_MEMORY_ERROR_TYPE_CORRECTED, lib.NVML_VOLATILE_ECC))
-        put(dev, "gpu_ecc_uncorrected_errors_total",
-            call("nvmlDeviceGetTotalEccErrors", h, lib.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, lib.NVML_VOLATILE_ECC))
         self._fields(dev, "slow_fields", self._slow_fields)
         if not dev.identity.gpm_supported:
             dev.state["counters_from_nvml"] = True
@@ -248,7 +251,12 @@ class NvmlSource:
         put(dev, "gpu_pcie_link_width", call("nvmlDeviceGetCurrPcieLinkWidth", h))
         put(dev, "gpu_pcie_replay_errors_total", call("nvmlDeviceGetPcieReplayCounter", h))
         put(dev, "gpu_power_limit_watts", call("nvmlDeviceGetEnforcedPowerLimit", h), 1e-3)
-        put(dev, "gpu_sm_clock_max_hertz", call("nvmlDeviceGetMaxClockInfo", h, self._clock_sm), 1e6)
+        smax = dev.identity.sm_clock_max_hertz  # static: read once, at discovery
+        if smax is not None:
+            dev.values["gpu_sm_clock_max_hertz"] = smax
+            dev.supported("gpu_sm_clock_max_hertz")
+        else:
+            put(dev, "gpu_sm_clock_max_hertz", call("nvmlDeviceGetMaxClockInfo", h, self._clock_sm), 1e6)
         rows = call("nvmlDeviceGetRemappedRows", h)
         if isinstance(rows, Unavailable):
             for m in ("gpu_remapped_rows_correctable_total", "gpu_remapped_rows_uncorrectable_total",
