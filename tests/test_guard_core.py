@@ -463,11 +463,12 @@ def test_stale_gpu_signal_holds_then_falls_back_to_latency_alone():
     clock.t += 5
     assert g.limiter.gpu_signal_state(clock.t) == "stale_hold"
     _feed(g, clock, 0.1, 300)
-    assert g.limiter.limit == 20.0 and not g.limiter.probing  # held
+    assert max(lim for _, lim, *_ in g.limiter.history) <= 20.0  # held: no growth (a probe may lower it)
+    held = g.limiter.limit
     clock.t += 10
     assert g.limiter.gpu_signal_state(clock.t) == "stale_ignored"
-    _feed(g, clock, 0.1, 200)
-    assert 20.0 < g.limiter.limit < 200  # the gradient runs again, within its bounds: never 'admit everything'
+    _feed(g, clock, 0.1, 300)
+    assert held < g.limiter.limit < 200  # the gradient runs again, within its bounds: never 'admit everything'
     text = render(g).decode()
     assert 'gpuscope_guard_gpu_signal_state{state="stale_ignored"} 1' in text
 

@@ -64,8 +64,9 @@ def test_a_backlog_left_by_an_earlier_run_never_locks_high_priority_out():
     res = run(default_config(), capacity=C, service_s=S, rate=480, seconds=15, backlog_jobs=int(drain_s * C / S))
     _check_converged(res, after=drain_s)
     assert res.guard.breaker.state == "closed"
-    after = res.high.between(drain_s + 4.0, 15)  # once the high-priority queue built during the backlog is served
-    assert after.success == 1.0 and after.p50() <= 2 * S
+    assert res.high.between(drain_s, 15).success == 1.0  # from the moment it drains, every high request is served
+    # the high-priority queue built while the backlog held the upstream is served within 5 s; then it is fast
+    assert res.high.between(drain_s + 5.0, 15).p50() <= 2 * S
     assert res.stuck_at_end == 0
 
 

@@ -8,9 +8,10 @@ at least 4 latencies, or `window_s`) the mean latency `R` and the mean concurren
 (Little's law: the window's slot-seconds over its length; with TTFT as the signal, the in-flight count at the
 releases). Against the upstream's no-load latency `base`, `capacity = N * base / R` (at saturation
 `R = N / C * base`, so this is the upstream's own concurrency C whatever the limit) and
-`target = rtt_tolerance * capacity`; while nothing queues (R <= 1.1 base) with the limit full, at least
+`target = rtt_tolerance * capacity`; while R <= rtt_tolerance x base with the limit full, at least
 `rtt_tolerance * L`. Growth with no queue is taken at once (at most x2 a window); otherwise
-`L <- L*(1-s) + target*s` (s = smoothing); a target under L/2 starts a probe instead. Drops (timeouts,
+`L <- L*(1-s) + target*s` (s = smoothing, at least 0.5 on the way down); a target under L/2 starts a probe
+instead. Drops (timeouts,
 deadlines, 429/503 from upstream) are no latency samples; a tenth of a window or more caps the target at
 L x backoff_ratio, and a window of nothing but drops backs off by it. No change while fewer than L/2 are in
 flight (the limit is not being tested); such a window confirms `base` when within 10 % of it.
@@ -21,9 +22,11 @@ limit drops to 0.5 x the capacity estimate and the mean latency of the next `win
 found at most that many in flight when admitted (nothing of ours queued ahead of them) becomes `base`. If it
 fell with the concurrency (under 0.9 R), there was a queue: `capacity = N * base / R` and the limit is set to
 `rtt_tolerance x capacity` at once, and a probe whose own limit was 0.8 x that or more is repeated (lower);
-if not, the upstream showed no queue at N and the limit goes back where it was. A probe lasts at most
-max(window_s, 4 latencies); one that gets no clean sample keeps its lower limit. A lower window mean under
-load is adopted as `base` at once (a queue only adds to it). Why not Gradient2's long-run average: it follows
+if not, the upstream showed no queue at N and the limit goes to `rtt_tolerance x N` (never up), to grow
+from there while nothing queues. A probe lasts at most
+max(window_s, 4 latencies); one that gets no clean sample keeps its lower limit and is repeated. A lower
+window mean under load is adopted as `base` at once (a queue only adds to it). The first window needs only
+one latency: it just starts the first probe. Why not Gradient2's long-run average: it follows
 the latency it causes, so under sustained overload the limit climbed to max_limit and the queue moved inside
 the upstream, where priority cannot act; single-sample minima over-shed on noisy inference latency, so means
 over windows are compared. `history` keeps the last 4096 updates (time, limit, base, capacity, event).
@@ -51,6 +54,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 from collections import deque
 from dataclasses import dataclass
 
@@ -94,6 +98,8 @@ class AdaptiveLimit:
         self._win_inflight_sum = 0
         self._win_drops = 0
         self._win_first = now  # the earliest admission among the window's samples
+        self._win_idle_at = math.inf  # when the last release left nothing in flight (inf: not since)
+        self._recent: deque[tuple[float, float]] = deque(maxlen=3)  # (N / R, R) of the latest windows
         self._win_n_closed = 0
         # gradient: the upstream's no-load latency (0: not measured yet), when a window last confirmed it, and
         # the samples since; the latest window's mean latency
@@ -236,6 +242,12 @@ class AdaptiveLimit:
         if self.probing:
             self._probe_sample(latency_s, inflight, dropped, now, admitted_with)
             return
+        if self._win_n and now - latency_s > self._win_idle_at + self._win_sum / self._win_n:
+            # this one started over a latency after the guard had nothing in flight: the window so far is from
+            # before that idle spell, and its span would count time in which the upstream held nothing; afresh
+            self._win_sum, self._win_n, self._win_start, self._win_inflight_max = 0.0, 0, now - latency_s, 0
+            self._win_inflight_sum = self._win_drops = 0
+        self._win_idle_at = now if inflight <= 1 else math.inf
         if inflight > self._win_inflight_max:
             self._win_inflight_max = inflight
         if dropped:
@@ -248,8 +260,11 @@ class AdaptiveLimit:
             self._win_sum += latency_s
             self._win_n += 1
             self._win_inflight_sum += inflight
-        elapsed = now - self._win_start
-        if elapsed < c.window_s and (self._win_n < c.window_samples or elapsed < _WINDOW_LATENCIES * (
+        # from the window's start, or from its first sample's admission when that came later (after a pause)
+        elapsed = now - max(self._win_start, self._win_first) if self._win_n else now - self._win_start
+        # the first window only has to start the first probe (whose errors later probes correct): one latency
+        span_latencies = _WINDOW_LATENCIES if self.base_s else 1
+        if elapsed < c.window_s and (self._win_n < c.window_samples or elapsed < span_latencies * (
                 self.base_s or self._win_sum / self._win_n)):
             return
         if self._win_n == 0:  # nothing but drops for window_s: back off
@@ -257,6 +272,11 @@ class AdaptiveLimit:
             self.limit = max(c.min_limit, self.limit * c.backoff_ratio)
             self.history.append((now, self.limit, self.base_s, self.capacity, "drop"))
             return
+        self._close_window(now)
+
+    def _close_window(self, now: float) -> None:
+        """The window is complete: what it says of the upstream, and what the limit does about it."""
+        c = self.c
         r = self._win_sum / self._win_n
         self._win_n_closed = self._win_n
         span = now - max(self._win_start, self._win_first)
@@ -273,21 +293,36 @@ class AdaptiveLimit:
         if not drops and self.base_s and r < self.base_s:
             self.base_s = r  # the no-load latency is at most this: adopted (a queue inside only adds to it)
         if inflight_max < self.limit / 2:
-            # app-limited: the limit is not being tested, so latency says nothing about it; but nothing queued
-            # inside the upstream either, so this latency is the no-load latency, confirmed
+            # app-limited: the limit is not being tested, so latency says nothing about it; but nothing of ours
+            # queued inside the upstream either, so this latency is the no-load latency: confirmed, or (at two
+            # in flight or fewer, as good as a probe) the first measure of it
             if not drops and self.base_s and r <= self.base_s * 1.1:
                 self._base_at_n = self._samples
                 self._base_at_s = now
+            elif not drops and not self.base_s and inflight_max <= 2:
+                self.base_s = r
+                self._base_at_n = self._samples
+                self._base_at_s = now
+            self._recent.clear()
             return
+        # the estimates below come from the median of the last three loaded windows' rate (N / R, completions
+        # per second with the latency signal) and latency: a window that a stall of this process bunched up or
+        # thinned out (a loaded machine) moves nothing on its own
+        self._recent.append((n_mean / r, r))
+        x = statistics.median(v[0] for v in self._recent)
+        r = statistics.median(v[1] for v in self._recent)
+        n_mean = x * r
         if self._reprobe or not self.base_s or (self._samples - self._base_at_n > c.long_window
                                                  and now - self._base_at_s >= _PROBE_EVERY_S):
             self._start_probe(n_mean, r, now)
             return
         self.capacity = n_mean * self.base_s / r
         target = c.rtt_tolerance * self.capacity
-        if r <= 1.1 * self.base_s and inflight_max >= 0.9 * self.limit:
-            # the limit is full and still nothing queues: more is allowed, whatever the estimate (slots held by
-            # requests that are not in the upstream, lost or stuck until their deadline, count for the limit)
+        if r <= c.rtt_tolerance * self.base_s and inflight_max >= 0.9 * self.limit:
+            # the limit is full and latency is still within what rtt_tolerance allows: more is allowed, whatever
+            # the estimate says (latency the upstream adds whatever the concurrency, such as a busy event loop's,
+            # lowers the estimate; slots held by requests that are not in the upstream, lost or stuck until their
+            # deadline, count for the limit but not for it)
             target = max(target, c.rtt_tolerance * self.limit)
         if target < 0.5 * self.limit:
             # halve the limit or worse: real congestion, or a no-load latency that has grown since it was
@@ -303,6 +338,11 @@ class AdaptiveLimit:
             target = self.limit
         if target > self.limit and r <= 1.1 * self.base_s:
             new = target  # no queue at all: grow at once (up to x2 a window), as after a backlog or a slow spell
+        elif target < self.limit:
+            # a queue over the target: come down at least halfway a window (what is over it waits in the upstream,
+            # where priority cannot act)
+            s = max(c.smoothing, 0.5)
+            new = self.limit * (1 - s) + target * s
         else:
             new = self.limit * (1 - c.smoothing) + target * c.smoothing
         self.limit = max(c.min_limit, min(c.max_limit, new))
@@ -341,17 +381,16 @@ class AdaptiveLimit:
         c = self.c
         pre_limit, n_mean, r = self._pre
         self.probing = ""
+        self._recent.clear()  # windows at the old limit say nothing of the new one
         self._win_sum, self._win_n, self._win_start, self._win_inflight_max = 0.0, 0, now, 0
         self._win_inflight_sum = self._win_drops = 0
         self._base_at_n = self._samples
         self._base_at_s = now
         self._reprobe = False
         if self._probe_n < min(3, c.window_samples):
-            # nothing came back unqueued in time (a backlog ahead of us, a stalled upstream): the probe's limit
-            # stays (the latency seen says the upstream is slow for now), with that latency as the base if
-            # there is none; the next windows move the limit from there
-            if not self.base_s:
-                self.base_s = r
+            # nothing came back unqueued in time (what was in flight has not drained: a backlog ahead of us, a
+            # stalled upstream): the probe's lower limit stays, and the next loaded window probes again
+            self._reprobe = True
             self.history.append((now, self.limit, self.base_s, self.capacity, "probe_aborted"))
             return
         base = self._probe_sum / self._probe_n
@@ -364,9 +403,10 @@ class AdaptiveLimit:
             self._reprobe = self._probe_limit >= _REPROBE_AT * self.capacity and self._probe_limit > c.min_limit
             target = c.rtt_tolerance * self.capacity
         else:
-            # no queue at n_mean (or a transient): the upstream holds at least that; the windows grow from there
+            # no queue at n_mean (or a transient): the upstream holds at least that; from rtt_tolerance x that
+            # (never above where it was) the windows grow while nothing queues
             self.capacity = n_mean
-            target = pre_limit
+            target = min(pre_limit, max(self._probe_limit, c.rtt_tolerance * n_mean))
         if target > pre_limit and self._signal_blocks_growth(now):
             target = pre_limit
         self.limit = max(c.min_limit, min(c.max_limit, min(target, 2.0 * pre_limit)))
