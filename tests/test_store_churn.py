@@ -7,6 +7,7 @@ from __future__ import annotations
 import sqlite3
 from itertools import pairwise
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from test_store_support import SEC, T0, gpu_values, identity
@@ -234,3 +235,23 @@ def test_a_query_over_many_series_reads_only_those_with_data_in_its_range_and_mi
                     assert all(x.values.tolist() == [(r + 1) / 8] * 5 for x in got)
                 whole = rd.query(SM, T0, T0 + 4 * gap, 60, agg="count")
                 assert len(whole) == 400 and sum(float(np.nansum(x.values)) for x in whole) == 400 * 5
+
+
+def test_decoded_time_lines_are_bounded_by_bytes_and_a_query_needing_more_still_gets_every_chunk(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    """Each short job has time lines of its own: the decoders' caches are bounded by bytes, and a read that needs
+    more time lines than the cache holds (a rollup, a query over many jobs) still decodes every chunk."""
+    from gpuscope.store import _read
+
+    monkeypatch.setattr(_read, "TIMELINE_CACHE_BYTES", 200)  # a few time lines (5 stamps each: 40 bytes)
+    gap = 25 * 60 * SEC
+    with Store(tmp_path, flush_interval=60) as store:
+        for r in range(3):
+            pids = [40_000 + 100 * r + i for i in range(40)]
+            for i, p in enumerate(pids):  # staggered starts: a time line per job
+                run_round(store, T0 + r * gap + i * 7 * SEC, [p], sm=0.5, n=5)
+        got = store.query(SM, T0, T0 + 3 * gap, 1, agg="count")
+        assert len(got) == 120 and sum(float(np.nansum(x.values)) for x in got) == 120 * 5
+        for dec in (store._reader.decoder, store._writer.decoder):  # type: ignore[union-attr]
+            assert dec.corrupt == 0
+            assert dec.timelines.bytes <= 200 or len(dec.timelines) == 1

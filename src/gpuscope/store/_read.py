@@ -54,26 +54,50 @@ class SeriesResult:
 
 
 class _LRU(OrderedDict[Any, Any]):
-    """Bounded, oldest insertion first out; safe to share between query threads."""
+    """Bounded by entries and, for arrays, by their bytes; oldest insertion first out; safe to share between
+    query threads."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, max_bytes: int | None = None) -> None:
         super().__init__()
         self.size = size
+        self.max_bytes = max_bytes
+        self.bytes = 0
         self.lock = threading.Lock()
 
     def put(self, key: Any, value: Any) -> None:
         with self.lock:
+            old = self.pop(key, None)
+            self.bytes += _nbytes(value) - _nbytes(old)
             self[key] = value
-            while len(self) > self.size:
-                self.popitem(last=False)
+            while len(self) > self.size or (self.max_bytes is not None and self.bytes > self.max_bytes and len(self) > 1):
+                _, gone = self.popitem(last=False)
+                self.bytes -= _nbytes(gone)
+
+    def clear(self) -> None:
+        with self.lock:
+            super().clear()
+            self.bytes = 0
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, np.ndarray):
+        return int(value.nbytes)
+    if isinstance(value, tuple):
+        return sum(int(v.nbytes) for v in value if isinstance(v, np.ndarray))
+    return 0
+
+
+TIMELINE_CACHE_BYTES = 16 << 20  # decoded time lines kept per decoder (a churning node has thousands of distinct ones)
+STAGING_CACHE_BYTES = 16 << 20
+_MISSING = object()
 
 
 class ChunkDecoder:
     """Decodes chunks, time lines and staging rows; a corrupt one is skipped and logged once."""
 
     def __init__(self) -> None:
-        self.timelines = _LRU(8192)
-        self.staging = _LRU(4096)
+        self.timelines = _LRU(8192, TIMELINE_CACHE_BYTES)
+        self.staging = _LRU(4096, STAGING_CACHE_BYTES)
         self._logged: set[tuple[str, int]] = set()
         self.corrupt = 0
 
@@ -83,22 +107,34 @@ class ChunkDecoder:
             self._logged.add((what, ident))
             log.warning("skipping corrupt %s %d in the store (%s); the rest is served", what, ident, err)
 
-    def load_timelines(self, conn: sqlite3.Connection, ids: set[int]) -> None:
-        missing = [i for i in ids if i not in self.timelines]
+    def load_timelines(self, conn: sqlite3.Connection, ids: set[int]) -> dict[int, Any]:
+        """The decoded time lines `ids` (None for a corrupt one; absent when missing), for points(): the cache
+        is bounded, so what one call needs is handed over whole rather than looked up in it again."""
+        got: dict[int, Any] = {}
+        missing = []
+        for i in ids:
+            t = self.timelines.get(i, _MISSING)
+            if t is _MISSING:
+                missing.append(i)
+            else:
+                got[i] = t
         for k in range(0, len(missing), 500):
             part = missing[k:k + 500]
             q = f"SELECT id, data FROM timelines WHERE id IN ({','.join('?' * len(part))})"
             for tid, blob in conn.execute(q, part):
                 try:
-                    self.timelines.put(tid, decode_chunk(blob)[0])
+                    got[tid] = decode_chunk(blob)[0]
                 except CorruptChunk as e:
                     self.bad("time line", tid, e)
-                    self.timelines.put(tid, None)
+                    got[tid] = None
+                self.timelines.put(tid, got[tid])
+        return got
 
     def points(self, tier: int, chunk_id: int, tid: int, n: int, blob: bytes,
-               need: tuple[bool, ...] = ALL) -> Points | None:
-        """A chunk as Points; rollup columns not in `need` are left as NaN placeholders."""
-        t = self.timelines.get(tid)
+               need: tuple[bool, ...] = ALL, timelines: dict[int, Any] | None = None) -> Points | None:
+        """A chunk as Points; rollup columns not in `need` are left as NaN placeholders. `timelines`: what
+        load_timelines() returned for these chunks."""
+        t = timelines.get(tid) if timelines is not None else self.timelines.get(tid)
         if t is None:
             self.bad("chunk (its time line is missing or corrupt)", chunk_id, CorruptChunk("no time line"))
             return None
@@ -229,8 +265,7 @@ class Reader:
         cache = self._series
         gen = _deletions(conn)
         if gen != self._series_gen:  # the writer deleted series: no use keeping them
-            with cache.lock:
-                cache.clear()
+            cache.clear()
             self._series_gen = gen
         for sid, metric, text in conn.execute(q, args):
             lab = cache.get(sid)
@@ -305,9 +340,9 @@ class Reader:
     def _chunks(self, conn: sqlite3.Connection, tier: int, sids: list[int], a: int, b: int,
                 out: dict[int, list[tuple[int, Points]]], need: tuple[bool, ...]) -> None:
         rows = chunk_rows(conn, tier, sids, a, b)
-        self.decoder.load_timelines(conn, {r[2] for r in rows})
+        tls = self.decoder.load_timelines(conn, {r[2] for r in rows})
         for sid, cid, tid, n, blob in rows:
-            p = self.decoder.points(tier, cid, tid, n, blob, need)
+            p = self.decoder.points(tier, cid, tid, n, blob, need, tls)
             if p is not None:
                 p = p.select(a, b)
                 if len(p):

@@ -45,6 +45,7 @@ INT64 = (-(2**63), 2**63 - 1)
 RETRY_MAX_GROUPS = 10_000  # rows kept for the next flush while writes fail (they are in memory meanwhile)
 REMIND_S = 60.0  # while writes keep failing, one reminder line a minute
 CLOCK_SLACK_NS = 60 * 1_000_000_000  # stamps this close to the store's clock are 'now'
+ROLL_BATCH = 500  # series rolled up together (one IN (...) of bound parameters)
 BUSY_MAX_S = 120.0  # a flush running longer than this (sealing, retention) is stuck, not busy
 REANCHOR_S = 3600.0  # stamps ahead of the store's clock for this long: the host clock was behind, follow it
 
@@ -553,11 +554,11 @@ class Writer:
                     f"series_id IN ({','.join('?' * len(part))}) AND tier = ? AND t_max >= ? AND t_max < ? "
                     "ORDER BY series_id, t_min", (*part, tier, lo, hi)):
                 merge.setdefault(r[0], []).append(r)
-        self.decoder.load_timelines(self.conn, {r[2] for rs in merge.values() for r in rs})
+        tls = self.decoder.load_timelines(self.conn, {r[2] for rs in merge.values() for r in rs})
         out: list[tuple[int, int, int, int, int, int, int, bytes]] = []
         gone: list[tuple[int]] = []
         for (sid, rs), scale in zip(merge.items(), self.reg.scales(list(merge)), strict=True):
-            parts = [self.decoder.points(tier, cid, tid, n, blob) for _, cid, tid, n, _, blob in rs]
+            parts = [self.decoder.points(tier, cid, tid, n, blob, timelines=tls) for _, cid, tid, n, _, blob in rs]
             p = Points.concat([x for x in parts if x is not None])
             if len(p):
                 self._chunk(out, tier, sid, p.t, [p.counts(), p.mn, p.mx, p.sm, p.last], scale)
@@ -596,20 +597,31 @@ class Writer:
         return hi if first is None else (int(first) // block) * block
 
     def _roll_block(self, k: int, blk: int) -> None:
+        """Roll tier k-1's chunks of one of tier k's blocks up into tier k, a batch of series at a time: a 6-hour
+        block of a churning node holds hundreds of thousands of series, whose chunks at once would not fit."""
         tier, src = TIERS[k], k - 1
-        rows = self.conn.execute("SELECT series_id, id, timeline, n, data FROM chunks WHERE tier = ? AND t_max >= ? "
-                                 "AND t_max < ? ORDER BY series_id, t_min", (src, blk, blk + tier.block_ns)).fetchall()
-        self.decoder.load_timelines(self.conn, {r[2] for r in rows})
-        parts: dict[int, list[Points]] = {}
-        for sid, cid, tid, n, blob in rows:
-            p = self.decoder.points(src, cid, tid, n, blob)
-            if p is not None:
-                parts.setdefault(sid, []).append(p)
-        out: list[tuple[int, int, int, int, int, int, int, bytes]] = []
-        for (sid, ps), scale in zip(parts.items(), self.reg.scales(list(parts)), strict=True):
-            r = rollup(Points.concat(ps), tier.resolution_ns)
-            self._chunk(out, k, sid, r.t, [r.counts(), r.mn, r.mx, r.sm, r.last], scale)
-        self._insert_chunks(out)
+        hi = blk + tier.block_ns
+        sids = [sid for (sid,) in self.conn.execute(
+            "SELECT DISTINCT series_id FROM chunks INDEXED BY chunks_age WHERE tier = ? AND t_max >= ? AND t_max < ?",
+            (src, blk, hi))]
+        sids.sort()
+        for i in range(0, len(sids), ROLL_BATCH):
+            part = sids[i:i + ROLL_BATCH]
+            rows = self.conn.execute(
+                "SELECT series_id, id, timeline, n, data FROM chunks INDEXED BY chunks_series WHERE series_id IN "
+                f"({','.join('?' * len(part))}) AND tier = ? AND t_max >= ? AND t_max < ? ORDER BY series_id, t_min",
+                (*part, src, blk, hi)).fetchall()
+            tls = self.decoder.load_timelines(self.conn, {r[2] for r in rows})
+            parts: dict[int, list[Points]] = {}
+            for sid, cid, tid, n, blob in rows:
+                p = self.decoder.points(src, cid, tid, n, blob, timelines=tls)
+                if p is not None:
+                    parts.setdefault(sid, []).append(p)
+            out: list[tuple[int, int, int, int, int, int, int, bytes]] = []
+            for (sid, ps), scale in zip(parts.items(), self.reg.scales(list(parts)), strict=True):
+                r = rollup(Points.concat(ps), tier.resolution_ns)
+                self._chunk(out, k, sid, r.t, [r.counts(), r.mn, r.mx, r.sm, r.last], scale)
+            self._insert_chunks(out)
 
     def _meta(self, groups: list[Group]) -> None:
         latest: dict[int, tuple[int, float]] = {}
