@@ -4,9 +4,10 @@ the simple step mode.
 Gradient (default): the limit is what the upstream holds without queueing (its capacity), times
 `rtt_tolerance` (1.25: a queue of a quarter of the capacity inside the upstream keeps it busy; the rest waits
 in the guard's priority queue, where priority acts). Per short window (`window_samples` completions spanning
-at least 4 latencies, or `window_s`) the mean latency `R` and the mean concurrency `N` the upstream held
-(Little's law: the window's slot-seconds over its length; with TTFT as the signal, the in-flight count at the
-releases). Against the upstream's no-load latency `base`, `capacity = N * base / R` (at saturation
+at least 4 latencies, or `window_s`; a window does not span an idle spell) the mean latency `R` and the mean
+concurrency `N` the upstream held (Little's law: the window's slot-seconds over its length; with TTFT as the
+signal, the in-flight count at the releases), then `N / R` and `R` as the medians of the last three loaded
+windows, so that one window a stall of this process bunched up moves nothing. Against the upstream's no-load latency `base`, `capacity = N * base / R` (at saturation
 `R = N / C * base`, so this is the upstream's own concurrency C whatever the limit) and
 `target = rtt_tolerance * capacity`; while R <= rtt_tolerance x base with the limit full, at least
 `rtt_tolerance * L`. Growth with no queue is taken at once (at most x2 a window); otherwise
@@ -25,8 +26,9 @@ fell with the concurrency (under 0.9 R), there was a queue: `capacity = N * base
 if not, the upstream showed no queue at N and the limit goes to `rtt_tolerance x N` (never up), to grow
 from there while nothing queues. A probe lasts at most
 max(window_s, 4 latencies); one that gets no clean sample keeps its lower limit and is repeated. A lower
-window mean under load is adopted as `base` at once (a queue only adds to it). The first window needs only
-one latency: it just starts the first probe. Why not Gradient2's long-run average: it follows
+window mean under load is adopted as `base` at once (a queue only adds to it), and an app-limited window at
+two in flight or fewer gives the first `base` as a probe would. The first window needs only one latency: it
+just starts the first probe. Why not Gradient2's long-run average: it follows
 the latency it causes, so under sustained overload the limit climbed to max_limit and the queue moved inside
 the upstream, where priority cannot act; single-sample minima over-shed on noisy inference latency, so means
 over windows are compared. `history` keeps the last 4096 updates (time, limit, base, capacity, event).
