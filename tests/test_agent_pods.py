@@ -202,6 +202,16 @@ def test_pods_on_a_kubernetes_node(sockdir):
         v = until(idle_verdict, "GPU 5's idle_allocated verdict", agent)
         assert "allocated to pod nb/jupyter-alice" in v["summary"] and v["evidence"]["pods"] == ["nb/jupyter-alice"]
 
+        # -- `gpuscope top --once` on this agent: the state beside each GPU's verdict --
+        top = subprocess.run([sys.executable, "-m", "gpuscope.cli", "top", "--once", "--url",
+                              f"http://127.0.0.1:{agent.port}"], env={**os.environ, "PYTHONPATH": str(ROOT / "src"),
+                                                                      "COLUMNS": "160"},
+                             capture_output=True, text=True, timeout=60)
+        assert top.returncode == 0, top.stderr
+        rows = {line.split()[0]: line for line in top.stdout.splitlines() if line[:1].isdigit()}
+        assert "k8s: allocated, idle: nb/jupyter-alice" in rows["5"], top.stdout
+        assert "k8s: in use outside Kubernetes" in rows["7"] and "k8s: in use by ml/train-0" in rows["0"]
+
         # -- a pod that ends between two refreshes --
         kubelet.pods = [p for p in NODE if p[1] != "short-job"]
         until(lambda: not series(agent.metrics(), "gpu_power_watts", gpu="2", pod="short-job"), "short-job gone",

@@ -443,3 +443,23 @@ def test_mig_instances_from_a_real_server(sockdir, kubelets):
     finally:
         s.stop()
     assert pods._thread is None  # the sampler stopped its pod source
+
+
+def test_the_views_show_the_state_and_nothing_outside_kubernetes():
+    from gpuscope import viewmodel
+    from gpuscope._records import Snapshot
+    from gpuscope.top import model
+
+    j = PodJoin(Answer({"0": (PodRef("nb", "lab", "notebook"),)}))
+    gpus = [gpu("0"), gpu("1")]
+    j.annotate(gpus, [proc(1, "0", pod_uid="u"), proc(2, "1")])
+    ov = viewmodel.from_snapshot(Snapshot(0, gpus, [], None, [], hostname="n"), with_ppid=False)
+    g0, g1 = ov["gpus"]
+    assert g0["allocation"] == {"state": "allocated_idle",
+                                "pods": [{"namespace": "nb", "pod": "lab", "container": "notebook"}]}
+    assert g1["allocation"] == {"state": "in_use_outside_kubernetes", "pods": []}
+    assert model.dense_line(g0, 200).endswith("k8s: allocated, idle: nb/lab")
+    assert "[k8s: in use outside Kubernetes]" in model.panel_lines(g1, 200, [])[0]
+    plain = viewmodel.from_snapshot(Snapshot(0, [gpu("0")], [], None, [], hostname="n"), with_ppid=False)["gpus"][0]
+    assert plain["allocation"] is None and model.allocation_text(plain) == ""
+    assert "k8s" not in model.dense_line(plain, 200) + "".join(model.panel_lines(plain, 200, []))
