@@ -463,3 +463,22 @@ def test_the_views_show_the_state_and_nothing_outside_kubernetes():
     plain = viewmodel.from_snapshot(Snapshot(0, [gpu("0")], [], None, [], hostname="n"), with_ppid=False)["gpus"][0]
     assert plain["allocation"] is None and model.allocation_text(plain) == ""
     assert "k8s" not in model.dense_line(plain, 200) + "".join(model.panel_lines(plain, 200, []))
+
+
+def test_the_kubernetes_config_section(tmp_path):
+    from gpuscope.agent import config as agent_config
+
+    assert agent_config.Config().kubernetes.pod_resources_socket == "auto"
+    f = tmp_path / "agent.toml"
+    f.write_text('[kubernetes]\npod_resources_socket = "sock/kubelet.sock"\npod_resources_interval = "5s"\n')
+    k = agent_config.load(f).kubernetes
+    assert k.pod_resources_socket == str(tmp_path / "sock/kubelet.sock")  # relative to the file, as its others
+    assert (k.pod_resources_interval, k.pod_resources_timeout) == (5.0, 2.0)
+    for body, words in (('pod_resources_socket = 5', "must be a string"),
+                        ('pod_resources_interval = "100ms"', "at least 500ms"),
+                        ('pod_resources_timeout = "soon"', "must be a duration"),
+                        ('pod_resource_socket = "x"', "did you mean")):
+        f.write_text(f"[kubernetes]\n{body}\n")
+        with pytest.raises(agent_config.ConfigError) as e:
+            agent_config.load(f)
+        assert words in str(e.value) and "[kubernetes]" in str(e.value) and "\n" not in str(e.value), str(e.value)
