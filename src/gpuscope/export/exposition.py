@@ -15,12 +15,15 @@ Canonical mode (the default) uses the catalog's names: base units, ratios 0..1, 
 Device series carry `gpu`, `uuid`, `model`, `hostname` plus their own labels (`reason`, `xid`, ...);
 `gpu_info` (=1) carries `driver`, `cuda`, `pci_bus_id`, `architecture`, `compute_capability`, `mig`.
 Per-process series (`gpu_process_memory_used_bytes`, `gpu_process_sm_active_ratio`,
-`gpu_process_memory_utilization_ratio`, `process_cpu_cores`, `process_thread_cpu_max_ratio`,
-`process_resident_memory_bytes`, `process_threads`) add `pid`, `process`, `user` and, where attribution
-found them, `pod`, `namespace`, `container`, `slurm_job` (not `job`: Prometheus owns that label and
-would rename ours to `exported_job`). Cardinality is bounded: per GPU the `top_processes` largest by
-GPU memory get their own series, the rest are summed into one with `pid="other", process="other"`.
-Empty labels are left out (Prometheus treats them as absent).
+`gpu_process_memory_utilization_ratio`, `gpu_process_utilization_ratio`, `gpu_process_energy_joules_total`,
+`process_cpu_cores`, `process_thread_cpu_max_ratio`, `process_resident_memory_bytes`, `process_threads`)
+add `pid`, `process`, `user` and, where attribution found them, `pod`, `namespace`, `container`,
+`slurm_job` (not `job`: Prometheus owns that label and would rename ours to `exported_job`). Cardinality
+is bounded: per GPU the `top_processes` largest by GPU memory get their own series, the rest are summed
+into one with `pid="other", process="other"` (gauges only: a sum over whichever processes fall outside the
+top is no counter). Per-pod series (`gpu_pod_memory_used_bytes`, `gpu_pod_sm_active_ratio`,
+`gpu_pod_energy_joules_total`; gpuscope.shares) carry the GPU's labels and `namespace`, `pod`, or
+`container` where the pod is unknown. Empty labels are left out (Prometheus treats them as absent).
 
 DCGM mode (`mode="dcgm"`) speaks dcgm-exporter's dialect so DCGM Grafana dashboards work unchanged:
 names `DCGM_FI_*`, DCGM units (%, MiB, MHz, mJ, ns), integer values where DCGM's field is an integer,
