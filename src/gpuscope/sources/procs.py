@@ -153,6 +153,7 @@ class ProcessSource:
                 failed.update(d.label for d in mig_children.get(dev.identity.index, {}).values())
                 continue
             energy_due: dict[int, float] = {}
+            util: dict[int, tuple[float | None, float, float]] | None
             if dev.identity.mig_mode:
                 util = None
                 for d in (dev, *mig_children.get(dev.identity.index, {}).values()):
@@ -205,8 +206,8 @@ class ProcessSource:
                 # A process that ended within the window is charged to the pod it was in.
                 who = owners.get((dev.label, pid)) or self._owners.get((dev.label, pid))
                 if who is not None and joules:
-                    key = (dev.label, who)
-                    self._pod_energy[key] = self._pod_energy.get(key, 0.0) + joules
+                    pkey = (dev.label, who)
+                    self._pod_energy[pkey] = self._pod_energy.get(pkey, 0.0) + joules
         self._diff(records, devices, events, failed)
         self.host.forget(set(infos))
         self._forget(records, owners, failed)
