@@ -255,3 +255,37 @@ def test_decoded_time_lines_are_bounded_by_bytes_and_a_query_needing_more_still_
         for dec in (store._reader.decoder, store._writer.decoder):  # type: ignore[union-attr]
             assert dec.corrupt == 0
             assert dec.timelines.bytes <= 200 or len(dec.timelines) == 1
+
+
+def test_after_a_seal_the_writer_hands_free_heap_back_and_counts_it(tmp_path: Path) -> None:
+    """glibc keeps freed heap pages below a live block for reuse, so RSS stays at its highest; the writer trims the
+    heap after each seal (its largest allocation) and health() counts what RSS fell by. The trim itself is shown
+    in a fresh interpreter, whose heap layout is known (this one's depends on the tests run before)."""
+    import subprocess
+    import sys
+
+    from gpuscope.store import _writer
+
+    probe = """
+import ctypes, sys
+sys.path.insert(0, sys.argv[1])
+from gpuscope.store import _writer
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+blocks = [libc.malloc(64 << 10) for _ in range(800)]  # 50 MB of heap, below the mmap threshold
+for b in blocks:
+    ctypes.memset(b, 1, 64 << 10)
+pins = [libc.malloc(64) for _ in range(8)]  # live blocks above them: free() alone cannot give them back
+for b in blocks[:-1]:
+    libc.free(b)
+print(_writer._give_back_memory())
+"""
+    src = str(Path(_writer.__file__).resolve().parents[2])
+    out = subprocess.run([sys.executable, "-c", probe, src], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout) >= 32 << 20  # most of the 50 MB went back to the OS
+    with Store(tmp_path, flush_interval=60) as store:
+        run_round(store, T0, [50_000 + i for i in range(50)])
+        run_round(store, T0 + 25 * 60 * SEC, [51_000])  # seals a block: the trim runs after it
+        assert isinstance(store.health()["memory_given_back_bytes"], int)
+        assert _writer._malloc_trim  # glibc's malloc_trim was found and called (Linux)

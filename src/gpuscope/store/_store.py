@@ -218,7 +218,7 @@ class Store:
         'write_errors', 'records_repaired' (text made valid), 'records_dropped' (records it could not store),
         'snapshots_dropped' (queue full), 'samples_dropped' (memory bound while writes failed),
         'late_samples' (stamped before the sealed block: kept), 'flush_thread_alive', 'flush_running_seconds'
-        (None when idle) and 'longest_flush_seconds'}. Unhealthy while writes fail, when no flush has completed
+        (None when idle), 'longest_flush_seconds' and 'memory_given_back_bytes' (heap handed back to the OS after seals)}. Unhealthy while writes fail, when no flush has completed
         for three flush intervals (plus 2 s) unless one is under way for less than BUSY_MAX_S (sealing a block of
         many series takes seconds; the samples wait in memory meanwhile), or when the flush thread is gone. A
         reader is healthy while it is open."""
