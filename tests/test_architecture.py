@@ -22,7 +22,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "gpuscope"
 # below; among the features, only the edges in FEATURE_EDGES.
 LAYERS: list[tuple[str, set[str]]] = [
     ("floor", {"_version", "errors", "timeparse", "_paths", "_text", "_files", "_redact", "_serverlog", "_child",
-               "_records", "catalog", "_nvml", "_cgroup", "_hostproc", "http", "_choices"}),
+               "_records", "catalog", "_nvml", "_cgroup", "_hostproc", "http", "_choices", "shares"}),
     ("core", {"sources", "fakenvml", "testing", "sim", "sampler", "store", "diagnose", "export", "viewmodel"}),
     ("kit", {"_args", "report"}),
     ("features", {"alerts", "trace", "web", "agent", "top", "loadtest", "guard", "integrations", "doctor",

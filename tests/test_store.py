@@ -17,6 +17,7 @@ import pytest
 from test_store_support import SEC, T0, THROTTLE, gpu_values, snapshot
 
 from gpuscope import Event, Sampler
+from gpuscope.catalog import PROCESS_SERIES
 from gpuscope.store import QueryError, Retention, Store, StoreError
 from gpuscope.store._aggregate import plan
 
@@ -75,7 +76,7 @@ def test_sampler_snapshots_round_trip(tmp_path: Path) -> None:
         store.flush()
         last = snaps[-1]
         assert store.latest() is last  # the writer hands back its own last snapshot
-        expected = sum(len(g.values) for g in last.gpus) + len(last.host.values) + 7 * len(last.processes)
+        expected = sum(len(g.values) for g in last.gpus) + len(last.host.values) + len(PROCESS_SERIES) * len(last.processes)
         assert len(store.series()) == expected
         r = store.query("gpu_power_watts", snaps[0].time_ns, last.time_ns + 1, 0.01, agg="last", labels={"gpu": 3})
         assert len(r) == 1 and r[0].labels["uuid"] == last.gpus[3].uuid
