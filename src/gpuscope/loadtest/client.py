@@ -37,7 +37,6 @@ bytes past an answer's end are malformed.
 from __future__ import annotations
 
 import asyncio
-import math
 import socket
 import ssl
 import time
@@ -148,6 +147,14 @@ _IDEMPOTENCY_KEYS = frozenset({b"idempotency-key", b"x-idempotency-key"})
 # Node's --max-http-header-size are 8-32 KiB, so 64 KiB is generous).
 MAX_HEAD_BYTES = 64 << 10
 
+# How far an answer has come (_Conn.phase).
+_HEAD_DUE, _INTERIM, _HEADERS_IN, _COMPLETE = 0, 1, 2, 3   # its status line and headers to come; a 1xx being
+                                                            # read past; the final headers in; all of it in
+
+_SWITCHED = "the server switched protocols (101), which the load tester did not ask for"
+_EXCESS = ("the server sent bytes past the end of its Content-Length (a body longer than it said), so the answer's "
+           "end is unknown")
+
 
 def request_traits(payload: bytes) -> int:
     """The _HEAD, _RETRY and _CLOSE bits of an encoded request.
@@ -207,8 +214,8 @@ class _Conn(asyncio.Protocol):
     end in the same read are seen: a body longer than its Content-Length is an error, not the next answer."""
 
     __slots__ = ("client", "transport", "parser", "rec", "on_done", "on_chunk", "deadline", "now", "keep",
-                 "payload", "flags", "served", "written", "head", "headers_done", "complete", "excess", "interim",
-                 "bad", "body_n", "idle_at")
+                 "payload", "flags", "served", "written", "head", "phase", "bad", "body_n",
+                 "idle_at")
 
     def __init__(self, client: Client) -> None:
         self.client = client
@@ -225,11 +232,8 @@ class _Conn(asyncio.Protocol):
         self.served = 0              # answers this connection has carried: > 0 means a reused connection
         self.written = False         # the request's bytes went to the socket (the write did not fail at once)
         self.head: bytes | None = None   # the answer's bytes until its headers are complete (rare paths read it)
-        self.headers_done = False    # the final (non-1xx) answer's headers are in
-        self.complete = False        # the answer is complete
-        self.excess = False          # bytes came after the complete answer
-        self.interim = False         # the answer being parsed is a 1xx (skipped)
-        self.bad: str | None = None  # why the answer's status line is not one to accept
+        self.phase = _HEAD_DUE       # how far its answer has come
+        self.bad: str | None = None  # why the answer is not one to accept (its status line, bytes past its end)
         self.body_n = 0              # body bytes of the answer so far
         self.idle_at = 0.0           # when its last answer ended (seconds since t0)
 
@@ -246,31 +250,34 @@ class _Conn(asyncio.Protocol):
         if rec.t_first_byte is None:
             rec.t_first_byte = now
         rec.bytes_in += len(data)
-        had_headers = self.headers_done
+        had_headers = self.phase >= _HEADERS_IN
         if not had_headers:
             self.head = data if self.head is None else self.head + data
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            self.bad = "the server switched protocols (101), which the load tester did not ask for"
+            self.bad = _SWITCHED
         except httptools.HttpParserError as e:
-            if self.complete:
-                self.excess = True
+            if self.phase == _COMPLETE:
+                self.bad = _EXCESS
             elif self.bad is None:
                 self.fail("malformed", f"bad HTTP response: {e}")
                 return
-        if self.rec is not rec:   # ended by a callback (a stream's reader refused the body)
+        # (the bytes of this read that were body are not head: body_n counts what the parser gave as body)
+        if self.phase == _COMPLETE and self.bad is None and self.rec is rec and (
+                had_headers or len(self.head) - self.body_n <= MAX_HEAD_BYTES):  # type: ignore[arg-type]
+            s = rec.status   # the answer, complete (as _answered, inline: this is every request's path)
+            if s >= 300 and rec.error is None:
+                rec.error = "http_429" if s == 429 else "http_5xx" if s >= 500 else "http_4xx"
+                rec.error_detail = f"HTTP {s}"
+            self.served += 1
+            self._finish(reuse=self.keep)
+        elif self.rec is not rec:   # ended by a callback (a stream's reader refused the body)
             return
-        if self.bad is not None:
+        elif self.bad is not None:
             self.fail("malformed", self.bad)
-        elif self.excess:
-            self.fail("malformed", "the server sent bytes past the end of its Content-Length (a body longer than "
-                                   "it said), so the answer's end is unknown")
         elif not had_headers and len(self.head or b"") - self.body_n > MAX_HEAD_BYTES:
-            # (the bytes of this read that were body are not head: body_n counts what the parser gave as body)
             self.fail("malformed", f"the answer's status line and headers exceed {MAX_HEAD_BYTES >> 10} KiB")
-        elif self.complete:
-            self._answered(reuse=self.keep)
 
     def connection_lost(self, exc: Exception | None) -> None:
         client = self.client
@@ -283,7 +290,7 @@ class _Conn(asyncio.Protocol):
             return
         if self.served and rec.t_first_byte is None:
             client.unsaid_close_at = perf_counter() - client.t0
-        if self.headers_done and exc is None and answer_framing(self.head or b"") == (None, False):
+        if self.phase >= _HEADERS_IN and exc is None and answer_framing(self.head or b"") == (None, False):
             # No Content-Length, no chunking: the body ends with the connection (HTTP/1.0 style, or SSE
             # without chunking). A reset instead of a clean close leaves it unknown, so that is a disconnect.
             rec.t_end = perf_counter() - self.client.t0
@@ -294,30 +301,29 @@ class _Conn(asyncio.Protocol):
         else:
             self.fail("disconnect", self._cut(exc))
 
-    # httptools callbacks
-    def on_message_begin(self) -> None:
-        if self.complete:
-            self.excess = True
-
+    # httptools callbacks (no on_message_begin: a Python call per answer for what on_headers_complete sees)
     def on_headers_complete(self) -> None:
+        if self.phase == _COMPLETE:   # a second answer's headers in the read that ended the first: bytes past
+            self.bad = _EXCESS          # its end
+            return
         status = self.parser.get_status_code()
         if 100 <= status < 200 and status != 101:
-            self.interim = True   # 100 Continue, 103 Early Hints: the answer is still to come
+            self.phase = _INTERIM   # 100 Continue, 103 Early Hints: the answer is still to come
             return
-        self.headers_done = True
+        self.phase = _HEADERS_IN
         rec = self.rec
         if rec is None:
             return
         rec.status = status
         if status == 101:
-            self.bad = "the server switched protocols (101), which the load tester did not ask for"
+            self.bad = _SWITCHED
         elif not 100 <= status <= 599:
             self.bad = f"the server answered status {status}, which is not an HTTP status (100-599)"
         self.keep = self.parser.should_keep_alive() and not self.flags & _CLOSE
         if self.flags & _HEAD:
             # Its Content-Length is that of the GET it stands for: no body follows. The parser would wait for
             # one, so the connection gets a fresh parser for its next answer.
-            self.complete = True
+            self.phase = _COMPLETE
             rec.t_end = self.now
             self.parser = httptools.HttpResponseParser(self)
 
@@ -329,24 +335,29 @@ class _Conn(asyncio.Protocol):
                 self.fail(err, "bad server-sent events or JSON in the response")
 
     def on_message_complete(self) -> None:
-        if self.interim:
-            self.interim = False
+        phase = self.phase
+        if phase == _INTERIM:
+            self.phase = _HEAD_DUE
             return
         rec = self.rec
-        if rec is None or self.complete:
+        if rec is None or phase == _COMPLETE:
             return
-        self.complete = True
+        self.phase = _COMPLETE
         rec.t_end = self.now
 
     # own
     def start(self, rec: RequestRecord, payload: bytes, on_done: OnDone, on_chunk: OnChunk | None) -> None:
-        self.rec, self.on_done, self.on_chunk = rec, on_done, on_chunk
+        self.rec = rec
+        self.on_done = on_done
+        self.on_chunk = on_chunk
         self.payload = payload
-        self.head, self.headers_done, self.complete, self.excess, self.interim, self.bad = (
-            None, False, False, False, False, None)
-        self.body_n = 0
+        self.head = self.bad = None
+        self.phase = self.body_n = 0   # _HEAD_DUE, no body yet
         client = self.client
-        self.flags = client.traits(payload)
+        if payload is client._traits_payload:
+            flags = self.flags = client._traits_flags
+        else:
+            flags = self.flags = client.traits(payload)
         now = perf_counter() - client.t0
         if rec.t_retried is None:
             rec.t_sent = now
@@ -359,9 +370,10 @@ class _Conn(asyncio.Protocol):
         rec.bytes_out = len(payload)
         transport = self.transport
         transport.write(payload)  # type: ignore[union-attr]
-        # A write that failed at once (the server's reset had arrived) closes the transport before it returns:
-        # then no byte of the request left, and any method may go again on a fresh connection.
-        self.written = not transport.is_closing()  # type: ignore[union-attr]
+        if not flags & _RETRY:
+            # A write that failed at once (the server's reset had arrived) closes the transport before it
+            # returns: then no byte of the request left, and it may go again on a fresh connection.
+            self.written = not transport.is_closing()  # type: ignore[union-attr]
         if deadline < client._new_min:
             client._new_min = deadline
             if deadline < client._timer_at:
@@ -384,7 +396,7 @@ class _Conn(asyncio.Protocol):
         within = f"within {timeout_s:g} s of its intended send"
         if rec.t_first_byte is None:
             self.fail("timeout", f"no answer {within}")
-        elif not self.headers_done:
+        elif self.phase < _HEADERS_IN:
             self.fail("timeout", f"the answer's headers were not complete {within}")
         else:
             self.fail("timeout", f"the answer stopped {self.body_n} bytes into its body: not complete {within}")
@@ -418,7 +430,7 @@ class _Conn(asyncio.Protocol):
                         "again (it may have been processed) unless it carries an Idempotency-Key header")
             return f"the server {how} the connection without answering" + (
                 " (the retry on a fresh connection too)" if rec is not None and rec.t_retried is not None else "")
-        if not self.headers_done:
+        if self.phase < _HEADERS_IN:
             return f"the server {how} the connection in the middle of the answer's status line and headers"
         length, chunked = answer_framing(self.head or b"")
         if length is not None:
@@ -475,17 +487,18 @@ class Client:
         self._new_min = float("inf")
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = float("inf")
-        self._traits_of: tuple[bytes, int] = (b"", 0)   # the last payload's traits (a static one is one object)
+        self._traits_payload, self._traits_flags = b"", 0   # the last payload's traits (a static one is one object)
         # When the server was last seen closing a kept-alive connection right after an answer without saying
         # so (seconds since t0): for a while after that, requests wait for a settled connection (_take_idle).
-        self.unsaid_close_at = -math.inf
+        self.unsaid_close_at: float | None = None
 
     @property
     def in_flight(self) -> int:
         return len(self._all) - len(self._idle) + self._opening
 
     def send(self, rec: RequestRecord, payload: bytes, on_done: OnDone, on_chunk: OnChunk | None = None) -> None:
-        if self._idle and (conn := self._take_idle(payload)) is not None:
+        idle = self._idle
+        if idle and (conn := idle.pop() if self.unsaid_close_at is None else self._take_idle(payload)) is not None:
             conn.start(rec, payload, on_done, on_chunk)
         elif (self.max_connections and len(self._all) + self._opening >= self.max_connections) \
                 or self._opening >= MAX_OPENING:
@@ -515,10 +528,8 @@ class Client:
         changes (one comparison)."""
         idle = self._idle
         seen = self.unsaid_close_at
-        if seen == -math.inf:
-            return idle.pop()
         now = perf_counter() - self.t0
-        if now - seen > _CLOSER_MEMORY_S:
+        if seen is None or now - seen > _CLOSER_MEMORY_S:
             return idle.pop()
         settled = now - _SETTLED_S
         for k in range(len(idle) - 1, max(len(idle) - 5, -1), -1):
@@ -531,11 +542,9 @@ class Client:
 
     def traits(self, payload: bytes) -> int:
         """request_traits(payload), looked up once for a payload sent again and again."""
-        last, flags = self._traits_of
-        if payload is not last:
-            flags = request_traits(payload)
-            self._traits_of = (payload, flags)
-        return flags
+        if payload is not self._traits_payload:
+            self._traits_payload, self._traits_flags = payload, request_traits(payload)
+        return self._traits_flags
 
     async def _open_and_send(self, rec: RequestRecord, payload: bytes, on_done: OnDone,
                              on_chunk: OnChunk | None) -> None:
