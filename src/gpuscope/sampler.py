@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import math
-import socket
 import threading
 import time
 from collections import deque
@@ -29,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
+from ._node import node_name
 from ._nvml import GpuLost, Nvml
 from ._records import Capability, Event, GpuRecord, HostRecord, PodRecord, ProcessRecord, Snapshot
 from .catalog import CATALOG, decode_clock_event_reasons
@@ -139,7 +139,7 @@ class Sampler:
         self.nvml = nvml if isinstance(nvml, Nvml) else Nvml(nvml)
         self._host_reader = host_reader
         self._host_source = host_source
-        self.hostname = socket.gethostname()
+        self.hostname = node_name()
         self.devices: list[Device] = []
         self.events_history: deque[Event] = deque(maxlen=10_000)
         self.history: deque[Snapshot] = deque(maxlen=self.config.history)

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import logging
 import re
-import socket
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .._node import node_name
 from .._records import GpuIdentity, PodRecord, ProcessRecord, Snapshot
 from ..catalog import CATALOG, POD_SERIES, PROCESS_SERIES, Kind, split_series_key
 
@@ -513,7 +513,7 @@ _HOSTNAME: list[str] = []
 
 def _local_hostname() -> str:
     if not _HOSTNAME:
-        _HOSTNAME.append(socket.gethostname())
+        _HOSTNAME.append(node_name())
     return _HOSTNAME[0]
 
 
