@@ -117,6 +117,26 @@ def test_read_attribution_namespace_from_service_account(tmp_path):
     assert read_attribution(42, proc_root=str(tmp_path)).namespace == "inference"
 
 
+def test_the_service_account_namespace_is_read_inside_the_processs_root_through_its_absolute_links(tmp_path):
+    """An image whose /var/run is a link to /run (most are): the kernel would resolve that absolute link
+    against the agent's root, i.e. read the agent's own pod's namespace (or none). It is resolved inside
+    the process's root, relative links and '..' too, and a loop of links ends in no namespace."""
+    d = _fake_proc(tmp_path / "proc", 42, V1_K8S_CGROUPFS, {"KUBERNETES_SERVICE_HOST": "x", "HOSTNAME": "p"})
+    root = d / "root"
+    sa = root / "run/secrets/kubernetes.io/serviceaccount"
+    sa.mkdir(parents=True)
+    (sa / "namespace").write_text("team-a\n")
+    (root / "var").mkdir()
+    (root / "var/run").symlink_to("/run")  # absolute, as in the image
+    assert read_attribution(42, proc_root=str(tmp_path / "proc")).namespace == "team-a"
+    (root / "var/run").unlink()
+    (root / "var/run").symlink_to("../run")  # relative
+    assert read_attribution(42, proc_root=str(tmp_path / "proc")).namespace == "team-a"
+    (root / "var/run").unlink()
+    (root / "var/run").symlink_to("/var/run")  # a loop
+    assert read_attribution(42, proc_root=str(tmp_path / "proc")).namespace == ""
+
+
 def test_read_attribution_slurm_env_fills_in(tmp_path):
     _fake_proc(tmp_path, 7, "0::/user.slice\n", {"SLURM_JOB_ID": "31337", "SLURM_PROCID": "0"})
     assert read_attribution(7, proc_root=str(tmp_path)) == Attribution(slurm_job="31337")

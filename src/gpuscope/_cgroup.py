@@ -139,6 +139,35 @@ def _read(path: str) -> bytes | None:
         return None
 
 
+def _read_in_root(root: str, rel: str, max_links: int = 40) -> bytes | None:
+    """Read `rel` inside the file system whose root is `root` (a process's /proc/PID/root), following symbolic
+    links as that process would. The kernel resolves an absolute link met below /proc/PID/root against *our* root:
+    an image's `/var/run -> /run` would read the agent's own /run (its own pod's namespace), not the process's."""
+    parts = [p for p in rel.split("/") if p]
+    done: list[str] = []
+    links = 0
+    while parts:
+        part = parts.pop(0)
+        if part == ".":
+            continue
+        if part == "..":
+            if done:
+                done.pop()
+            continue
+        try:
+            target = os.readlink(os.path.join(root, *done, part))
+        except OSError:  # not a link (or not there: the read below says so)
+            done.append(part)
+            continue
+        links += 1
+        if links > max_links:
+            return None
+        if target.startswith("/"):
+            done = []
+        parts = [x for x in target.split("/") if x] + parts
+    return _read(os.path.join(root, *done))
+
+
 def read_attribution(pid: int, proc_root: str = "/proc") -> Attribution:
     """Attribution of process `pid`: cgroup path first, then its environment, best effort.
 
@@ -157,7 +186,7 @@ def read_attribution(pid: int, proc_root: str = "/proc") -> Attribution:
         pod = env.get("POD_NAME", "") or (env.get("HOSTNAME", "") if "KUBERNETES_SERVICE_HOST" in env else "")
         namespace = env.get("POD_NAMESPACE", "")
         if in_k8s and not namespace:
-            ns = _read(os.path.join(base, "root", _SA_NAMESPACE))
+            ns = _read_in_root(os.path.join(base, "root"), _SA_NAMESPACE)
             namespace = ns.decode("utf-8", "replace").strip() if ns else ""
         slurm_job = env.get("SLURM_JOB_ID", "") or env.get("SLURM_JOBID", "")
         return _merge(result, Attribution(pod=pod, namespace=namespace, slurm_job=slurm_job))
