@@ -99,6 +99,12 @@ def test_requests_stuck_in_flight_are_released_by_their_deadline():
     assert late.ok == late.sent - lost  # every high-priority request but the lost ones was served
     assert res.stuck_at_end == 0 and res.guard.inflight == [0, 0]  # the late releases did not count twice
     assert res.guard.breaker.state == "closed"  # slowness is the limiter's to handle, not a failure
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from gpuscope.guard._metrics import render
+    fams = {f.name: f for f in text_string_to_metric_families(render(res.guard).decode())}
+    shown = {x.labels["class"]: x.value for x in fams["gpuscope_guard_expired"].samples}
+    assert sum(shown.values()) == sum(res.guard.expired_total) > 0  # an operator sees the slots taken back
 
 
 def test_a_bad_deadline_or_tolerance_is_one_sentence():

@@ -1,7 +1,8 @@
 """The guard's own Prometheus metrics, as text exposition (format 0.0.4).
 
 Families: gpuscope_guard_admitted_total{class}, gpuscope_guard_queued_total{class},
-gpuscope_guard_shed_total{class,reason}, gpuscope_guard_queue_wait_seconds_{sum,count}{class},
+gpuscope_guard_shed_total{class,reason}, gpuscope_guard_expired_total{class} (slots taken back at deadline_s),
+gpuscope_guard_queue_wait_seconds_{sum,count}{class},
 gpuscope_guard_inflight{class}, gpuscope_guard_queue_depth, gpuscope_guard_concurrency_limit,
 gpuscope_guard_rate_factor, gpuscope_guard_breaker_state{state} (1 for the current one),
 gpuscope_guard_gpu_signal_age_seconds (absent before the first reading), gpuscope_guard_gpu_signal_state{state},
@@ -42,6 +43,9 @@ def render(g: Guard) -> bytes:
     family("gpuscope_guard_shed_total", "counter", "Requests refused, per class and reason.")
     for (i, reason), v in sorted(g.shed_total.items()):
         out.append(f'gpuscope_guard_shed_total{{class="{names[i]}",reason="{escape(reason)}"}} {v}\n')
+    family("gpuscope_guard_expired_total", "counter",
+           "Admitted requests whose slot the guard took back at their class's deadline_s, per class.")
+    out.extend(f'gpuscope_guard_expired_total{{class="{n}"}} {v}\n' for n, v in zip(names, g.expired_total, strict=True))
     family("gpuscope_guard_queue_wait_seconds", "summary", "Time admitted requests waited in the queue.")
     for n, s, c in zip(names, g.queue_wait_sum_s, g.queue_wait_count, strict=True):
         out.append(f'gpuscope_guard_queue_wait_seconds_sum{{class="{n}"}} {s!r}\n')
