@@ -210,7 +210,7 @@ class PrometheusServer(_Process):
 
     def __init__(self, workdir: Path, targets: list[str] | None = None, *, scrape_interval: str = "1s",
                  metrics_path: str = "/metrics", jobs: dict[str, dict[str, Any]] | None = None,
-                 remote_write_receiver: bool = False) -> None:
+                 remote_write_receiver: bool = False, rule_files: list[Path] | None = None) -> None:
         self.binary = need_binary("prometheus")
         super().__init__()
         self.workdir = Path(workdir) / f"prometheus-{self.port}"
@@ -224,6 +224,8 @@ class PrometheusServer(_Process):
         self.config = {"global": {"scrape_interval": scrape_interval, "scrape_timeout": scrape_interval,
                                   "evaluation_interval": scrape_interval},
                        "scrape_configs": job_list}
+        if rule_files:
+            self.config["rule_files"] = [str(p) for p in rule_files]
         self.remote_write_receiver = remote_write_receiver
         self.start(self.workdir)
 

@@ -90,8 +90,12 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Any:
     jobs = {name: {"static_configs": [{"targets": [f"127.0.0.1:{agent.port}"]}],
                    "metric_relabel_configs": [{"target_label": "hostname", "replacement": host}]}
             for name, host in (("node-a", "node-a"), ("node-b", "node-b"))}
+    rules = tmp / "rules.yml"  # one alert pending for its whole `for` (the dashboard tells how long of it)
+    rules.write_text(json.dumps({"groups": [{"name": "t", "rules": [
+        {"alert": "GpuscopeTestPending", "expr": "vector(1)", "for": "30m", "labels": {"severity": "info"},
+         "annotations": {"summary": "always true, pending for 30 min before it would fire"}}]}]}))
     try:
-        prom = PrometheusServer(tmp, jobs=jobs, scrape_interval="1s")
+        prom = PrometheusServer(tmp, jobs=jobs, scrape_interval="1s", rule_files=[rules])
     except BaseException:
         agent.stop()
         raise
@@ -456,3 +460,18 @@ def test_timeline_events_xid_ecc_and_a_lost_gpu(tmp_path):
     assert any(e["kind"] == "process_stop" and e["gpu_key"] == "lost/1" for e in tl["events"])
     healthy = {g["key"]: g["healthy"] for g in ov["gpus"]}
     assert healthy == {"storm/0": True, "lost/0": True, "lost/1": False}
+
+
+def test_a_pending_alert_carries_its_rules_for_from_the_rules_api(fleet):
+    """The dashboard tells a pending alert as 'for 2 min of the 30 min it must hold': over Prometheus, the
+    rule's `for` comes from /api/v1/rules (its 'duration')."""
+    _, prom = fleet
+    prom.wait_for('ALERTS{alertname="GpuscopeTestPending",alertstate="pending"}', lambda r: len(r) == 1, timeout=30)
+
+    async def go(b: PrometheusBackend) -> Any:
+        return await b.alerts(), await b.overview()
+
+    alerts, ov = run(_with_backend(prom.url, go))
+    for where in (alerts["pending"], ov["alerts"]["pending"]):
+        mine = [a for a in where if a["rule"] == "GpuscopeTestPending"]
+        assert len(mine) == 1 and mine[0]["for_s"] == 1800.0 and mine[0]["active_at"] is not None, where

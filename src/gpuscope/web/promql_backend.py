@@ -165,13 +165,27 @@ def _epoch_s(text: Any) -> float | None:
         return None
 
 
-def _alert(a: dict[str, Any]) -> dict[str, Any]:
-    """A Prometheus alert in the agent's alert shape (alerts.engine.Alert.to_dict)."""
+def _alert(a: dict[str, Any], for_s: dict[str, float] | None = None) -> dict[str, Any]:
+    """A Prometheus alert in the agent's alert shape (alerts.engine.Alert.to_dict), with its rule's `for` in
+    seconds (for_s) where the rules API gave it: a pending alert is told as how long it has held of that."""
     labels = {str(k): str(v) for k, v in (a.get("labels") or {}).items()}
     fp = hashlib.sha256(json.dumps(sorted(labels.items())).encode()).hexdigest()[:16]
-    return {"rule": labels.get("alertname", ""), "fingerprint": fp, "state": a.get("state", ""), "labels": labels,
+    rule = labels.get("alertname", "")
+    return {"rule": rule, "fingerprint": fp, "state": a.get("state", ""), "labels": labels,
             "annotations": dict(a.get("annotations") or {}), "value": _number(a.get("value")),
-            "active_at": _epoch_s(a.get("activeAt")), "fired_at": None, "resolved_at": None}
+            "active_at": _epoch_s(a.get("activeAt")), "fired_at": None, "resolved_at": None,
+            "for_s": (for_s or {}).get(rule)}
+
+
+def _rule_durations(data: Any) -> dict[str, float]:
+    """Alerting rule name -> its `for` (seconds), from /api/v1/rules?type=alert ('duration')."""
+    out: dict[str, float] = {}
+    for group in (data or {}).get("groups", []) if isinstance(data, dict) else []:
+        for r in group.get("rules", []) if isinstance(group, dict) else []:
+            d = _number(r.get("duration")) if isinstance(r, dict) else None
+            if isinstance(r, dict) and isinstance(r.get("name"), str) and d is not None and d > 0:
+                out[r["name"]] = d
+    return out
 
 
 def _summary(confidence: float | None, window: str) -> str:
@@ -193,6 +207,7 @@ class PrometheusBackend:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._overview: tuple[float, dict[str, Any]] | None = None
         self._meta: tuple[float, dict[str, Any]] | None = None
+        self._rules: tuple[float, dict[str, float]] | None = None
 
     # -- HTTP ------------------------------------------------------------------------------------
     def _client(self) -> aiohttp.ClientSession:
@@ -344,7 +359,8 @@ class PrometheusBackend:
         if isinstance(alerts, BaseException):
             errors.append(f"alerts: {getattr(alerts, 'message', type(alerts).__name__)}")
             alerts = {}
-        mapped = [_alert(a) for a in (alerts or {}).get("alerts", []) if isinstance(a, dict)]
+        durations = await self._rule_for()
+        mapped = [_alert(a, durations) for a in (alerts or {}).get("alerts", []) if isinstance(a, dict)]
         ov = merge([{"gpus": list(gpus.values()), "processes": processes,
                      "alerts": {"firing": [a for a in mapped if a["state"] == "firing"],
                                 "pending": [a for a in mapped if a["state"] == "pending"]},
@@ -403,10 +419,24 @@ class PrometheusBackend:
 
     async def alerts(self) -> dict[str, Any]:
         data = await self.api("/api/v1/alerts")
-        mapped = [_alert(a) for a in (data or {}).get("alerts", []) if isinstance(a, dict)]
+        durations = await self._rule_for()
+        mapped = [_alert(a, durations) for a in (data or {}).get("alerts", []) if isinstance(a, dict)]
         return {"firing": [a for a in mapped if a["state"] == "firing"],
                 "pending": [a for a in mapped if a["state"] == "pending"],
                 "resolved": [], "enabled": True}
+
+    async def _rule_for(self) -> dict[str, float]:
+        """The alerting rules' `for` durations, asked again every META_TTL_S; {} when the rules API fails (the
+        alerts are still shown, told without their `for`)."""
+        now = time.monotonic()
+        if self._rules is not None and now - self._rules[0] < META_TTL_S:
+            return self._rules[1]
+        try:
+            got = _rule_durations(await self.api("/api/v1/rules", {"type": "alert"}))
+        except BackendError:
+            got = {}
+        self._rules = (now, got)
+        return got
 
     # -- the past --------------------------------------------------------------------------------
     async def meta(self) -> dict[str, Any]:
