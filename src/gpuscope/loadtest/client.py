@@ -264,7 +264,8 @@ class _Conn(asyncio.Protocol):
                 self.fail("malformed", f"bad HTTP response: {e}")
                 return
         # (the bytes of this read that were body are not head: body_n counts what the parser gave as body)
-        if self.phase == _COMPLETE and self.bad is None and self.rec is rec and (
+        # (a callback that ended the record left its phase short of _COMPLETE: on_message_complete saw no rec)
+        if self.phase == _COMPLETE and self.bad is None and (
                 had_headers or len(self.head) - self.body_n <= MAX_HEAD_BYTES):  # type: ignore[arg-type]
             s = rec.status   # the answer, complete (as _answered, inline: this is every request's path)
             if s >= 300 and rec.error is None:
@@ -303,24 +304,25 @@ class _Conn(asyncio.Protocol):
 
     # httptools callbacks (no on_message_begin: a Python call per answer for what on_headers_complete sees)
     def on_headers_complete(self) -> None:
-        if self.phase == _COMPLETE:   # a second answer's headers in the read that ended the first: bytes past
-            self.bad = _EXCESS          # its end
+        if self.phase:   # _COMPLETE: a second answer's headers in the read that ended the first (bytes past its end)
+            self.bad = _EXCESS
             return
-        status = self.parser.get_status_code()
-        if 100 <= status < 200 and status != 101:
-            self.phase = _INTERIM   # 100 Continue, 103 Early Hints: the answer is still to come
-            return
+        parser = self.parser
+        status = parser.get_status_code()
+        if not 200 <= status <= 599:
+            if 100 <= status < 200 and status != 101:
+                self.phase = _INTERIM   # 100 Continue, 103 Early Hints: the answer is still to come
+                return
+            self.bad = _SWITCHED if status == 101 else \
+                f"the server answered status {status}, which is not an HTTP status (100-599)"
         self.phase = _HEADERS_IN
         rec = self.rec
         if rec is None:
             return
         rec.status = status
-        if status == 101:
-            self.bad = _SWITCHED
-        elif not 100 <= status <= 599:
-            self.bad = f"the server answered status {status}, which is not an HTTP status (100-599)"
-        self.keep = self.parser.should_keep_alive() and not self.flags & _CLOSE
-        if self.flags & _HEAD:
+        flags = self.flags
+        self.keep = parser.should_keep_alive() and not flags & _CLOSE
+        if flags & _HEAD:
             # Its Content-Length is that of the GET it stands for: no body follows. The parser would wait for
             # one, so the connection gets a fresh parser for its next answer.
             self.phase = _COMPLETE
