@@ -391,3 +391,11 @@ def test_every_verb_says_what_it_does():
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     bare = [verb for verb, p in sub.choices.items() if not p.description]
     assert not bare, bare
+
+
+def test_events_for_a_gpu_that_is_not_there_is_a_400_naming_the_gpus_there_are(agent):
+    # It answered an empty list, as if that GPU had had no events.
+    status, body = http_get(f"{agent.url}/api/v1/events?gpu=99&start=-1h", timeout=10)
+    assert (status, json.loads(body)["error"]) == (400, "No GPU 99 here; this agent has GPUs 0-3.")
+    status, body = http_get(f"{agent.url}/api/v1/events?gpu=2&start=-1h", timeout=10)
+    assert status == 200 and isinstance(json.loads(body)["events"], list)

@@ -192,6 +192,10 @@ class Api:
         store = self.agent.store
         evs = await asyncio.get_running_loop().run_in_executor(
             None, lambda: store.events(start, end, kind=q.get("kind"), gpu=q.get("gpu")))
+        if not evs and q.get("gpu"):  # as for query_range: a GPU that is not there is not "no events"
+            known = (await asyncio.get_running_loop().run_in_executor(None, store.labels)).get("gpu", [])
+            if q["gpu"] not in known:
+                raise BadRequest(no_such_gpu(q["gpu"], known, "this agent"))
         return json_response({"events": [asdict(e) for e in evs]})
 
 
