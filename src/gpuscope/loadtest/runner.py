@@ -212,9 +212,9 @@ def summarize(cfg: WorkerConfig, res: RunResult, *, url: str, protocol: str, sta
     if o["errors"].get("client"):
         reasons.append(f"{o['errors']['client']} requests failed inside the load generator (class client), not at "
                        "the server")
-    for st in stages:   # per stage: a short stage whose answers were lost would hide in the run's total
-        name = f"stage {st['index']} ({st['name']}): " if len(stages) > 1 else ""
-        reasons += [name + r for r in answer_reasons(st["stats"])]
+    for row in stages:   # per stage: a short stage whose answers were lost would hide in the run's total
+        name = f"stage {row['index']} ({row['name']}): " if len(stages) > 1 else ""
+        reasons += [name + r for r in answer_reasons(row["stats"])]
     return {
         "tool": "gpuscope loadtest", "version": 1, "url": url, "protocol": protocol, "metrics_as": cfg.metrics_as,
         "clock": res.clock, "duration_s": measured_s, "valid": not reasons, "invalid_reasons": reasons,
