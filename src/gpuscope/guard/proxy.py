@@ -52,7 +52,7 @@ from typing import Any
 from .._serverlog import RateLimitedLines, loop_exception_handler
 from ..http.limits import Limits
 from ..http.net import format_host
-from ..http.serve import ListenError, Stats, connection_cap, listen_sentence, raise_fd_limit
+from ..http.serve import Connections, ListenError, Stats, connection_cap, listen_sentence, raise_fd_limit
 from ._core import Guard
 from ._exchange import Client
 from ._http import needs_body
@@ -109,7 +109,8 @@ class ProxyServer:
         self.stats = Stats()
         self.errors = dict.fromkeys(ERRORS, 0)
         self.retries = 0
-        self.conns: dict[Client, None] = {}  # oldest first
+        self.connections = Connections(self.stats)
+        self.conns = self.connections.conns  # oldest first
         self.main_pool = Pool(self.upstream, loop)
         self._pools: dict[str, Pool] = {self.upstream: self.main_pool}
         self.closing = False
@@ -138,27 +139,12 @@ class ProxyServer:
         else:
             self.errors[kind] += 1
 
-    # -- the connection cap (as gpuscope.http.serve's, for this server's connections) ------------------
+    # -- the connection cap (the HTTP kit's, for this server's connections) ---------------------------
     def admit(self, c: Client) -> None:
-        conns = self.conns
-        conns[c] = None
-        self.stats.open_connections = len(conns)
-        if len(conns) <= self.stats.max_connections:
-            return
-        victim = next((x for x in conns if x is not c and x.idle()), None)
-        if victim is not None:  # the longest-idle connection makes room: a new request is about to come
-            self.stats.count("idle_evicted")
-            self.forget(victim)
-            victim.force_close()
-            return
-        self.stats.count("connection_cap")
-        self.forget(c)
-        c.answer_and_close(503, f"This server has {self.stats.max_connections} connections open, its limit, and "
-                                "none is idle; retry in a few seconds.")
+        self.connections.admit(c)
 
     def forget(self, c: Client) -> None:
-        self.conns.pop(c, None)
-        self.stats.open_connections = len(self.conns)
+        self.connections.forget(c)
 
     # -- /guard/metrics ------------------------------------------------------------------------------
     def metrics(self) -> bytes:

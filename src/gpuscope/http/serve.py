@@ -140,33 +140,52 @@ def raw_answer(status: int, body: bytes) -> bytes:
     return head.encode("ascii") + body
 
 
-@dataclass
-class _Kit:
-    limits: Limits
-    error_body: ErrorBody
-    max_connections: int
-    stats: Stats
-    conns: dict[_Handler, None] = field(default_factory=dict)  # oldest first
+class Connections:
+    """The connection cap, for any server's connections (the kit's own, the guard proxy's): past
+    `stats.max_connections` the longest-idle one is closed for the newcomer, and with none idle the newcomer
+    gets a 503 sentence. A connection has idle(), force_close() and answer_and_close(status, message)."""
 
-    def admit(self, h: _Handler) -> None:
-        self.conns[h] = None
-        self.stats.open_connections = len(self.conns)
-        if len(self.conns) <= self.max_connections:
+    def __init__(self, stats: Stats) -> None:
+        self.stats = stats
+        self.conns: dict[Any, None] = {}  # oldest first
+
+    def admit(self, c: Any) -> None:
+        conns = self.conns
+        conns[c] = None
+        self.stats.open_connections = len(conns)
+        if len(conns) <= self.stats.max_connections:
             return
-        victim = next((c for c in self.conns if c is not h and c.idle()), None)
+        victim = next((x for x in conns if x is not c and x.idle()), None)
         if victim is not None:  # the longest-idle connection makes room: a new request is about to come
             self.stats.count("idle_evicted")
             self.forget(victim)
             victim.force_close()
             return
         self.stats.count("connection_cap")
-        self.forget(h)
-        h.answer_and_close(503, f"This server has {self.max_connections} connections open, its limit, and none "
-                                "is idle; retry in a few seconds.")
+        self.forget(c)
+        c.answer_and_close(503, f"This server has {self.stats.max_connections} connections open, its limit, and "
+                                "none is idle; retry in a few seconds.")
+
+    def forget(self, c: Any) -> None:
+        self.conns.pop(c, None)
+        self.stats.open_connections = len(self.conns)
+
+
+@dataclass
+class _Kit:
+    limits: Limits
+    error_body: ErrorBody
+    stats: Stats
+    connections: Connections = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.connections = Connections(self.stats)
+
+    def admit(self, h: _Handler) -> None:
+        self.connections.admit(h)
 
     def forget(self, h: _Handler) -> None:
-        self.conns.pop(h, None)
-        self.stats.open_connections = len(self.conns)
+        self.connections.forget(h)
 
 
 class _Handler(RequestHandler):
@@ -410,7 +429,7 @@ async def start(app: web.Application, host: str, port: int, *, limits: Limits | 
                     limits.max_connections, after)
     loop = asyncio.get_running_loop()
     loop.set_exception_handler(loop_exception_handler(limits.log_interval_s))
-    kit = _Kit(limits, error_body, stats.max_connections, stats)
+    kit = _Kit(limits, error_body, stats)
     runner = _Runner(app, kit, access_log=None, handle_signals=False, logger=server_logger(limits.log_interval_s),
                      keepalive_timeout=limits.idle_timeout_s, handler_cancellation=handler_cancellation,
                      shutdown_timeout=shutdown_timeout_s)
