@@ -11,8 +11,9 @@ from test_agent import AgentProc, http  # tests/ is on sys.path through its conf
 pytestmark = pytest.mark.gpu
 
 
-def test_agent_on_a_real_gpu(tmp_path):
-    a = AgentProc(tmp_path)
+def _started(tmp_path, *args: str) -> AgentProc:
+    """A real agent on this machine's GPUs, ready; skipped where there is no driver."""
+    a = AgentProc(tmp_path, *args)
     try:
         a.wait_ready(30)
     except AssertionError as e:
@@ -20,6 +21,11 @@ def test_agent_on_a_real_gpu(tmp_path):
         if "No NVIDIA driver" in str(e):
             pytest.skip("no NVIDIA driver")
         raise
+    return a
+
+
+def test_agent_on_a_real_gpu(tmp_path):
+    a = _started(tmp_path)
     try:
         time.sleep(3.0)
         code, body = http(a.port, "/metrics")
@@ -46,14 +52,7 @@ def test_gr_engine_active_with_gpm_graphics_and_throttle_time_never_outruns_the_
     the one-job naming too; every throttle-time counter grows at most one second per second of wall time."""
     cfg = tmp_path / "agent.toml"
     cfg.write_text("[sampler]\ngpm_graphics = true\n")
-    a = AgentProc(tmp_path, "--config", str(cfg))
-    try:
-        a.wait_ready(30)
-    except AssertionError as e:
-        a.stop()
-        if "No NVIDIA driver" in str(e):
-            pytest.skip("no NVIDIA driver")
-        raise
+    a = _started(tmp_path, "--config", str(cfg))
     try:
         time.sleep(3.0)
 
