@@ -19,8 +19,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", help="where the history and the token live (default /var/lib/gpuscope as root, "
                    "else ~/.local/share/gpuscope)")
     p.add_argument("--interval", type=interval, help="sampling interval (default 100ms)")
-    p.add_argument("--naming", choices=("canonical", "dcgm", "canonical,dcgm"),
-                   help="metric names on /metrics: gpuscope's, dcgm-exporter's (DCGM_FI_*), or both in one exposition")
+    # metavar: argparse joins choices with commas, and one choice has a comma of its own.
+    p.add_argument("--naming", choices=("canonical", "dcgm", "canonical,dcgm"), metavar="NAMING",
+                   help="metric names on /metrics: canonical (gpuscope's), dcgm (dcgm-exporter's DCGM_FI_*), or "
+                        "canonical,dcgm (both in one exposition)")
     p.add_argument("--log-format", choices=("text", "json"), help="log lines as text or JSON")
     add_source_args(p, processes=True)
     p.add_argument("--churn", type=interval, metavar="SECONDS",
