@@ -24,9 +24,9 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("floor", {"_version", "errors", "timeparse", "_paths", "_text", "_files", "_redact", "_serverlog", "_child",
                "_records", "catalog", "_nvml", "_cgroup", "_hostproc", "http", "_choices", "shares", "_node"}),
     ("core", {"sources", "fakenvml", "testing", "sim", "sampler", "store", "diagnose", "export", "viewmodel"}),
-    ("kit", {"_args", "report"}),
+    ("kit", {"_args", "report", "promql"}),
     ("features", {"alerts", "trace", "web", "agent", "top", "loadtest", "guard", "integrations", "doctor",
-                  "runcmd"}),
+                  "runcmd", "fleet"}),
     ("surfaces", {"commands", "cli", "__main__", "__init__"}),
 ]
 # Features that build on another feature's public face. Anything else between features is an error.

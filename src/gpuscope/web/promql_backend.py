@@ -25,7 +25,6 @@ import json
 import math
 import re
 import time
-from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
 
@@ -35,6 +34,7 @@ from .. import timeparse
 from .._redact import redact_url
 from .._version import __version__
 from ..catalog import decode_clock_event_reasons
+from ..promql import BadLabelName, label_matcher, quote, regex_alternation, selector
 from ..viewmodel import _BENIGN_REASONS, GPU_METRICS, gpu_key, merge
 from .backend import BackendError, RangeQuery
 
@@ -63,36 +63,12 @@ OVERVIEW_TTL_S = 1.0       # every open page streams the overview each second: t
 META_TTL_S = 30.0          # api.py asks for meta on every range request
 
 _METRIC = re.compile(r"[A-Za-z_:][A-Za-z0-9_:]*")
-_LABEL = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_RE2_SPECIAL = frozenset("\\.+*?()|[]{}^$")
 _BENIGN_RE = "|".join(sorted(_BENIGN_REASONS))
 _AGG = {"mean": ("avg", "avg_over_time"), "max": ("max", "max_over_time"), "min": ("min", "min_over_time"),
         "last": ("max", "last_over_time")}
 
 
-# -- PromQL text -----------------------------------------------------------------------------------
-def quote(value: str) -> str:
-    """A PromQL string literal holding exactly `value`: nothing in it can end the string early."""
-    out = value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r")
-    return '"' + out.replace("\t", "\\t") + '"'
-
-
-def regex_alternation(values: Iterable[str]) -> str:
-    """An RE2 pattern matching exactly one of `values` (Prometheus anchors it)."""
-    return "|".join("".join("\\" + c if c in _RE2_SPECIAL else c for c in v) for v in sorted(set(values)))
-
-
-def label_matcher(name: str, value: str, op: str = "=") -> str:
-    """`name="value"` with the value quoted; a label name that is not one is a 400."""
-    if not _LABEL.fullmatch(name):
-        raise BackendError(400, f"{name!r} is not a label name.")
-    return f"{name}{op}{quote(value)}"
-
-
-def selector(metric: str, matchers: Iterable[str] = ()) -> str:
-    return metric + "{" + ",".join(matchers) + "}"
-
-
+# -- PromQL text: quote, regex_alternation, label_matcher and selector live in gpuscope.promql --------
 def _duration(seconds: float) -> str:
     """A PromQL duration, whole milliseconds (Prometheus takes no fractions)."""
     return f"{max(1, round(seconds * 1000))}ms"
@@ -484,7 +460,10 @@ class PrometheusBackend:
         start_s, end_s = q.start_ns / 1e9, q.end_ns / 1e9
         step = max(float(q.step_s), 0.001, (end_s - start_s) / (MAX_POINTS - 1))
         resolution = await self._resolution()
-        matchers = [label_matcher(k, str(v)) for k, v in sorted(q.labels.items())]
+        try:
+            matchers = [label_matcher(k, str(v)) for k, v in sorted(q.labels.items())]
+        except BadLabelName as e:
+            raise BackendError(400, str(e)) from None
         wanted = set(q.gpus)
         if wanted:
             matchers.append(label_matcher("gpu", regex_alternation(_gpu_label(k) for k in wanted), "=~"))
