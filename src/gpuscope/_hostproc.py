@@ -1,5 +1,5 @@
 """Host-side facts about the processes that use a GPU: CPU (whole process and busiest thread), memory,
-threads, user, redacted command line, and container / pod / Slurm job.
+threads, user, redacted command line, and container / pod / Slurm job / torchrun run.
 
 A GPU job that starves its GPU is often CPU-bound in one Python thread (data loading, the launch
 loop): the process as a whole may use 1.3 cores on a 64-core host, yet one thread sits at 100 %.
@@ -53,6 +53,7 @@ class HostProcInfo:
     pod: str = ""
     namespace: str = ""
     slurm_job: str = ""
+    torchrun_run: str = ""  # TORCHELASTIC_RUN_ID
 
 
 class _Entry:
@@ -134,7 +135,7 @@ class HostProcessReader:
             pid=pid, name=valid_text(name), user=valid_text(user),
             cmdline=redact_cmdline([valid_text(a) for a in cmdline]), started_at=started_at,
             container=att.container, pod_uid=att.pod_uid, pod=att.pod, namespace=att.namespace,
-            slurm_job=att.slurm_job,
+            slurm_job=att.slurm_job, torchrun_run=att.torchrun_run,
         )
         return _Entry(proc, static)
 
@@ -149,7 +150,7 @@ class HostProcessReader:
         info = HostProcInfo(
             pid=s.pid, name=s.name, user=s.user, cmdline=s.cmdline, started_at=s.started_at,
             container=s.container, pod_uid=s.pod_uid, pod=s.pod, namespace=s.namespace,
-            slurm_job=s.slurm_job,
+            slurm_job=s.slurm_job, torchrun_run=s.torchrun_run,
             rss_bytes=float(mem.rss) if mem is not None else None,
             threads=len(threads) if threads is not None else None,
         )

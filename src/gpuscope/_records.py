@@ -123,6 +123,9 @@ class ProcessRecord:
     pod: str = ""
     namespace: str = ""
     slurm_job: str = ""
+    # The job this process is one rank of, which may span nodes: slurm/<id>, torchrun/<run id> or
+    # k8s/<namespace>/<owner> (gpuscope._cgroup.workload_of); '' when none is known.
+    workload: str = ""
     host_visible: bool = True  # False when the pid lives outside our pid namespace
 
 

@@ -121,6 +121,7 @@ class Sampler:
         processes: int | None = None,
         churn_s: float | None = None,
         pods: PodSource | None = None,
+        workload: str | None = None,
     ) -> None:
         self.config = config or SamplerConfig()
         self.config.validate()
@@ -132,7 +133,8 @@ class Sampler:
         if simulate is not None:
             from .sim import SimulatedNode
 
-            node = SimulatedNode(simulate, gpus=gpus, processes=processes, churn_s=churn_s, pods=pods is not None)
+            node = SimulatedNode(simulate, gpus=gpus, processes=processes, churn_s=churn_s, pods=pods is not None,
+                                 workload=workload)
             nvml, host_reader = node.nvml, node.host_reader
             host_source = host_source or node.host_source
             self.simulated = node.scenario

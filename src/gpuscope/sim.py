@@ -4,6 +4,10 @@
 It is a `FakeNVML` whose GPUs change with time, so the real sampler, sources and every consumer run
 unchanged; everything it produces is labelled simulated (Snapshot.simulated holds the scenario).
 
+With `workload`, every process of the node is a rank of one torchrun run of that id (its environment carries
+TORCHELASTIC_RUN_ID): several simulated nodes (GPUSCOPE_NODE_NAME=node-a, node-b, ...) started with the same id
+are one job across nodes, and one of them with a slower scenario (throttled) is its straggler.
+
 With `churn_s`, the processes come and go: each one is replaced, about every `churn_s` seconds of the
 node's clock, by a new process (a new pid and command line) on the same GPU, one at a time and spread
 evenly over the period, so a node of N processes sees N / churn_s starts (and stops) a second while it
@@ -29,7 +33,7 @@ from dataclasses import dataclass, replace
 
 import pynvml as _nv
 
-from ._cgroup import attribution_from_cgroup
+from ._cgroup import MAX_WORKLOAD_CHARS, attribution_from_cgroup, attribution_from_environ
 from ._hostproc import HostProcInfo
 from .catalog import series_key
 from .errors import UsageError
@@ -108,12 +112,14 @@ class UnknownScenario(UsageError, ValueError):
 @dataclass
 class _SimProcess(FakeProcess):
     """A simulated process: its rank on its GPU, how many processes held that slot before it, when it
-    started (unix seconds), and its /proc/<pid>/cgroup text ('' when the node runs no pods)."""
+    started (unix seconds), its /proc/<pid>/cgroup text ('' when the node runs no pods) and its
+    /proc/<pid>/environ bytes."""
 
     rank: int = 0
     generation: int = 0
     started_at: float = 0.0
     cgroup: str = ""
+    environ: bytes = b""
 
 
 def _cgroup(gpu: int, gpus: int) -> str:
@@ -235,12 +241,13 @@ class _SimHostReader:
         sim = proc if isinstance(proc, _SimProcess) else _SimProcess(pid=proc.pid, rank=proc.pid % 10_000)
         rank, generation = sim.rank, sim.generation
         tail = (f" --rank {rank}" if len(gpu.processes) > 1 else "") + (f" --run {generation}" if generation else "")
-        where = attribution_from_cgroup(sim.cgroup)  # the real parser, as for a host process
+        where = attribution_from_cgroup(sim.cgroup)  # the real parsers, as for a host process
+        env = attribution_from_environ(sim.environ)
         return HostProcInfo(
             pid=pid, name="python", user="sim", cmdline=f"{cmd} --gpu {drv.index}{tail}",
             cpu_cores=drv.cpu * share, thread_cpu_max_ratio=drv.thread_cpu, rss_bytes=float(8 << 30),
             threads=24, started_at=sim.started_at or self.node.started_at, pod="", namespace="",
-            container=where.container, pod_uid=where.pod_uid, slurm_job="",
+            container=where.container, pod_uid=where.pod_uid, slurm_job=env.slurm_job, torchrun_run=env.torchrun_run,
         )
 
     def forget(self, alive: set[int]) -> None:
@@ -277,7 +284,8 @@ class SimulatedNode:
     With `pods`, the node is a Kubernetes node: its processes run in pods' cgroups (see _cgroup)."""
 
     def __init__(self, scenario: str, gpus: int | None = None, seed: int = 1,
-                 processes: int | None = None, churn_s: float | None = None, pods: bool = False) -> None:
+                 processes: int | None = None, churn_s: float | None = None, pods: bool = False,
+                 workload: str | None = None) -> None:
         scenario = scenario.replace("-", "_")
         if scenario not in DESCRIPTIONS:
             raise UnknownScenario(
@@ -290,6 +298,9 @@ class SimulatedNode:
         if churn_s is not None and (isinstance(churn_s, bool) or not isinstance(churn_s, int | float)
                                     or not 1.0 <= churn_s <= _MAX_CHURN_S):
             raise UnknownScenario(f"A simulated process lives 1 s to 7 days (churn), not {churn_s!r} s.")
+        check_workload(workload)
+        environ = b"" if workload is None else (b"PATH=/usr/bin\0TORCHELASTIC_RUN_ID=" + workload.encode() + b"\0")
+        self.workload = workload
         # Processes are dealt round-robin over the GPUs (at least one per GPU); one GPU's processes
         # share its memory and SM time.
         per_gpu = [1] * n if processes is None else [processes // n + (1 if i < processes % n else 0) for i in range(n)]
@@ -304,7 +315,7 @@ class SimulatedNode:
             drv = _GpuDriver(prof, i, seed * 1000 + i)
             cgroup = _cgroup(i, n) if pods else ""
             g = FakeGPU(index=i, uuid=f"GPU-5171a7ed-0000-4000-8000-{i:012d}", name="NVIDIA H200 (simulated)",
-                        processes=[_SimProcess(pid=_BASE_PID + 10_000 * i + k, rank=k, cgroup=cgroup)
+                        processes=[_SimProcess(pid=_BASE_PID + 10_000 * i + k, rank=k, cgroup=cgroup, environ=environ)
                                    for k in range(per_gpu[i])],
                         dynamics=drv)
             self.drivers.append(drv)
@@ -345,7 +356,8 @@ class SimulatedNode:
                 g.processes[k] = _SimProcess(
                     pid=self._next_pid, used_memory_bytes=old.used_memory_bytes, sm_percent=old.sm_percent,
                     mem_percent=old.mem_percent, rank=k, generation=generation, started_at=self.started_at + t,
-                    cgroup=old.cgroup if isinstance(old, _SimProcess) else "")
+                    cgroup=old.cgroup if isinstance(old, _SimProcess) else "",
+                    environ=old.environ if isinstance(old, _SimProcess) else b"")
                 self._next_pid += 1
                 self.replaced += 1
                 # The next one is due a period later; a clock that jumped several periods replaces it once.
@@ -387,8 +399,20 @@ class SimulatedNode:
         gpu.dynamics = dyn
 
 
+def check_workload(workload: str | None) -> None:
+    """A simulated workload id is 1 to MAX_WORKLOAD_CHARS printable characters, none of them '=' (it becomes
+    the value of an environment variable and a label); UsageError otherwise."""
+    if workload is None:
+        return
+    if not isinstance(workload, str) or not 1 <= len(workload) <= MAX_WORKLOAD_CHARS - len("torchrun/") \
+            or not workload.isprintable() or "=" in workload or workload.strip() != workload \
+            or workload.lower() == "none":
+        raise UsageError(f"A simulated workload id is 1 to {MAX_WORKLOAD_CHARS - len('torchrun/')} printable "
+                         f"characters without '=' or surrounding spaces, and not 'none'; {workload!r} is not one.")
+
+
 def describe(scenario: str) -> str:
     return DESCRIPTIONS[scenario]
 
 
-__all__ = ["PROFILES", "SCENARIOS", "SimulatedNode", "UnknownScenario", "describe"]
+__all__ = ["PROFILES", "SCENARIOS", "SimulatedNode", "UnknownScenario", "check_workload", "describe"]

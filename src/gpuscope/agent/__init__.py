@@ -58,13 +58,14 @@ def setup_logging(fmt: str, level: str) -> None:
 class Agent:
     def __init__(self, cfg: Config, simulate: str | None = None, gpus: int | None = None,
                  announce: Any = print, processes: int | None = None, churn_s: float | None = None,
-                 tls: Any = None) -> None:
+                 tls: Any = None, workload: str | None = None) -> None:
         self.cfg = cfg
         self.tls = tls  # gpuscope.http.tls.ServerTls; made from [agent] tls_cert/tls_key by run() when None
         self.simulate = simulate
         self.gpus = gpus
         self.processes = processes
         self.churn_s = churn_s
+        self.workload = workload  # the simulated node's processes' torchrun run id (--simulate-workload)
         self.announce = announce
         self.naming = cfg.prometheus.naming
         self.top_processes = cfg.prometheus.top_processes
@@ -251,7 +252,8 @@ class Agent:
         # NVML first: on a machine without a GPU nothing is written before it says so.
         self.pods = self._pod_source()
         self.sampler = Sampler(self.sampler_config(), simulate=self.simulate, gpus=self.gpus,
-                               processes=self.processes, churn_s=self.churn_s, pods=self.pods)
+                               processes=self.processes, churn_s=self.churn_s, pods=self.pods,
+                               workload=self.workload)
         try:
             self.sampler.open()  # raises NvmlUnavailable with its sentence
             self._open_data_dir()

@@ -28,6 +28,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--churn", type=interval, metavar="SECONDS",
                    help="with --simulate: replace each simulated process by a new one (new pid and command line) "
                         "about every SECONDS (e.g. 60 or 5m), spread so that processes come and go continuously")
+    p.add_argument("--simulate-workload", metavar="ID",
+                   help="with --simulate: the simulated processes are ranks of torchrun run ID (TORCHELASTIC_RUN_ID "
+                        "in their environment), so agents started with one ID (and GPUSCOPE_NODE_NAME=node-a, "
+                        "node-b, ...) are one job across nodes: label workload=\"torchrun/ID\"")
     from ..http.tls import add_tls_args
 
     add_tls_args(p)
@@ -40,6 +44,12 @@ def run(args: argparse.Namespace) -> int:
     check_sim(args)
     if args.churn is not None and args.simulate is None:
         raise UsageError("--churn only applies to a simulated node; add --simulate SCENARIO.")
+    if args.simulate_workload is not None:
+        if args.simulate is None:
+            raise UsageError("--simulate-workload only applies to a simulated node; add --simulate SCENARIO.")
+        from ..sim import check_workload
+
+        check_workload(args.simulate_workload)
     if args.churn is not None and not 1 <= args.churn <= 7 * 86400:
         raise UsageError(f"--churn must be between 1s and 7d, not {args.churn:g} s.")
     if bool(args.tls_cert) != bool(args.tls_key):
@@ -65,4 +75,4 @@ def run(args: argparse.Namespace) -> int:
                  else (f"{cfg.source}: [agent] tls_cert", f"{cfg.source}: [agent] tls_key"))
         tls = ServerTls(cfg.agent.tls_cert, cfg.agent.tls_key, cert_name=names[0], key_name=names[1])
     return Agent(cfg, simulate=args.simulate, gpus=args.gpus, processes=args.processes,
-                 churn_s=args.churn, tls=tls).run()  # AgentError: exit 1
+                 churn_s=args.churn, tls=tls, workload=args.simulate_workload).run()  # AgentError: exit 1

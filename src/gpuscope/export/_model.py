@@ -225,11 +225,15 @@ class Model:
         keys = self._keys
         info_rows: list[Row] = []
         by_label: dict[str, Ctx] = {}
+        work = workloads(snap.processes)
         for g in snap.gpus:
             ctx = self._gpu_ctx(g.identity, host, sim)
             by_label[g.identity.label] = ctx  # processes and pods add their own pod labels to this one
             if g.allocated_to:  # the GPU's own series name the pod that holds it
                 ctx = self._held_ctx(ctx, g.allocated_to)
+            wl = work.get(g.identity.label)
+            if wl:  # and the one workload that runs on it
+                ctx = self._workload_ctx(ctx, wl)
             info_rows.append((ctx, ctx.info, 1))
             for key, v in g.values.items():
                 parsed = keys.get(key)
@@ -301,6 +305,16 @@ class Model:
             ctx = self._ctx[k] = Ctx(_finish(base + own + sim, None), gctx.info)
         return ctx
 
+    def _workload_ctx(self, gctx: Ctx, workload: str) -> Ctx:
+        """A GPU's context with the `workload` label of the one workload running on it."""
+        k = ("workload", gctx, workload)
+        ctx = self._ctx.get(k)
+        if ctx is None:
+            base = tuple(kv for kv in gctx.labels if kv[0] != "simulated")
+            sim = tuple(kv for kv in gctx.labels if kv[0] == "simulated")
+            ctx = self._ctx[k] = Ctx(_finish(base + (("workload", workload),) + sim, None), gctx.info)
+        return ctx
+
     def _host_ctx(self, host: str, sim: str | None, mode: str) -> Ctx:
         k = ("host", host, sim, mode)
         ctx = self._ctx.get(k)
@@ -324,7 +338,7 @@ class Model:
             else:
                 kept, rest = plist, []
             for p in kept:
-                pk = ("proc", gctx, p.pid, p.name, p.user, p.pod, p.namespace, p.container, p.slurm_job)
+                pk = ("proc", gctx, p.pid, p.name, p.user, p.pod, p.namespace, p.container, p.slurm_job, p.workload)
                 pctx = self._ctx.get(pk)
                 if pctx is None:
                     pctx = self._ctx[pk] = Ctx(_process_labels(gctx, str(p.pid), p.name, p))
@@ -370,14 +384,16 @@ class Model:
             if p.pod:
                 pods.setdefault(p.gpu, set()).add((p.container, p.namespace, p.pod))
         dkeys = self._dkeys
+        work = workloads(snap.processes)
         for g in snap.gpus:
             ident = g.identity
             pod = pods.get(ident.label)
+            wl = work.get(ident.label, "")
             if g.allocated_to:  # the kubelet's word, where it has one; else the one pod whose processes run there
                 held = holder(g.allocated_to)
-                ctx = self._dcgm_ctx(ident, host, sim, held)
+                ctx = self._dcgm_ctx(ident, host, sim, held, wl)
             else:
-                ctx = self._dcgm_ctx(ident, host, sim, next(iter(pod)) if pod and len(pod) == 1 else None)
+                ctx = self._dcgm_ctx(ident, host, sim, next(iter(pod)) if pod and len(pod) == 1 else None, wl)
             violations: dict[Family, float] = {}
             xids: dict[str, float] | None = None
             for key, v in g.values.items():
@@ -407,8 +423,9 @@ class Model:
                 buckets.setdefault(XID_FAMILY, []).append((ctx, _xid_labels(code), code))
 
     def _dcgm_ctx(self, ident: GpuIdentity, host: str, sim: str | None,
-                  pod: tuple[str, str, str] | None) -> Ctx:
-        k = ("dcgm", ident.label, ident.uuid, ident.name, ident.driver_version, ident.pci_bus_id, host, sim, pod)
+                  pod: tuple[str, str, str] | None, workload: str = "") -> Ctx:
+        k = ("dcgm", ident.label, ident.uuid, ident.name, ident.driver_version, ident.pci_bus_id, host, sim, pod,
+             workload)
         ctx = self._ctx.get(k)
         if ctx is None:
             # dcgm-exporter's order: gpu, UUID, pci_bus_id, device, modelName, Hostname, driver, pod labels.
@@ -420,6 +437,8 @@ class Model:
                 labels.append(("GPU_I_ID", str(ident.gpu_instance_id)))
             if pod is not None:
                 labels += [("container", pod[0]), ("namespace", pod[1]), ("pod", pod[2])]
+            if workload:
+                labels.append(("workload", workload))
             ctx = self._ctx[k] = Ctx(_finish(tuple(labels), sim))
         return ctx
 
@@ -477,6 +496,17 @@ def holder(holders: list[PodRef]) -> tuple[str, str, str] | None:
     return (next(iter(containers)) if len(containers) == 1 else "", namespace, pod)
 
 
+def workloads(procs: list[ProcessRecord]) -> dict[str, str]:
+    """GPU label -> the one workload its processes belong to; GPUs whose processes name none or several are
+    left out (a shared GPU's series are no one job's), as `holder` does for pods. Processes without a workload
+    (a monitoring tool beside the job) do not count."""
+    seen: dict[str, set[str]] = {}
+    for p in procs:
+        if p.workload:
+            seen.setdefault(p.gpu, set()).add(p.workload)
+    return {gpu: next(iter(ws)) for gpu, ws in seen.items() if len(ws) == 1}
+
+
 _XID_LABELS: dict[int, Labels] = {}
 
 
@@ -504,7 +534,7 @@ def _process_labels(gctx: Ctx, pid: str, name: str, p: ProcessRecord | None) -> 
     own: Labels = (("pid", pid), ("process", name))
     if p is not None:
         own += (("user", p.user), ("pod", p.pod), ("namespace", p.namespace), ("container", p.container),
-                ("slurm_job", p.slurm_job))
+                ("slurm_job", p.slurm_job), ("workload", p.workload))
     return _finish(base + own + sim, None)
 
 

@@ -18,7 +18,12 @@ Per-process series (`gpu_process_memory_used_bytes`, `gpu_process_sm_active_rati
 `gpu_process_memory_utilization_ratio`, `gpu_process_utilization_ratio`, `gpu_process_energy_joules_total`,
 `process_cpu_cores`, `process_thread_cpu_max_ratio`, `process_resident_memory_bytes`, `process_threads`)
 add `pid`, `process`, `user` and, where attribution found them, `pod`, `namespace`, `container`,
-`slurm_job` (not `job`: Prometheus owns that label and would rename ours to `exported_job`). Cardinality
+`slurm_job` (not `job`: Prometheus owns that label and would rename ours to `exported_job`) and `workload`:
+the job the process is one rank of, which may span nodes, first found of `slurm/<SLURM_JOB_ID>`,
+`torchrun/<TORCHELASTIC_RUN_ID>` (its environment) and `k8s/<namespace>/<owner>` (the pod's owner by
+Kubernetes' naming: gpuscope._cgroup.workload_of), at most 128 characters. The GPU's own series carry
+`workload` too while exactly one workload runs on it (processes that name none do not count), in both
+namings; like `pod` there, it starts new GPU series only when the GPU changes jobs. Cardinality
 is bounded: per GPU the `top_processes` largest by GPU memory get their own series, the rest are summed
 into one with `pid="other", process="other"` (gauges only: a sum over whichever processes fall outside the
 top is no counter). Per-pod series (`gpu_pod_memory_used_bytes`, `gpu_pod_sm_active_ratio`,
@@ -28,7 +33,8 @@ top is no counter). Per-pod series (`gpu_pod_memory_used_bytes`, `gpu_pod_sm_act
 DCGM mode (`mode="dcgm"`) speaks dcgm-exporter's dialect so DCGM Grafana dashboards work unchanged:
 names `DCGM_FI_*`, DCGM units (%, MiB, MHz, mJ, ns), integer values where DCGM's field is an integer,
 labels `gpu`, `UUID`, `pci_bus_id`, `device` (nvidia<N>), `modelName`, `Hostname`,
-`DCGM_FI_DRIVER_VERSION`, plus `container`/`namespace`/`pod` when one pod holds the GPU and
+`DCGM_FI_DRIVER_VERSION`, plus `container`/`namespace`/`pod` when one pod holds the GPU, `workload` when one
+workload runs on it, and
 `GPU_I_ID` on a MIG instance. Emitted:
 
 - 23 of the 25 fields of dcgm-exporter's default set (etc/default-counters.csv):

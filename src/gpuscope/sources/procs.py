@@ -1,6 +1,6 @@
 """Processes on each GPU, their GPU memory and per-process SM / memory utilization, joined with what the
 host knows (user, redacted command line, CPU and busiest-thread CPU, RSS, threads, container / pod /
-Slurm job).
+Slurm job, and the workload: the job, possibly across nodes, it is one rank of).
 
 Per-process utilization: NVML keeps a buffer of samples, one per process with non-zero use in each of
 its sample periods. We ask for samples newer than the last time stamp we saw on that GPU; their mean
@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+from .._cgroup import workload_of
 from .._nvml import ERROR_NO_DATA, ERROR_NOT_FOUND, GpuLost, Nvml, Unavailable
 from .._records import Capability, Event, PodRecord, ProcessRecord
 from .._text import valid_text
@@ -39,6 +40,7 @@ class HostProcessInfo(Protocol):
     pod: str
     namespace: str
     slurm_job: str
+    torchrun_run: str
 
 
 class HostReader(Protocol):
@@ -200,6 +202,8 @@ class ProcessSource:
                     rec.namespace, rec.slurm_job = valid_text(info.namespace), valid_text(info.slurm_job)
                     if self.attribute is not None:
                         self.attribute(rec)
+                    # after the kubelet's names: a pod's owner is one way to name the job
+                    rec.workload = workload_of(rec.slurm_job, valid_text(info.torchrun_run), rec.namespace, rec.pod)
                 records.append(rec)
                 owners[(dev.label, pid)] = owner(rec)
             for pid, joules in energy_due.items():
