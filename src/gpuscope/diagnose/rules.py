@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import statistics
+from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 from ..catalog import decode_clock_event_reasons
 from .thresholds import Thresholds
@@ -390,22 +391,37 @@ def node_verdicts(windows: list[Any], verdicts: list[Any], th: Thresholds, verdi
         if w.healthy and w.processes:
             jobs.setdefault(_job(w), []).append(w)
     for peers in jobs.values():
-        out.extend(_imbalance(peers, verdict))
+        out.extend(_imbalance(peers, verdict, th))
     return out
 
 
-def _imbalance(windows: list[Any], verdict: Any) -> list[Any]:
-    busy = [(w, _median(_vals(w, "gpu_sm_active_ratio"))) for w in windows]
-    busy = [(w, sm) for w, sm in busy if sm is not None]
+K = TypeVar("K")
+
+
+def imbalanced(busy: Mapping[K, float], th: Thresholds) -> tuple[K, K] | None:
+    """(the least busy, the busiest) of the GPUs of one job, by SM activity (0..1), when the busiest does real
+    work (th.imbalance_busy) and the least busy is th.imbalance_gap below it; None otherwise. The node's
+    imbalance verdict asks it of one node's GPUs, gpuscope.fleet's straggler finder of a job's across nodes.
+
+    >>> imbalanced({"a": 0.9, "b": 0.85, "c": 0.2}, Thresholds()), imbalanced({"a": 0.9, "b": 0.7}, Thresholds())
+    (('c', 'a'), None)
+    """
     if len(busy) < 2:
+        return None
+    top = max(busy, key=busy.__getitem__)
+    low = min(busy, key=busy.__getitem__)
+    if busy[top] >= th.imbalance_busy and busy[top] - busy[low] >= th.imbalance_gap:
+        return low, top
+    return None
+
+
+def _imbalance(windows: list[Any], verdict: Any, th: Thresholds) -> list[Any]:
+    busy = {i: sm for i, w in enumerate(windows) if (sm := _median(_vals(w, "gpu_sm_active_ratio"))) is not None}
+    pair = imbalanced(busy, th)
+    if pair is None:
         return []
-    top = max(busy, key=lambda x: x[1])
-    low = min(busy, key=lambda x: x[1])
-    if top[1] >= 0.5 and top[1] - low[1] >= 0.3:
-        w = low[0]
-        return [verdict(w.gpu, "imbalance", "warning", 0.6,
-                        f"GPU {w.gpu} is {_pct(low[1])} busy while GPU {top[0].gpu} is {_pct(top[1])}: a straggler "
-                        "or uneven work across GPUs.", {"sm_active": low[1], "peer_sm_active": top[1],
-                                                          "peer": top[0].gpu},
-                        ADVICE["imbalance"], w.times[0] if w.times else 0.0, w.times[-1] if w.times else 0.0, False)]
-    return []
+    (w, low), (peer, top) = ((windows[i], busy[i]) for i in pair)
+    return [verdict(w.gpu, "imbalance", "warning", 0.6,
+                    f"GPU {w.gpu} is {_pct(low)} busy while GPU {peer.gpu} is {_pct(top)}: a straggler "
+                    "or uneven work across GPUs.", {"sm_active": low, "peer_sm_active": top, "peer": peer.gpu},
+                    ADVICE["imbalance"], w.times[0] if w.times else 0.0, w.times[-1] if w.times else 0.0, False)]

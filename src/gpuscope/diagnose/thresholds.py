@@ -82,6 +82,20 @@ class Thresholds:
     #: Share of the window with a thermal / hardware slowdown / power-brake reason active.
     throttle_share: float = 0.20
 
+    # -- imbalance and stragglers: one GPU of a job slower than its peers --------------------------
+    #: The busiest GPU of a job does real work (SM activity at least this) ...
+    imbalance_busy: float = 0.50
+    #: ... and the least busy is this far below it (SM activity, 0..1): a straggler or uneven work.
+    imbalance_gap: float = 0.30
+    #: An SM clock this share below its peers' median: in a synchronous job every step runs at the slowest GPU's
+    #: pace, so 10 % less clock is 10 % less for the whole job; healthy GPUs of one model boost within a few %.
+    straggler_clock_drop: float = 0.10
+    #: A link rate below this share of its peers' median, where the peers' rate matters (pcie_busy_bytes_per_s):
+    #: the GPU's traffic does not take the path its peers' does (an NVLink down, a link trained narrower).
+    straggler_link_ratio: float = 0.5
+    #: The host's CPU (all cores) this busy: the node's processes compete for CPU (data loaders, launches).
+    host_cpu_saturated: float = 0.90
+
     # -- memory growth -------------------------------------------------------------------------
     #: Growth that would fill the GPU within this time is worth a warning.
     oom_horizon_s: float = 3600.0
