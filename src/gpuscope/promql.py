@@ -6,8 +6,8 @@ and /api/v1/label/<name>/values.
     'gpu_info{hostname="a\\\\"} or vector(1) #"}'
     >>> regex_alternation(["node-a", "node.b"])
     'node-a|node\\\\.b'
-    >>> duration(90.0), duration(0.25)
-    ('90000ms', '250ms')
+    >>> duration(90.0), duration(0.25), duration(22.5)
+    ('90s', '250ms', '22500ms')
 
     client = Client("http://prometheus:9090")
     client.query('sum(gpu_power_watts)')        # the result list of an instant query
@@ -81,8 +81,9 @@ def selector(metric: str, matchers: Iterable[str] = ()) -> str:
 
 
 def duration(seconds: float) -> str:
-    """A PromQL duration, whole milliseconds (Prometheus takes no fractions); at least 1 ms."""
-    return f"{max(1, round(seconds * 1000))}ms"
+    """A PromQL duration, whole seconds or milliseconds (Prometheus takes no fractions); at least 1 ms."""
+    ms = max(1, round(seconds * 1000))
+    return f"{ms // 1000}s" if ms % 1000 == 0 else f"{ms}ms"
 
 
 # -- the client ------------------------------------------------------------------------------------

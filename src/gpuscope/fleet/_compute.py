@@ -1,0 +1,532 @@
+"""The fleet report's figures: the queries of _queries sent to the server, their answers summed per group.
+
+One GPU at a time, then summed: every answer is a row per GPU (hostname, gpu) and group, in samples or
+step-sums; each host's own scrape step, read from its data (`scrape_steps`), turns samples into seconds.
+docs/FLEET.md says what each figure means and how it is computed; the money is defined once, in `_money`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._redact import redact_url
+from ..errors import Unavailable, UsageError
+from ..promql import Client
+from . import _queries as q
+from ._prices import Prices
+
+__all__ = ["NoFleetData", "Progress", "build"]
+
+#: Windows the range is cut into to read each host's scrape step (a gap spoils only the windows it falls in).
+STEP_WINDOWS = 8
+#: Samples a window needs for the step read from it to be within 5 %; fewer, and the windows are merged.
+MIN_WINDOW_SAMPLES = 20
+#: A window with fewer samples than this share of the host's fullest one holds a gap (or the host's start).
+FULL_WINDOW = 0.9
+#: Subqueries evaluate at most this many steps (VictoriaMetrics refuses more than 100,000 per series).
+MAX_SUBQUERY_STEPS = 11_000
+PLOT_POINTS = 240
+#: The recorded series are read instead of subqueries when they cover this share of the observed time.
+RECORDED_COVERAGE = 0.98
+#: Benign clock-event reasons: clocks low because the GPU is idle or as configured, not slowed down.
+BENIGN_REASONS = frozenset({"gpu_idle", "applications_clocks", "sync_boost", "display_clock"})
+QUERY_THREADS = 4
+NONE = "(none)"
+
+Progress = Callable[[int, int, str], None]
+
+
+class NoFleetData(Unavailable):
+    """The server holds none of the series the report needs in the range: one sentence saying which."""
+
+
+@dataclass
+class Figures:
+    """One GPU's figures in one group (or a group's, summed). Seconds and joules inside; hours at the edge."""
+
+    observed_s: float = 0.0
+    unobserved_s: float = 0.0
+    allocated_s: float = 0.0
+    outside_kubernetes_s: float = 0.0
+    used_s: float = 0.0
+    idle_s: float = 0.0
+    energy_j: float = 0.0
+    throttle_s: dict[str, float] = field(default_factory=dict)
+    verdict_s: dict[str, float] = field(default_factory=dict)
+    memory_used_ratio_max: float | None = None
+    gpu_cost: float = 0.0
+    energy_cost: float = 0.0
+    wasted: float = 0.0
+    unallocated_cost: float = 0.0
+    co2e_kg: float = 0.0
+    gpus: set[tuple[str, str]] = field(default_factory=set)
+
+    def add(self, o: Figures) -> None:
+        for name in ("observed_s", "unobserved_s", "allocated_s", "outside_kubernetes_s", "used_s", "idle_s",
+                     "energy_j", "gpu_cost", "energy_cost", "wasted", "unallocated_cost", "co2e_kg"):
+            setattr(self, name, getattr(self, name) + getattr(o, name))
+        for mine, theirs in ((self.throttle_s, o.throttle_s), (self.verdict_s, o.verdict_s)):
+            for k, v in theirs.items():
+                mine[k] = mine.get(k, 0.0) + v
+        if o.memory_used_ratio_max is not None:
+            self.memory_used_ratio_max = max(self.memory_used_ratio_max or 0.0, o.memory_used_ratio_max)
+        self.gpus |= o.gpus
+
+
+# -- reading the answers ---------------------------------------------------------------------------
+def _value(r: Mapping[str, Any]) -> float | None:
+    try:
+        v = float(r["value"][1])
+    except (KeyError, IndexError, TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
+
+
+def _rows(result: Iterable[Mapping[str, Any]]) -> list[tuple[dict[str, str], float]]:
+    out = []
+    for r in result:
+        v = _value(r)
+        if v is not None:
+            out.append((dict(r.get("metric") or {}), v))
+    return out
+
+
+def group_name(labels: Mapping[str, str], by: str) -> str:
+    """The group a series is in: its label (for pod, namespace/pod); '(none)' where it has none."""
+    names = q.DIMENSIONS[by]
+    last = labels.get(names[-1], "")
+    if not last:
+        return NONE
+    return "/".join(labels.get(n, "") for n in names if labels.get(n, ""))
+
+
+def _gpu(labels: Mapping[str, str]) -> tuple[str, str]:
+    return labels.get("hostname", ""), labels.get("gpu", "")
+
+
+# -- the scrape step -------------------------------------------------------------------------------
+def step_of(counts: list[float], window_s: float) -> float | None:
+    """A host's scrape step from its samples per window: the windows without a gap (at least FULL_WINDOW of
+    the fullest) hold sum(counts) samples in len x window seconds. None when no window holds two samples.
+
+    >>> step_of([10, 10, 3, 10, 11, 10, 10, 10], 10.0)
+    0.9859154929577465
+    """
+    fullest = max(counts, default=0.0)
+    if fullest < 2:
+        return None
+    full = [c for c in counts if c >= FULL_WINDOW * fullest]
+    return window_s * len(full) / sum(full)
+
+
+def scrape_steps(client: Client, metric: str, start_s: float, end_s: float) -> dict[str, float]:
+    """Each host's scrape step in seconds, read from `metric`'s samples (never assumed)."""
+    windows = STEP_WINDOWS
+    while True:
+        w = (end_s - start_s) / windows
+        result = client.query_range(q.steps_expr(metric, w), start_s + w, end_s, w)
+        counts = {r.get("metric", {}).get("hostname", ""): [_f(v[1]) for v in r.get("values") or []]
+                  for r in result}
+        fullest = max((max(c, default=0) for c in counts.values()), default=0)
+        if fullest >= MIN_WINDOW_SAMPLES or windows == 1:
+            break
+        windows = max(1, int(windows * fullest // MIN_WINDOW_SAMPLES))
+    out = {}
+    for host, c in counts.items():
+        s = step_of(c, w)
+        if s is not None:
+            out[host] = s
+    return out
+
+
+def _f(v: Any) -> float:
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        return 0.0
+    return x if math.isfinite(x) else 0.0
+
+
+# -- the queries -----------------------------------------------------------------------------------
+def _run_all(client: Client, exprs: dict[str, tuple[str, float | None]], progress: Progress | None,
+             done0: int, total: int) -> dict[str, list[dict[str, Any]]]:
+    """Instant queries (name -> (expr, time)), a few at once; progress after each."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    done = done0
+    with ThreadPoolExecutor(QUERY_THREADS) as pool:
+        futures = {name: pool.submit(client.query, expr, at) for name, (expr, at) in exprs.items()}
+        for name, fut in futures.items():
+            out[name] = fut.result()
+            done += 1
+            if progress:
+                progress(done, total, name)
+    return out
+
+
+def _check_names(client: Client, start_s: float, end_s: float) -> set[str]:
+    names = set(client.label_values("__name__", start_s, end_s))
+    missing = [m for m in q.REQUIRED_METRICS if m not in names]
+    if missing:
+        when = f"between {_iso(start_s)} and {_iso(end_s)}"
+        has = "no series at all" if not names else f"no {', '.join(missing)}"
+        raise NoFleetData(f"The server at {client.shown} has {has} {when}: the gpuscope agents must be scraped by "
+                          "it (a scrape job for each agent's /metrics; docs/FLEET.md), or the range holds no data.")
+    return names
+
+
+def _iso(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+
+def _window(steps: Mapping[str, float], range_s: float) -> q.Window:
+    fine, coarse = min(steps.values()), max(steps.values())
+    resolution = max(fine, range_s / MAX_SUBQUERY_STEPS)
+    return q.Window(range_s=range_s, resolution_s=resolution, fresh_s=1.5 * coarse,
+                    step_s=max(range_s / PLOT_POINTS, fine))
+
+
+def _instant_plan(by: str, w: q.Window, names: set[str], end_s: float) -> dict[str, tuple[str, float | None]]:
+    labels = q.group_labels(by)
+    plan: dict[str, tuple[str, float | None]] = {}
+    for name in q.INSTANT:
+        plan[name] = (q.instant_expr(name, labels, w), end_s)
+    if q.RECORDED["observed"] in names:
+        plan["recorded_observed"] = (q.recorded_expr("observed", labels, w), end_s)
+    return plan
+
+
+def _step_plan(by: str, w: q.Window, recorded: bool, end_s: float) -> dict[str, tuple[str, float | None]]:
+    labels = q.group_labels(by)
+    wanted = ["allocated", "idle_allocated"] + (["user_share", "user_sm_active", "user_idle"] if by == "user" else [])
+    make = q.recorded_expr if recorded else q.subquery_expr
+    return {name: (make(name, ("hostname", "gpu", "model", "user") if name.startswith("user") else labels, w), end_s)
+            for name in wanted}
+
+
+def build(client: Client, start_s: float, end_s: float, by: str, prices: Prices,
+          progress: Progress | None = None) -> dict[str, Any]:
+    """The report (a plain dict, what --json writes) for [start_s, end_s) grouped by `by`."""
+    if by not in q.DIMENSIONS:
+        raise UsageError(f"--by must be one of {', '.join(q.DIMENSIONS)}, not {by!r}.")
+    if not end_s > start_s:
+        raise UsageError("The range is empty: its end must come after its start.")
+    t0 = time.monotonic()
+    total = 3 + len(q.INSTANT) + 1 + (5 if by == "user" else 2) + len(q.plot_exprs(q.Window(1, 1, 1, 1), False))
+    if progress:
+        progress(0, total, "metric names")
+    names = _check_names(client, start_s, end_s)
+    steps = scrape_steps(client, "gpu_info", start_s, end_s)
+    if not steps:
+        raise NoFleetData(f"The server at {client.shown} holds too few gpu_info samples between {_iso(start_s)} "
+                          f"and {_iso(end_s)} to tell the scrape step: choose a longer range.")
+    if progress:
+        progress(2, total, "scrape steps")
+    w = _window(steps, end_s - start_s)
+    answers = _run_all(client, _instant_plan(by, w, names, end_s), progress, 2, total)
+    rule_steps: dict[str, float] = {}
+    if "recorded_observed" in answers:
+        rule_steps = scrape_steps(client, q.RECORDED["observed"], start_s, end_s)
+    recorded = _recorded_cover(answers, steps, rule_steps)
+    done = 3 + len(answers)
+    answers.update(_run_all(client, _step_plan(by, w, recorded, end_s), progress, done, total))
+    done += 5 if by == "user" else 2
+    plots = _plots(client, w, recorded, start_s, end_s, steps, rule_steps, progress, done, total)
+    per_step = rule_steps if recorded else None
+    rows = _gpu_rows(answers, by, steps, per_step, w)
+    report = _assemble(rows, answers, by, prices, steps, w)
+    report.update({
+        "server": redact_url(client.url, keep_path=True), "by": by,
+        "range": {"start": _iso(start_s), "end": _iso(end_s), "start_s": start_s, "end_s": end_s,
+                  "seconds": end_s - start_s},
+        "source": "recorded" if recorded else "raw",
+        "scrape_step_s": dict(sorted(steps.items())),
+        "subquery_resolution_s": None if recorded else w.resolution_s,
+        "rule_interval_s": dict(sorted(rule_steps.items())) if recorded else None,
+        "plots": plots, "queries": client.requests, "query_seconds": round(time.monotonic() - t0, 3),
+    })
+    return report
+
+
+def _recorded_cover(answers: Mapping[str, list[dict[str, Any]]], steps: Mapping[str, float],
+                    rule_steps: Mapping[str, float]) -> bool:
+    """True when the recorded series cover (nearly) all the observed time of the range."""
+    if "recorded_observed" not in answers or not rule_steps:
+        return False
+    raw = sum(v * steps.get(lab.get("hostname", ""), 0.0) for lab, v in _rows(answers["observed"]))
+    rec = sum(v * rule_steps.get(lab.get("hostname", ""), 0.0) for lab, v in _rows(answers["recorded_observed"]))
+    return raw > 0 and rec >= RECORDED_COVERAGE * raw
+
+
+def _plots(client: Client, w: q.Window, recorded: bool, start_s: float, end_s: float, steps: Mapping[str, float],
+           rule_steps: Mapping[str, float], progress: Progress | None, done: int, total: int) -> dict[str, Any]:
+    """Per bucket of w.step_s: GPUs observed, allocated, idle and used (GPU-seconds / bucket), power (W)."""
+    exprs = q.plot_exprs(w, recorded)
+    first = start_s + w.step_s
+    t = [first + i * w.step_s for i in range(max(0, int((end_s - first) / w.step_s + 1e-9)) + 1)]
+    out: dict[str, Any] = {"t_s": [round(x - start_s, 3) for x in t]}
+
+    def one(name: str, expr: str) -> list[float | None]:
+        per_step = rule_steps if recorded and name in ("allocated", "idle_allocated") else steps
+        sums: list[float | None] = [None] * len(t)
+        for r in client.query_range(expr, first, end_s, w.step_s):
+            s = per_step.get(r.get("metric", {}).get("hostname", ""))
+            if s is None:
+                continue
+            for ts, v in r.get("values") or []:
+                i = round((float(ts) - first) / w.step_s)
+                if 0 <= i < len(t):
+                    sums[i] = (sums[i] or 0.0) + _f(v) * s / w.step_s
+        return sums
+
+    with ThreadPoolExecutor(QUERY_THREADS) as pool:
+        futures = {name: pool.submit(one, name, expr) for name, expr in exprs.items()}
+        for name, fut in futures.items():
+            out[name] = fut.result()
+            done += 1
+            if progress:
+                progress(done, total, f"plot {name}")
+    return out
+
+
+# -- rows per GPU and group ------------------------------------------------------------------------
+def _gpu_rows(answers: Mapping[str, list[dict[str, Any]]], by: str, steps: Mapping[str, float],
+              rule_steps: Mapping[str, float] | None, w: q.Window) -> dict[tuple[str, str, str], tuple[str, Figures]]:
+    """(hostname, gpu, group) -> (model, figures)."""
+    rows: dict[tuple[str, str, str], tuple[str, Figures]] = {}
+    group_of = (lambda lab: "") if by == "user" else (lambda lab: group_name(lab, by))
+
+    def row(lab: Mapping[str, str]) -> Figures:
+        key = (*_gpu(lab), group_of(lab))
+        if key not in rows:
+            rows[key] = (lab.get("model", ""), Figures(gpus={_gpu(lab)}))
+        return rows[key][1]
+
+    def secs(lab: Mapping[str, str], v: float, per: Mapping[str, float] | None = None) -> float:
+        if per is None:  # a subquery's step-sum
+            return v * w.resolution_s
+        return v * per.get(lab.get("hostname", ""), 0.0)
+
+    for lab, v in _rows(answers["observed"]):
+        row(lab).observed_s += secs(lab, v, steps)
+    for lab, v in _rows(answers["used"]):
+        row(lab).used_s += secs(lab, v, steps)
+    for lab, v in _rows(answers["outside_kubernetes"]):
+        row(lab).outside_kubernetes_s += secs(lab, v, steps)
+    for lab, v in _rows(answers["allocated"]):
+        row(lab).allocated_s += secs(lab, v, rule_steps)
+    for lab, v in _rows(answers["idle_allocated"]):
+        row(lab).idle_s += secs(lab, v, rule_steps)
+    for lab, v in _rows(answers["energy"]):
+        row(lab).energy_j += max(0.0, v)
+    for lab, v in _rows(answers["throttle"]):
+        f = row(lab)
+        reason = lab.get("reason", "")
+        f.throttle_s[reason] = f.throttle_s.get(reason, 0.0) + max(0.0, v)
+    used_b = {(*_gpu(lab), group_of(lab)): v for lab, v in _rows(answers["memory_used"])}
+    for lab, v in _rows(answers["memory_total"]):
+        key = (*_gpu(lab), group_of(lab))
+        if v > 0 and key in used_b:
+            row(lab).memory_used_ratio_max = min(1.0, used_b[key] / v)
+    if by == "user":
+        rows = _split_by_user(rows, answers, rule_steps, w)
+    _spread_per_gpu(rows, answers, steps, w.range_s)
+    for _, f in rows.values():  # clamp what the resolution can leave over the observed time
+        f.allocated_s = min(f.allocated_s, f.observed_s)
+        f.idle_s = min(f.idle_s, f.allocated_s)
+        f.outside_kubernetes_s = min(f.outside_kubernetes_s, f.allocated_s)
+    return rows
+
+
+def _split_by_user(rows: dict[tuple[str, str, str], tuple[str, Figures]], answers: Mapping[str, list[dict[str, Any]]],
+                   rule_steps: Mapping[str, float] | None, w: q.Window,
+                   ) -> dict[tuple[str, str, str], tuple[str, Figures]]:
+    """--by user: each GPU's time goes to the users of its processes (split evenly among them at each step);
+    what no user's process held stays with '(none)'. Energy, throttling and verdicts follow the time."""
+    def secs(lab: Mapping[str, str], v: float) -> float:
+        return v * (w.resolution_s if rule_steps is None else rule_steps.get(lab.get("hostname", ""), 0.0))
+
+    share: dict[tuple[str, str], dict[str, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0.0, 0.0]))
+    for i, name in enumerate(("user_share", "user_sm_active", "user_idle")):
+        for lab, v in _rows(answers[name]):
+            share[_gpu(lab)][lab.get("user") or NONE][i] += secs(lab, v)
+    out: dict[tuple[str, str, str], tuple[str, Figures]] = {}
+    for (host, gpu, _), (model, g) in rows.items():
+        rest = Figures(observed_s=g.observed_s, allocated_s=g.allocated_s, used_s=g.used_s, idle_s=g.idle_s,
+                       gpus={(host, gpu)}, memory_used_ratio_max=g.memory_used_ratio_max)
+        for user, (held, sm, idle) in sorted(share.get((host, gpu), {}).items()):
+            held = min(held, rest.observed_s)
+            f = Figures(observed_s=held, allocated_s=held, used_s=min(sm, held), idle_s=min(idle, held),
+                        gpus={(host, gpu)}, memory_used_ratio_max=g.memory_used_ratio_max)
+            rest.observed_s -= f.observed_s
+            rest.allocated_s = max(0.0, rest.allocated_s - f.allocated_s)
+            rest.used_s = max(0.0, rest.used_s - f.used_s)
+            rest.idle_s = max(0.0, rest.idle_s - f.idle_s)
+            out[(host, gpu, user)] = (model, f)
+        out[(host, gpu, NONE)] = (model, rest)
+        part = g.observed_s or 1.0
+        for key in [k for k in out if k[:2] == (host, gpu)]:
+            f = out[key][1]
+            k = f.observed_s / part
+            f.energy_j = g.energy_j * k
+            f.outside_kubernetes_s = g.outside_kubernetes_s * k
+            f.throttle_s = {r: v * k for r, v in g.throttle_s.items()}
+    return {k: v for k, v in out.items() if v[1].observed_s > 0 or k[2] != NONE}
+
+
+def _spread_per_gpu(rows: dict[tuple[str, str, str], tuple[str, Figures]], answers: Mapping[str, list[dict[str, Any]]],
+                    steps: Mapping[str, float], range_s: float) -> None:
+    """What is known per GPU only (its verdicts, its unobserved time) goes to its groups by their share of
+    its observed time (all of it to its one group when it stayed in one)."""
+    observed: dict[tuple[str, str], float] = defaultdict(float)
+    for (host, gpu, _), (_, f) in rows.items():
+        observed[(host, gpu)] += f.observed_s
+    verdicts: dict[tuple[str, str], dict[str, float]] = defaultdict(dict)
+    for lab, v in _rows(answers["verdicts"]):
+        s = steps.get(lab.get("hostname", ""))
+        if s is not None:
+            kinds = verdicts[_gpu(lab)]
+            kinds[lab.get("kind", "")] = kinds.get(lab.get("kind", ""), 0.0) + v * s
+    for (host, gpu, _), (_, f) in rows.items():
+        seen = observed[(host, gpu)]
+        k = f.observed_s / seen if seen > 0 else 0.0
+        f.unobserved_s = max(0.0, range_s - seen) * k
+        f.verdict_s = {kind: min(v, seen) * k for kind, v in verdicts.get((host, gpu), {}).items()}
+
+
+# -- money, groups, ranking ------------------------------------------------------------------------
+def _money(f: Figures, model: str, prices: Prices) -> None:
+    """The one definition of the money (docs/FLEET.md): what the observed GPU-hours and their energy cost,
+    what went to allocated GPU-hours the SMs did not use, and what unallocated GPU-hours cost."""
+    price = prices.gpu_hour(model)
+    kwh = f.energy_j / 3.6e6
+    f.gpu_cost = f.observed_s / 3600 * price
+    f.energy_cost = kwh * prices.energy_per_kwh
+    f.wasted = max(0.0, f.allocated_s - f.used_s) / 3600 * price
+    f.unallocated_cost = max(0.0, f.observed_s - f.allocated_s) / 3600 * price
+    f.co2e_kg = kwh * prices.grid_kg_co2e_per_kwh
+
+
+def _assemble(rows: dict[tuple[str, str, str], tuple[str, Figures]], answers: Mapping[str, list[dict[str, Any]]],
+              by: str, prices: Prices, steps: Mapping[str, float], w: q.Window) -> dict[str, Any]:
+    groups: dict[str, Figures] = defaultdict(Figures)
+    fleet = Figures()
+    for (_, _, group), (model, f) in rows.items():
+        _money(f, model, prices)
+        groups[group].add(f)
+        fleet.add(f)
+    ranked = sorted(groups.items(), key=lambda kv: (-kv[1].wasted, -kv[1].unallocated_cost, kv[0]))
+    out_groups = []
+    for name, f in ranked:
+        why, fix = explain(f)
+        out_groups.append({"group": name, **figures_dict(f), "why": why, "fix": fix})
+    return {"fleet": {**figures_dict(fleet), "line": fleet_line(fleet, prices, w.range_s)},
+            "groups": out_groups, "prices": prices.as_dict(), "currency": prices.currency}
+
+
+def figures_dict(f: Figures) -> dict[str, Any]:
+    """The figures as --json writes them: hours, kWh, money, shares of observed time."""
+    h = 1 / 3600
+    seen = f.observed_s
+    return {
+        "gpus": len(f.gpus),
+        "observed_gpu_hours": f.observed_s * h, "unobserved_gpu_hours": f.unobserved_s * h,
+        "allocated_gpu_hours": f.allocated_s * h,
+        "unallocated_gpu_hours": max(0.0, f.observed_s - f.allocated_s) * h,
+        "outside_kubernetes_gpu_hours": f.outside_kubernetes_s * h,
+        "used_gpu_hours": f.used_s * h, "idle_gpu_hours": f.idle_s * h,
+        "throttled_hours_by_reason": {r: v * h for r, v in sorted(f.throttle_s.items()) if v > 0},
+        "energy_kwh": f.energy_j / 3.6e6,
+        "cost": f.gpu_cost + f.energy_cost, "gpu_cost": f.gpu_cost, "energy_cost": f.energy_cost,
+        "wasted_money": f.wasted, "unallocated_money": f.unallocated_cost,
+        "co2e_kg": f.co2e_kg,
+        "verdict_share": {k: v / seen for k, v in sorted(f.verdict_s.items(), key=lambda kv: -kv[1])
+                          if seen > 0 and v > 0},
+        "memory_headroom_ratio": None if f.memory_used_ratio_max is None else 1.0 - f.memory_used_ratio_max,
+    }
+
+
+# -- why, and the fix ------------------------------------------------------------------------------
+#: Verdicts that name no problem: they explain no waste.
+_FINE = frozenset({"healthy", "compute_bound", "power_capped", "memory_bound"})
+
+
+def _hours(s: float) -> str:
+    h = s / 3600
+    return f"{h:.3g} GPU-hours" if h < 10 else f"{h:,.0f} GPU-hours"
+
+
+def _top_problem(f: Figures) -> tuple[str, float] | None:
+    """The verdict (not a fine one) that held longest, with its share of the observed time."""
+    kinds = [(k, v) for k, v in f.verdict_s.items() if k not in _FINE and v > 0]
+    if not kinds or f.observed_s <= 0:
+        return None
+    kind, v = max(kinds, key=lambda kv: kv[1])
+    return kind, v / f.observed_s
+
+
+def _top_throttle(f: Figures) -> tuple[str, float] | None:
+    reasons = [(r, v) for r, v in f.throttle_s.items() if r not in BENIGN_REASONS and v > 0]
+    return max(reasons, key=lambda kv: kv[1]) if reasons else None
+
+
+def explain(f: Figures) -> tuple[str, str]:
+    """One line of why the group's money went where it went, and one of the fix (from the verdicts' advice)."""
+    from ..diagnose.rules import ADVICE
+
+    def advice(kind: str) -> str:
+        return (ADVICE.get(kind) or [""])[0]
+
+    if f.observed_s <= 0:
+        return "never observed in the range (no samples scraped)", "Check that Prometheus scrapes its agents."
+    throttle = _top_throttle(f)
+    slowed = f"; clocks held down by {throttle[0]} {throttle[1] / f.observed_s:.0%} of the time" \
+        if throttle and throttle[1] >= 0.05 * f.observed_s else ""
+    if f.allocated_s <= 0:
+        return (f"nobody held its GPUs: {_hours(f.observed_s)} unallocated, paid all the same",
+                "Give these GPUs work or take them out of the fleet (scale the node pool down).")
+    idle, use = f.idle_s / f.allocated_s, f.used_s / f.allocated_s
+    problem = _top_problem(f)
+    verdict = f"; verdict {problem[0]} {problem[1]:.0%} of the time" if problem else ""
+    if idle >= 0.5:
+        return (f"idle {idle:.0%} of its {_hours(f.allocated_s)} allocated (SM activity under 5 %){verdict}",
+                advice("idle_allocated"))
+    why = f"SM activity {use:.0%} of its {_hours(f.allocated_s)} allocated, idle {idle:.0%}{verdict}{slowed}"
+    if problem and advice(problem[0]):
+        return why, advice(problem[0])
+    if slowed:
+        return why, advice("throttled")
+    if use >= 0.8:
+        return why, "Nothing to fix: its GPUs are busy while it holds them."
+    return why, advice("underutilized")
+
+
+def _money_text(v: float, currency: str) -> str:
+    sign = {"USD": "$", "EUR": "€", "GBP": "£"}.get(currency)
+    return f"{sign}{v:,.2f}" if sign else f"{v:,.2f} {currency}"
+
+
+def _span(range_s: float) -> str:
+    for name, s in (("week", 7 * 86400), ("day", 86400), ("hour", 3600)):
+        if abs(range_s - s) < 0.01 * s:
+            return f"this {name}"
+    if range_s >= 2 * 86400:
+        return f"in these {range_s / 86400:.3g} days"
+    if range_s >= 2 * 3600:
+        return f"in these {range_s / 3600:.3g} hours"
+    return f"in these {range_s / 60:.3g} minutes"
+
+
+def fleet_line(f: Figures, prices: Prices, range_s: float) -> str:
+    """"$X of $Y went to GPUs that were idle or starved this week": X is the money wasted (allocated, SMs
+    not used) plus what unallocated GPUs cost; Y the whole cost (GPU-hours and energy)."""
+    x = f.wasted + f.unallocated_cost
+    y = f.gpu_cost + f.energy_cost
+    share = f" ({x / y:.0%})" if y > 0 else ""
+    return (f"{_money_text(x, prices.currency)} of {_money_text(y, prices.currency)}{share} went to GPUs that were "
+            f"idle or starved {_span(range_s)}.")
