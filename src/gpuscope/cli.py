@@ -36,6 +36,7 @@ VERBS = {
     "capture": "gpuscope.loadtest.capture_cli",
     "guard": "gpuscope.guard.cli",
     "dashboard": "gpuscope.commands.dashboard",
+    "fleet": "gpuscope.fleet.cli",
 }
 
 
