@@ -22,7 +22,8 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "gpuscope"
 # below; among the features, only the edges in FEATURE_EDGES.
 LAYERS: list[tuple[str, set[str]]] = [
     ("floor", {"_version", "errors", "timeparse", "_paths", "_text", "_files", "_redact", "_serverlog", "_child",
-               "_records", "catalog", "_nvml", "_cgroup", "_hostproc", "http", "_choices", "shares", "_node"}),
+               "_records", "catalog", "_nvml", "_cgroup", "_hostproc", "http", "_choices", "shares", "_node",
+               "_recent"}),
     ("core", {"sources", "fakenvml", "testing", "sim", "sampler", "store", "diagnose", "export", "viewmodel"}),
     ("kit", {"_args", "report", "promql"}),
     ("features", {"alerts", "trace", "web", "agent", "top", "loadtest", "guard", "integrations", "doctor",
@@ -40,7 +41,7 @@ FEATURE_EDGES = {
 }
 # Stdlib-only units: every layer may import them, so they must stay cheap (no numpy, aiohttp, psutil, ...).
 STDLIB_ONLY = {"_version", "errors", "timeparse", "_paths", "_text", "_files", "_redact", "_child", "_choices",
-               "_node"}
+               "_node", "_recent"}
 
 
 def _modules() -> dict[str, Path]:
