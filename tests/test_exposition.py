@@ -518,3 +518,24 @@ def test_dcgm_mode_covers_dcgm_exporters_default_set_but_the_two_documented_gaps
     fams, _ = parse(render(snap, mode="dcgm"))
     missing = {f"DCGM_FI_{x}" for x in DCGM_DEFAULT_SET} - set(fams)
     assert missing == {"DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL", "DCGM_FI_DEV_VGPU_LICENSE_STATUS"}
+
+
+def test_label_contexts_of_ended_processes_are_forgotten(monkeypatch):
+    """A node whose processes churn (6,000 pids an hour) must not keep a label context per pid it ever saw: the
+    model keeps the contexts in use and forgets the others two periods after their process ended."""
+    from gpuscope._recent import Recent
+    from gpuscope.export import _model
+
+    t = [0.0]
+    monkeypatch.setattr(_model, "Recent", lambda period, **kw: Recent(period, clock=lambda: t[0], **kw))
+    model = _model.Model()
+    live = [proc(1, 1.0), proc(2, 2.0)]
+    for step in range(600):  # ten minutes at one scrape per second, a new short-lived pid every second
+        t[0] = float(step)
+        snap = snapshot(procs=[*live, proc(1000 + step, 0.5)])
+        rows = dict((fam.name, r) for fam, r in model.rows(snap))
+        assert any(dict(ctx.labels).get("pid") == str(1000 + step) for ctx, _, _ in rows["gpu_process_memory_used_bytes"])
+    pids = {dict(ctx.labels).get("pid") for ctx in (model._ctx.get(k) for k in model._ctx.keys()) if ctx is not None}
+    assert {"1", "2"} <= pids  # the live ones stay
+    assert len(pids - {"1", "2", None}) <= 2 * _model.CTX_PERIOD_S + 1  # of 600 ended pids, only the recent ones
+    assert "1000" not in pids

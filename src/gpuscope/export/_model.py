@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .._node import node_name
+from .._recent import Recent
 from .._records import GpuIdentity, PodRecord, ProcessRecord, Snapshot
 from ..catalog import CATALOG, POD_SERIES, PROCESS_SERIES, Kind, split_series_key
 
@@ -33,6 +34,7 @@ CANONICAL, DCGM = "canonical", "dcgm"
 BOTH = "canonical,dcgm"
 MODES = (CANONICAL, DCGM, BOTH)
 _MAX_CACHE = 20_000  # contexts and series kept; past it the caches start afresh (pid churn)
+CTX_PERIOD_S = 120.0  # a context not used for two of these is forgotten (its process has ended)
 _NAME_RE = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 _LABEL_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 
@@ -177,7 +179,9 @@ class Model:
     guarded by a lock."""
 
     def __init__(self) -> None:
-        self._ctx: dict[tuple[Any, ...], Ctx] = {}
+        # Contexts of processes and pods come and go with them: kept while used (each scrape uses the live ones),
+        # forgotten two periods after their process ended (a 6,000-pids/h node grew by 6,000 contexts an hour).
+        self._ctx: Recent[tuple[Any, ...], Ctx] = Recent(CTX_PERIOD_S, max_items=_MAX_CACHE)
         self._keys: dict[str, tuple[Family | None, Labels]] = {}
         self._dkeys: dict[str, tuple[Any, ...]] = {}
         self._extra_keys: dict[str, tuple[Family | None, Labels]] = {}
@@ -194,8 +198,7 @@ class Model:
             raise ValueError(f"Unknown exposition mode {mode!r}; use 'canonical', 'dcgm' or 'canonical,dcgm'.")
         if top_processes < 0:
             raise ValueError(f"top_processes must be 0 or more, got {top_processes}.")
-        if len(self._ctx) > _MAX_CACHE:
-            self._ctx.clear()
+        self._ctx.rotate()
         if len(self._keys) + len(self._dkeys) + len(self._extra_keys) > _MAX_CACHE:
             self._keys.clear()
             self._dkeys.clear()
