@@ -143,7 +143,9 @@ class Sampler:
         self._host_source = host_source
         self.hostname = node_name()
         self.devices: list[Device] = []
-        self.events_history: deque[Event] = deque(maxlen=10_000)
+        # The newest events, for `doctor`'s short run; the agent keeps events in its store. (10,000 of them were
+        # ~12 MB that a churning node filled in 50 minutes, of process starts and stops nobody read from here.)
+        self.events_history: deque[Event] = deque(maxlen=1_000)
         self.history: deque[Snapshot] = deque(maxlen=self.config.history)
         self._pending_events: list[Event] = []
         self._latest: Snapshot | None = None
