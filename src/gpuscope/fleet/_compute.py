@@ -23,19 +23,19 @@ from ._prices import Prices
 
 __all__ = ["NoFleetData", "Progress", "build"]
 
-#: Windows the range is cut into to read each host's scrape step (a gap spoils only the windows it falls in).
-STEP_WINDOWS = 8
-#: Samples a window needs for the step read from it to be within 5 %; fewer, and the windows are merged.
-MIN_WINDOW_SAMPLES = 20
-#: A window with fewer samples than this share of the host's fullest one holds a gap (or the host's start).
-FULL_WINDOW = 0.9
+#: Windows the range is cut into to read each host's scrape step (a gap spoils only the windows it touches).
+STEP_WINDOWS = 16
 #: Subqueries evaluate at most this many steps (VictoriaMetrics refuses more than 100,000 per series).
 MAX_SUBQUERY_STEPS = 11_000
 PLOT_POINTS = 240
 #: The recorded series are read instead of subqueries when they cover this share of the observed time.
 RECORDED_COVERAGE = 0.98
+_RECORDED_COVERAGE_TEXT = f"{RECORDED_COVERAGE:.0%}"
 #: Benign clock-event reasons: clocks low because the GPU is idle or as configured, not slowed down.
 BENIGN_REASONS = frozenset({"gpu_idle", "applications_clocks", "sync_boost", "display_clock"})
+#: The advice for clocks held down by a reason: at the power limit is expected at full load; the rest is heat
+#: or hardware.
+_THROTTLE_ADVICE = {"sw_power_cap": "power_capped"}
 QUERY_THREADS = 4
 NONE = "(none)"
 
@@ -111,37 +111,53 @@ def _gpu(labels: Mapping[str, str]) -> tuple[str, str]:
 
 
 # -- the scrape step -------------------------------------------------------------------------------
-def step_of(counts: list[float], window_s: float) -> float | None:
-    """A host's scrape step from its samples per window: the windows without a gap (at least FULL_WINDOW of
-    the fullest) hold sum(counts) samples in len x window seconds. None when no window holds two samples.
+def step_of(windows: list[tuple[float, float]]) -> float | None:
+    """A host's scrape step from (seconds between its last samples at a window's two edges, samples in the
+    window) per window: the median of span / samples, which is the step exactly in a window without a gap
+    and more in one with (so a gap in fewer than half the windows changes nothing). None without a sample.
 
-    >>> step_of([10, 10, 3, 10, 11, 10, 10, 10], 10.0)
-    0.9859154929577465
+    >>> step_of([(10.0, 10), (10.0, 10), (25.0, 10), (10.0, 10), (30.0, 5)])  # two windows with gaps
+    1.0
     """
-    fullest = max(counts, default=0.0)
-    if fullest < 2:
+    per = sorted(span / n for span, n in windows if n >= 1 and span > 0)
+    if not per:
         return None
-    full = [c for c in counts if c >= FULL_WINDOW * fullest]
-    return window_s * len(full) / sum(full)
+    mid = len(per) // 2
+    return per[mid] if len(per) % 2 else (per[mid - 1] + per[mid]) / 2
 
 
 def scrape_steps(client: Client, metric: str, start_s: float, end_s: float) -> dict[str, float]:
-    """Each host's scrape step in seconds, read from `metric`'s samples (never assumed)."""
+    """Each host's scrape step in seconds, read from `metric`'s samples (never assumed): at the edges of
+    STEP_WINDOWS windows, the timestamp of the host's last sample (timestamp()) and the samples between."""
     windows = STEP_WINDOWS
     while True:
-        w = (end_s - start_s) / windows
-        result = client.query_range(q.steps_expr(metric, w), start_s + w, end_s, w)
-        counts = {r.get("metric", {}).get("hostname", ""): [_f(v[1]) for v in r.get("values") or []]
-                  for r in result}
-        fullest = max((max(c, default=0) for c in counts.values()), default=0)
-        if fullest >= MIN_WINDOW_SAMPLES or windows == 1:
+        w = round((end_s - start_s) / windows, 3)  # whole ms: the servers' evaluation times are ms
+        stamps = _by_host(client.query_range(q.stamps_expr(metric), start_s, end_s, w))
+        counts = _by_host(client.query_range(q.steps_expr(metric, w), start_s + w, end_s, w))
+        pairs: dict[str, list[tuple[float, float]]] = defaultdict(list)
+        for host, at in counts.items():
+            ts = stamps.get(host, {})
+            for t, n in at.items():
+                before = ts.get(round(t - w, 3))
+                if before is not None and t in ts:
+                    pairs[host].append((ts[t] - before, n))
+        if any(n >= 1 for p in pairs.values() for _, n in p) or windows == 1:
             break
-        windows = max(1, int(windows * fullest // MIN_WINDOW_SAMPLES))
+        windows = 1  # the step is longer than a window: one window over the whole range
     out = {}
-    for host, c in counts.items():
-        s = step_of(c, w)
+    for host, p in pairs.items():
+        s = step_of(p)
         if s is not None:
             out[host] = s
+    return out
+
+
+def _by_host(result: Iterable[Mapping[str, Any]]) -> dict[str, dict[float, float]]:
+    """A range query's matrix by hostname: {host: {evaluation time (ms-rounded): value}}."""
+    out: dict[str, dict[float, float]] = {}
+    for r in result:
+        host = (r.get("metric") or {}).get("hostname", "")
+        out[host] = {round(float(t), 3): _f(v) for t, v in r.get("values") or []}
     return out
 
 
@@ -209,9 +225,15 @@ def _step_plan(by: str, w: q.Window, recorded: bool, end_s: float) -> dict[str, 
             for name in wanted}
 
 
+SOURCES = ("auto", "raw", "recorded")
+
+
 def build(client: Client, start_s: float, end_s: float, by: str, prices: Prices,
-          progress: Progress | None = None) -> dict[str, Any]:
-    """The report (a plain dict, what --json writes) for [start_s, end_s) grouped by `by`."""
+          progress: Progress | None = None, source: str = "auto") -> dict[str, Any]:
+    """The report (a plain dict, what --json writes) for [start_s, end_s) grouped by `by`. `source`: read the
+    recorded series where they cover the range (auto), never (raw), or insist on them (recorded)."""
+    if source not in SOURCES:
+        raise UsageError(f"--source must be one of {', '.join(SOURCES)}, not {source!r}.")
     if by not in q.DIMENSIONS:
         raise UsageError(f"--by must be one of {', '.join(q.DIMENSIONS)}, not {by!r}.")
     if not end_s > start_s:
@@ -230,9 +252,13 @@ def build(client: Client, start_s: float, end_s: float, by: str, prices: Prices,
     w = _window(steps, end_s - start_s)
     answers = _run_all(client, _instant_plan(by, w, names, end_s), progress, 2, total)
     rule_steps: dict[str, float] = {}
-    if "recorded_observed" in answers:
+    if "recorded_observed" in answers and source != "raw":
         rule_steps = scrape_steps(client, q.RECORDED["observed"], start_s, end_s)
     recorded = _recorded_cover(answers, steps, rule_steps)
+    if source == "recorded" and not recorded:
+        raise NoFleetData(f"The server at {client.shown} does not hold the recorded series of `gpuscope fleet rules` "
+                          f"({q.RECORDED['observed']}, ...) over {_RECORDED_COVERAGE_TEXT} of the range: load the rules "
+                          "(rule_files) and wait, or use --source auto.")
     done = 3 + len(answers)
     answers.update(_run_all(client, _step_plan(by, w, recorded, end_s), progress, done, total))
     done += 5 if by == "user" else 2
@@ -272,10 +298,12 @@ def _plots(client: Client, w: q.Window, recorded: bool, start_s: float, end_s: f
     out: dict[str, Any] = {"t_s": [round(x - start_s, 3) for x in t]}
 
     def one(name: str, expr: str) -> list[float | None]:
-        per_step = rule_steps if recorded and name in ("allocated", "idle_allocated") else steps
+        joined = name in ("allocated", "idle_allocated")  # step-sums of the recorded series or of a subquery
+        per_step = steps if not joined else rule_steps if recorded else None
         sums: list[float | None] = [None] * len(t)
         for r in client.query_range(expr, first, end_s, w.step_s):
-            s = per_step.get(r.get("metric", {}).get("hostname", ""))
+            host = r.get("metric", {}).get("hostname", "")
+            s = w.resolution_s if per_step is None else per_step.get(host)
             if s is None:
                 continue
             for ts, v in r.get("values") or []:
@@ -499,8 +527,8 @@ def explain(f: Figures) -> tuple[str, str]:
     why = f"SM activity {use:.0%} of its {_hours(f.allocated_s)} allocated, idle {idle:.0%}{verdict}{slowed}"
     if problem and advice(problem[0]):
         return why, advice(problem[0])
-    if slowed:
-        return why, advice("throttled")
+    if slowed and throttle:
+        return why, advice(_THROTTLE_ADVICE.get(throttle[0], "throttled"))
     if use >= 0.8:
         return why, "Nothing to fix: its GPUs are busy while it holds them."
     return why, advice("underutilized")

@@ -25,7 +25,7 @@ from ..diagnose.thresholds import DEFAULT as THRESHOLDS
 from ..promql import duration, quote, regex_alternation
 
 __all__ = ["DIMENSIONS", "INSTANT", "RECORDED", "REQUIRED_METRICS", "STEP", "Window", "group_labels",
-           "instant_expr", "plot_exprs", "recorded_expr", "rules_yaml", "step_expr", "steps_expr", "subquery_expr"]
+           "instant_expr", "plot_exprs", "stamps_expr", "recorded_expr", "rules_yaml", "step_expr", "steps_expr", "subquery_expr"]
 
 #: --by: the labels that name a group. A GPU's own series carry all of them but `user`, which only the
 #: per-process series carry (a GPU's time goes to its processes' users, split evenly among them).
@@ -160,6 +160,12 @@ def steps_expr(metric: str, window_s: float) -> str:
     """Samples per host in each window: the densest of its GPUs' series (a series split by a pod's label
     change counts less in the window it changes in; another GPU's does not)."""
     return f"max by (hostname) (count_over_time({metric}[{duration(window_s)}]))"
+
+
+def stamps_expr(metric: str) -> str:
+    """Per host, the timestamp of its last sample at the query's time (every series of a target is scraped
+    at once; the newest wins over a series whose labels changed)."""
+    return f"max by (hostname) (timestamp({metric}))"
 
 
 def plot_exprs(w: Window, recorded: bool) -> dict[str, str]:

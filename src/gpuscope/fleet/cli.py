@@ -26,6 +26,8 @@ Exit status: 0 done, 1 the server cannot answer or holds no gpuscope series, 2 b
 
 REPORT_HELP = "the report: per group, ranked by money wasted (text; --html, --csv, --json files)"
 RULES_HELP = "write the Prometheus recording rules the report reads over long ranges"
+#: --since: a bare number from this on is a unix time, below it a duration in seconds.
+UNIX_TIME_FROM = 1e9
 BY_CHOICES = ("namespace", "pod", "job", "user", "node", "model")
 
 
@@ -37,8 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--prometheus", required=True, metavar="URL",
                    help="the server that scrapes the agents, e.g. http://prometheus:9090")
     r.add_argument("--since", default="7d", metavar="WHEN",
-                   help="the range's start: a duration back from --until (7d, 24h, 90m) or a time (RFC 3339, unix "
-                        "seconds); default 7d")
+                   help="the range's start: a duration back from --until (7d, 24h, 90m, 3600) or a time (RFC 3339, "
+                        "or unix seconds: a number from 10^9 on); default 7d")
     r.add_argument("--until", default="now", metavar="WHEN",
                    help="the range's end: now (default), -1h, RFC 3339 or unix seconds")
     r.add_argument("--by", default="namespace", choices=BY_CHOICES, metavar="DIMENSION",
@@ -50,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--html", metavar="FILE", help="write the report as one self-contained HTML page")
     r.add_argument("--csv", metavar="FILE", help="write one CSV row per group")
     r.add_argument("--json", metavar="FILE", help="write the whole report as JSON ('-': to stdout, alone)")
+    r.add_argument("--source", default="auto", choices=("auto", "raw", "recorded"),
+                   help="auto (default): the recorded series of `gpuscope fleet rules` where they cover the range, "
+                        "else subqueries over the raw ones; raw: always the raw ones; recorded: only the recorded")
     r.add_argument("--top", type=int, default=15, metavar="N", help="groups in the text output (default 15)")
     r.add_argument("--timeout", type=float, default=120.0, metavar="SECONDS",
                    help="seconds to wait for each query (default 120)")
@@ -67,18 +72,26 @@ def _range(since: str, until: str) -> tuple[float, float]:
 
     now = time.time()
     end = parse_time(until, now, "--until") / 1e9
-    try:
-        back = parse_duration(since, "--since")
-    except TimeError as e:
-        if since.strip().startswith("-"):
-            raise UsageError(f"--since {since!r}: give a duration back from --until (such as 7d), without a "
-                             "minus sign, or a time.") from None
-        try:
-            start = parse_time(since, now, "--since") / 1e9
-        except TimeError:
-            raise e from None
+    text = since.strip()
+    if text.startswith("-"):
+        raise UsageError(f"--since {since!r}: give a duration back from --until (such as 7d), without a minus "
+                         "sign, or a time.")
+    try:  # a bare number past 10^9 is unix seconds (2001 on), anything else a duration back from --until
+        bare = float(text)
+    except ValueError:
+        bare = None
+    if bare is not None and bare >= UNIX_TIME_FROM:
+        start = parse_time(text, now, "--since") / 1e9
     else:
-        start = end - back
+        try:
+            start = end - parse_duration(text, "--since")
+        except TimeError as e:
+            if bare is not None:
+                raise
+            try:
+                start = parse_time(text, now, "--since") / 1e9
+            except TimeError:
+                raise e from None
     if start >= end:
         raise UsageError(f"The range is empty or inverted: --since {since!r} is not before --until {until!r}.")
     if start < 0:
@@ -149,7 +162,8 @@ def _report(args: argparse.Namespace) -> int:
     prices = _prices.load(args.prices) if args.prices else _prices.DEFAULT
     bar = _Bar(sys.stderr)
     try:
-        report = build(Client(url, timeout=args.timeout), start, end, args.by, prices, progress=bar)
+        report = build(Client(url, timeout=args.timeout), start, end, args.by, prices, progress=bar,
+                       source=args.source)
     finally:
         bar.close()
     _write(report, outs)

@@ -1,0 +1,384 @@
+"""`gpuscope fleet report` against known answers: three simulated agents (node-a idle on Kubernetes, node-b
+thermally throttled, node-c compute-bound), scraped every second by a real Prometheus (with the recording
+rules of `gpuscope fleet rules` loaded) and by a real VictoriaMetrics, for about 75 s; node-a's agent is
+stopped (SIGSTOP) for 12 s in the middle, so its scrapes fail.
+
+Ground truth is each simulation's own: the agent's /api/v1/query_range of its 100 ms samples, integrated,
+and its counters read at the range's edges. The report's GPU-hours, idle hours and energy must equal it
+within 1 %. Where the agent was stopped, each edge of the gap can cost or add one scrape (the server knows
+the GPU only at its scrape step): that node's tolerance adds one scrape step per gap edge per GPU, and the
+gap must show as unobserved time, never as idle.
+
+One module-scoped fleet feeds every test (the servers run once); the queries are the real CLI's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("grpc")
+from kubelet_server import Kubelet  # noqa: E402
+from servers import PrometheusServer, VictoriaMetricsServer, free_port, need_binary  # noqa: E402
+
+from gpuscope.diagnose.rules import ADVICE  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+UUID0 = "GPU-5171a7ed-0000-4000-8000-000000000000"
+RANGE_S = 75.0
+STOP_AT_S, STOP_FOR_S = 28.0, 12.0
+STEP_S = 0.1  # the agents' sampling interval: their own samples are the truth
+PRICE = 2.0  # the default price of a GPU-hour
+NODES = {"node-a": "idle_allocated", "node-b": "throttled", "node-c": "compute_bound"}
+
+
+class ScrapingVictoriaMetrics(VictoriaMetricsServer):
+    """VictoriaMetrics scraping `targets` itself every second (-promscrape.config)."""
+
+    def __init__(self, workdir: Path, targets: list[str]) -> None:
+        self.targets = targets
+        super().__init__(workdir)
+
+    def _command(self) -> list[str]:
+        cfg = self.workdir / "scrape.yml"
+        cfg.write_text(json.dumps({"global": {"scrape_interval": "1s", "scrape_timeout": "1s"}, "scrape_configs": [
+            {"job_name": "gpuscope", "static_configs": [{"targets": self.targets}]}]}))
+        return [*super()._command(), f"-promscrape.config={cfg}"]
+
+
+@dataclass
+class Agent:
+    name: str
+    scenario: str
+    port: int
+    proc: subprocess.Popen[bytes]
+
+    def get(self, path: str) -> Any:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=10) as r:
+            return json.load(r)
+
+    def series(self, metric: str, start: float, end: float, agg: str) -> list[dict[str, Any]]:
+        return self.get(f"/api/v1/query_range?metric={metric}&start={start:.3f}&end={end:.3f}&step=100ms&agg={agg}")[
+            "series"]
+
+
+def start_agent(workdir: Path, name: str, scenario: str, extra: list[str], config: str = "") -> Agent:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "KUBERNETES_SERVICE_HOST"}
+    env.update(GPUSCOPE_NODE_NAME=name, PYTHONPATH=str(ROOT / "src"))
+    cfg = workdir / f"{name}.toml"
+    cfg.write_text(config or '[kubernetes]\npod_resources_socket = "off"\n')
+    proc = subprocess.Popen([PY, "-m", "gpuscope", "agent", "--simulate", scenario, "--gpus", "2", *extra, "--port",
+                             str(port), "--data-dir", str(workdir / name), "--config", str(cfg)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=open(workdir / f"{name}.log", "wb"))  # noqa: SIM115
+    return Agent(name, scenario, port, proc)
+
+
+def wait(ok, what: str, timeout: float = 40.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            v = ok()
+        except (OSError, urllib.error.URLError, AssertionError, KeyError, IndexError):
+            v = None
+        if v:
+            return v
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@dataclass
+class Fleet:
+    agents: dict[str, Agent]
+    prom: PrometheusServer
+    vm: ScrapingVictoriaMetrics
+    start: float
+    end: float
+    stopped: tuple[float, float]  # when node-a's agent was stopped and continued (wall clock)
+    workdir: Path
+    truth: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+    reports: dict[tuple[str, ...], dict[str, Any]] = field(default_factory=dict)
+
+    def report(self, server: str, *args: str) -> dict[str, Any]:
+        key = (server, *args)
+        if key not in self.reports:
+            url = self.prom.url if server == "prometheus" else self.vm.url
+            out = self.workdir / f"report-{len(self.reports)}.json"
+            run = cli("fleet", "report", "--prometheus", url, "--since", f"{self.start:.3f}", "--until",
+                      f"{self.end:.3f}", "--json", str(out), *args)
+            assert run.returncode == 0, run.stderr
+            assert run.stderr == "", run.stderr  # no progress bar: stderr is no terminal here
+            self.reports[key] = json.loads(out.read_text())
+        return self.reports[key]
+
+
+def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([PY, "-m", "gpuscope", *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+
+
+def truth_of(agent: Agent, start: float, end: float) -> dict[str, dict[str, float]]:
+    """Per GPU, from the agent's own 100 ms samples: seconds observed, SM-seconds used, seconds idle
+    (SM activity under 5 %), and the energy and throttle counters' increase between the edges."""
+    out: dict[str, dict[str, float]] = {}
+    for s in agent.series("gpu_sm_active_ratio", start, end, "count"):
+        out.setdefault(s["labels"]["gpu"], {})["observed_s"] = sum(v or 0 for v in s["values"]) * STEP_S
+    for s in agent.series("gpu_sm_active_ratio", start, end, "mean"):
+        vals = [v for v in s["values"] if v is not None]
+        out[s["labels"]["gpu"]].update(used_s=sum(vals) * STEP_S, idle_s=sum(STEP_S for v in vals if v < 0.05))
+
+    def at(metric: str, t: float) -> dict[tuple[str, str], float]:
+        got = {}
+        for s in agent.series(metric, t - 1.0, t, "last"):
+            vals = [v for v in s["values"] if v is not None]
+            got[(s["labels"]["gpu"], s["labels"].get("reason", ""))] = vals[-1]
+        return got
+
+    for metric, name in (("gpu_memory_used_bytes", "memory_used_max"), ("gpu_memory_total_bytes", "memory_total")):
+        for s in agent.series(metric, start, end, "max"):
+            out[s["labels"]["gpu"]][name] = max(v for v in s["values"] if v is not None)
+    for metric, name in (("gpu_energy_joules_total", "energy_j"), ("gpu_throttle_seconds_total", "throttle")):
+        a, b = at(metric, start), at(metric, end)
+        for (gpu, reason), v in b.items():
+            out[gpu][name if not reason else f"throttle_{reason}_s"] = v - a[(gpu, reason)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[Fleet]:
+    need_binary("prometheus")
+    need_binary("victoria-metrics")
+    workdir = Path(tempfile.mkdtemp(prefix="fleet", dir="/tmp"))  # short: the kubelet's unix socket path
+    kubelet = Kubelet(workdir / "kubelet.sock", [("nb", "jupyter-alice", [("notebook", "nvidia.com/gpu", [UUID0])])])
+    kubelet.start()
+    k8s = (f'[kubernetes]\npod_resources_socket = "{kubelet.path}"\npod_resources_interval = "1s"\n'
+           'pod_resources_timeout = "1s"\n')
+    agents = {"node-a": start_agent(workdir, "node-a", NODES["node-a"], ["--processes", "1"], k8s),
+              "node-b": start_agent(workdir, "node-b", NODES["node-b"], []),
+              "node-c": start_agent(workdir, "node-c", NODES["node-c"], [])}
+    prom = vm = None
+    try:
+        for a in agents.values():
+            wait(lambda a=a: a.get("/api/v1/status"), f"agent {a.name}")
+        rules = workdir / "rules.yml"
+        assert cli("fleet", "rules", "-o", str(rules), "--scrape-interval", "1s").returncode == 0
+        targets = [f"127.0.0.1:{a.port}" for a in agents.values()]
+        prom = PrometheusServer(workdir, targets, rule_files=[rules])
+        vm = ScrapingVictoriaMetrics(workdir, targets)
+        for server in (prom, vm):
+            server.wait_for("gpu_info", lambda r: len(r) == 6)
+            server.wait_for('gpu_allocation_state{hostname="node-a",state="allocated_idle"} == 1', lambda r: len(r) == 1)
+        prom.wait_for("gpuscope:gpu_observed:bool", lambda r: len(r) == 6)
+        start = time.time() + 1.0
+        time.sleep(max(0.0, start + STOP_AT_S - time.time()))
+        a = agents["node-a"]
+        a.proc.send_signal(signal.SIGSTOP)
+        t_stop = time.time()
+        time.sleep(STOP_FOR_S)
+        a.proc.send_signal(signal.SIGCONT)
+        t_cont = time.time()
+        end = start + RANGE_S
+        time.sleep(max(0.0, end + 3.0 - time.time()))  # the last scrapes of the range have landed
+        vm.flush()
+        f = Fleet(agents, prom, vm, start, end, (t_stop, t_cont), workdir)
+        f.truth = {name: truth_of(ag, start, end) for name, ag in agents.items()}
+        yield f
+    finally:
+        for server in (prom, vm):
+            if server is not None:
+                server.stop()
+        for ag in agents.values():
+            ag.proc.send_signal(signal.SIGCONT)
+            ag.proc.terminate()
+            try:
+                ag.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                ag.proc.kill()
+        kubelet.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def groups(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {g["group"]: g for g in report["groups"]}
+
+
+def near(got: float, want: float, rel: float = 0.01, slack: float = 0.0) -> bool:
+    return abs(got - want) <= rel * abs(want) + slack + 1e-9
+
+
+def node_truth(f: Fleet, node: str, key: str, gpus: tuple[str, ...] = ("0", "1")) -> float:
+    return sum(f.truth[node][g].get(key, 0.0) for g in gpus)
+
+
+def gap_slack(f: Fleet, report: dict[str, Any], node: str) -> float:
+    """Seconds a gapped node's observed figures may differ by: one scrape step per gap edge per GPU."""
+    return 2 * 2 * report["scrape_step_s"][node] if node == "node-a" else 0.0
+
+
+# -- known answers ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("server,source", [("prometheus", "raw"), ("prometheus", "recorded"),
+                                           ("victoria-metrics", "raw")])
+def test_gpu_hours_idle_hours_and_energy_equal_the_simulations_truth(fleet, server, source):
+    r = fleet.report(server, "--by", "node", "--source", source)
+    assert r["source"] == source and r["by"] == "node"
+    assert r["scrape_step_s"] == {"node-a": 1.0, "node-b": 1.0, "node-c": 1.0}  # read from the data
+    g = groups(r)
+    assert set(g) == set(NODES)
+    idle_gpus = {"node-a": ("0",), "node-b": (), "node-c": ()}  # node-a's GPU 1 is held by no one: not idle-allocated
+    for node in NODES:
+        slack = gap_slack(fleet, r, node)
+        obs = node_truth(fleet, node, "observed_s")
+        assert near(g[node]["observed_gpu_hours"] * 3600, obs, slack=slack), (node, g[node], obs)
+        assert near(g[node]["used_gpu_hours"] * 3600, node_truth(fleet, node, "used_s"), slack=slack), node
+        idle = node_truth(fleet, node, "idle_s", idle_gpus[node])
+        assert near(g[node]["idle_gpu_hours"] * 3600, idle, slack=slack), (node, g[node]["idle_gpu_hours"] * 3600, idle)
+        assert near(g[node]["energy_kwh"] * 3.6e6, node_truth(fleet, node, "energy_j")), node
+    # The fleet's totals, gap and all, within 1 %.
+    total = sum(node_truth(fleet, n, "observed_s") for n in NODES)
+    assert near(r["fleet"]["observed_gpu_hours"] * 3600, total)
+    assert near(r["fleet"]["energy_kwh"] * 3.6e6, sum(node_truth(fleet, n, "energy_j") for n in NODES))
+    assert near(r["fleet"]["idle_gpu_hours"] * 3600, node_truth(fleet, "node-a", "idle_s", ("0",)),
+                slack=gap_slack(fleet, r, "node-a") / 2)  # the fleet's one idle GPU is node-a's GPU 0
+
+
+@pytest.mark.parametrize("server", ["prometheus", "victoria-metrics"])
+def test_a_gap_in_scraping_is_unobserved_time_never_idle(fleet, server):
+    r = fleet.report(server, "--by", "node")
+    g = groups(r)
+    a = g["node-a"]
+    step = r["scrape_step_s"]["node-a"]
+    # What the agent itself did not sample while it was stopped, on both GPUs.
+    missing = 2 * RANGE_S - node_truth(fleet, "node-a", "observed_s")
+    assert missing > 2 * (STOP_FOR_S - 2 * step)
+    assert near(a["unobserved_gpu_hours"] * 3600, missing, slack=2 * 2 * step), (a["unobserved_gpu_hours"] * 3600,
+                                                                                 missing)
+    # GPU 0 was idle the whole time it was seen: its idle hours stop at the gap (a carried-over last value,
+    # or a zero, would have made the gap idle too).
+    idle = node_truth(fleet, "node-a", "idle_s", ("0",))
+    assert a["idle_gpu_hours"] * 3600 < RANGE_S - (STOP_FOR_S - 2 * step)
+    assert near(a["idle_gpu_hours"] * 3600, idle, slack=2 * step)
+    for node in ("node-b", "node-c"):  # scraped throughout
+        assert g[node]["unobserved_gpu_hours"] * 3600 <= 2 * step
+    # The plots while node-a was stopped: 4 GPUs observed (not 6, not 0), and no GPU idle while allocated
+    # (node-a's GPU 0 is the fleet's only one: its gap is a gap in the plot, not idle time).
+    p = r["plots"]
+    width = p["t_s"][1] - p["t_s"][0]
+    inside = [i for i, t in enumerate(p["t_s"])
+              if fleet.start + t - width >= fleet.stopped[0] + 2 * step and fleet.start + t <= fleet.stopped[1] - step]
+    assert len(inside) >= STOP_FOR_S / width / 2, (inside, width)
+    seen = [p["observed"][i] for i in inside]
+    assert all(v is not None and v < 5.5 for v in seen) and abs(sum(seen) / len(seen) - 4.0) < 0.2, seen
+    assert all(p["idle_allocated"][i] in (None, 0.0) for i in inside), [p["idle_allocated"][i] for i in inside]
+    assert any(v and v > 0.9 for v in p["idle_allocated"])  # outside the gap it is there
+
+
+def test_kubernetes_allocation_unallocated_gpus_and_the_money(fleet):
+    r = fleet.report("prometheus", "--by", "node")
+    a = groups(r)["node-a"]
+    obs0, obs1 = (fleet.truth["node-a"][g]["observed_s"] for g in ("0", "1"))
+    slack = gap_slack(fleet, r, "node-a")
+    # GPU 0 is pod nb/jupyter-alice's (allocated_idle); GPU 1 runs nothing and no pod holds it.
+    assert near(a["allocated_gpu_hours"] * 3600, obs0, slack=slack / 2)
+    assert near(a["unallocated_gpu_hours"] * 3600, obs1, slack=slack / 2)
+    assert a["outside_kubernetes_gpu_hours"] == 0.0
+    # The money, as docs/FLEET.md defines it, at the default prices.
+    assert a["gpu_cost"] == pytest.approx(a["observed_gpu_hours"] * PRICE)
+    assert a["energy_cost"] == pytest.approx(a["energy_kwh"] * 0.12)
+    assert a["wasted_money"] == pytest.approx((a["allocated_gpu_hours"] - a["used_gpu_hours"]) * PRICE)
+    assert a["unallocated_money"] == pytest.approx(a["unallocated_gpu_hours"] * PRICE)
+    assert a["co2e_kg"] == pytest.approx(a["energy_kwh"] * 0.4)
+    fl = r["fleet"]
+    x = fl["wasted_money"] + fl["unallocated_money"]
+    assert fl["line"].startswith(f"${x:,.2f} of ${fl['cost']:,.2f}") and "idle or starved" in fl["line"]
+
+
+def test_ranked_by_money_wasted_with_why_and_fix(fleet):
+    r = fleet.report("prometheus", "--by", "node")
+    ranked = [g["group"] for g in r["groups"]]
+    assert ranked[0] == "node-a"
+    wasted = [g["wasted_money"] for g in r["groups"]]
+    assert wasted == sorted(wasted, reverse=True)
+    a, b = groups(r)["node-a"], groups(r)["node-b"]
+    assert a["why"].startswith("idle 100%") and a["fix"] == ADVICE["idle_allocated"][0]
+    assert "throttled" in b["why"] and b["fix"] == ADVICE["throttled"][0]
+    assert b["verdict_share"]["throttled"] > 0.9 and a["verdict_share"]["idle_allocated"] > 0.6
+    # Throttled hours by reason: node-b's clocks are held by both thermal reasons the whole time it is seen.
+    for reason in ("sw_thermal", "hw_thermal"):
+        want = node_truth(fleet, "node-b", f"throttle_{reason}_s")
+        assert near(b["throttled_hours_by_reason"][reason] * 3600, want), (reason, b["throttled_hours_by_reason"])
+    used = max(fleet.truth["node-b"][g]["memory_used_max"] / fleet.truth["node-b"][g]["memory_total"] for g in "01")
+    assert b["memory_headroom_ratio"] == pytest.approx(1 - used, abs=0.002)
+
+
+def test_by_namespace_pod_and_user(fleet):
+    ns = groups(fleet.report("prometheus", "--by", "namespace"))
+    obs0 = fleet.truth["node-a"]["0"]["observed_s"]
+    slack = 2 * fleet.report("prometheus", "--by", "node")["scrape_step_s"]["node-a"]
+    assert set(ns) == {"nb", "(none)"}
+    assert near(ns["nb"]["observed_gpu_hours"] * 3600, obs0, slack=slack) and ns["nb"]["gpus"] == 1
+    assert ns["nb"]["idle_gpu_hours"] == pytest.approx(ns["nb"]["allocated_gpu_hours"], rel=0.02)
+    assert ns["(none)"]["gpus"] == 5
+    pods = groups(fleet.report("prometheus", "--by", "pod"))
+    assert set(pods) == {"nb/jupyter-alice", "(none)"}
+    # Users: every simulated process runs as 'sim'; node-a's GPU 1 runs none, so its time is no user's.
+    users = groups(fleet.report("victoria-metrics", "--by", "user"))
+    assert set(users) == {"sim", "(none)"}
+    obs1 = fleet.truth["node-a"]["1"]["observed_s"]
+    assert near(users["(none)"]["observed_gpu_hours"] * 3600, obs1, slack=slack)
+    held = sum(node_truth(fleet, n, "observed_s") for n in NODES) - obs1
+    assert near(users["sim"]["observed_gpu_hours"] * 3600, held, slack=2 * slack)
+    assert near(users["sim"]["idle_gpu_hours"] * 3600, obs0, slack=slack)
+    models = groups(fleet.report("prometheus", "--by", "model"))
+    assert set(models) == {"NVIDIA H200 (simulated)"}
+
+
+def test_csv_and_html_outputs_and_the_text(fleet, chromium):
+    html, csv_path = fleet.workdir / "fleet.html", fleet.workdir / "fleet.csv"
+    run = cli("fleet", "report", "--prometheus", fleet.prom.url, "--since", f"{fleet.start:.3f}", "--until",
+              f"{fleet.end:.3f}", "--by", "node", "--html", str(html), "--csv", str(csv_path))
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert "went to GPUs that were idle or starved" in lines[0] and "Unobserved:" in run.stdout
+    assert lines.index(next(x for x in lines if x.startswith("node-a"))) < lines.index(
+        next(x for x in lines if x.startswith("node-b")))
+    rows = csv_path.read_text().splitlines()
+    assert rows[0].startswith("group,gpus,observed_gpu_hours") and rows[1].startswith("node-a,2,")
+    assert rows[-1].startswith("(fleet),6,") and len(rows) == 5
+    sync_api = pytest.importorskip("playwright.sync_api")
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1300, "height": 1600})
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.on("console", lambda m: errors.append(m.text) if m.type in ("error", "warning") else None)
+            page.goto(html.as_uri())
+            got = page.evaluate("""() => ({
+                figures: [...document.querySelectorAll('figure')].map(f => ({
+                    id: f.id, lines: f.querySelectorAll('polyline.series').length,
+                    points: [...f.querySelectorAll('polyline.series')].map(p => p.points.numberOfItems)})),
+                rows: document.querySelectorAll('#groups tbody tr').length,
+                headline: document.querySelector('#headline').textContent,
+            })""")
+        finally:
+            browser.close()
+    assert errors == []
+    assert {f["id"] for f in got["figures"]} == {"plot-gpus", "plot-power"}
+    for fig in got["figures"]:  # every plot has data: lines with points
+        assert fig["lines"] >= 1 and all(n >= 2 for n in fig["points"]), fig
+    assert got["rows"] == 3 and "idle or starved" in got["headline"]
