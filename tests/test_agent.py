@@ -106,6 +106,8 @@ def test_agent_serves_metrics_and_api(agent):
     assert code == 200 and "DCGM_FI_DEV_GPU_UTIL" in body.decode()
     code, st = get(agent, "/api/v1/status")
     assert st["simulated"] == "healthy" and st["gpus"] == ["0", "1"] and st["sampler"]["ticks"] > 10
+    assert st["memory"]["rss_bytes"] > 0  # and glibc's malloc as tuned at start (gpuscope._heap)
+    assert st["memory"]["malloc_tuning"] == {"mmap_threshold_bytes": 1 << 20, "arena_max": 2}
     code, latest = get(agent, "/api/v1/latest")
     assert code == 200 and len(latest["gpus"]) == 2 and latest["simulated"] == "healthy"
     code, caps = get(agent, "/api/v1/capabilities")

@@ -264,12 +264,12 @@ def test_after_a_seal_the_writer_hands_free_heap_back_and_counts_it(tmp_path: Pa
     import subprocess
     import sys
 
-    from gpuscope.store import _writer
+    from gpuscope import _heap
 
     probe = """
 import ctypes, sys
 sys.path.insert(0, sys.argv[1])
-from gpuscope.store import _writer
+from gpuscope import _heap
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
 blocks = [libc.malloc(64 << 10) for _ in range(800)]  # 50 MB of heap, below the mmap threshold
@@ -278,9 +278,9 @@ for b in blocks:
 pins = [libc.malloc(64) for _ in range(8)]  # live blocks above them: free() alone cannot give them back
 for b in blocks[:-1]:
     libc.free(b)
-print(_writer._give_back_memory())
+print(_heap.give_back())
 """
-    src = str(Path(_writer.__file__).resolve().parents[2])
+    src = str(Path(_heap.__file__).resolve().parents[1])
     out = subprocess.run([sys.executable, "-c", probe, src], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert int(out.stdout) >= 32 << 20  # most of the 50 MB went back to the OS
@@ -288,4 +288,4 @@ print(_writer._give_back_memory())
         run_round(store, T0, [50_000 + i for i in range(50)])
         run_round(store, T0 + 25 * 60 * SEC, [51_000])  # seals a block: the trim runs after it
         assert isinstance(store.health()["memory_given_back_bytes"], int)
-        assert _writer._malloc_trim  # glibc's malloc_trim was found and called (Linux)
+        assert _heap._libc  # glibc's malloc_trim was found and called (Linux)

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .._heap import rss_bytes, tune_for_long_runs
 from .._version import __version__
 from ..errors import Unavailable
 from ..http.auth import load_or_create_token
@@ -81,6 +82,7 @@ class Agent:
         self._served: Any = None
         self.pods: Any = None  # sources.podresources.KubeletPods when the agent reads the kubelet
         self.pods_off = ""  # why it does not, in words
+        self.malloc_tuning: dict[str, int] = {}
         self.port: int | None = None
 
     # -- what the HTTP side calls --------------------------------------------------------------
@@ -130,6 +132,8 @@ class Agent:
             "http": self._served.stats.status() if self._served is not None else None,
             # the kubelet's PodResources API: state, requests, failures by reason, the last answer's age
             "kubernetes": self.pods.stats() if self.pods is not None else {"state": "off", "reason": self.pods_off},
+            # the process's own memory: RSS, and glibc's malloc settings it runs with (gpuscope._heap)
+            "memory": {"rss_bytes": rss_bytes(), "malloc_tuning": self.malloc_tuning},
         }
 
     @property
@@ -249,6 +253,9 @@ class Agent:
             src = "" if self.cfg.source == "defaults" else f"{self.cfg.source}: "
             self.tls = ServerTls(a.tls_cert, a.tls_key, cert_name=f"{src}[agent] tls_cert",
                                  key_name=f"{src}[agent] tls_key")
+        # Before any thread starts: glibc's malloc as a months-long process needs it (gpuscope._heap).
+
+        self.malloc_tuning = tune_for_long_runs()
         # NVML first: on a machine without a GPU nothing is written before it says so.
         self.pods = self._pod_source()
         self.sampler = Sampler(self.sampler_config(), simulate=self.simulate, gpus=self.gpus,

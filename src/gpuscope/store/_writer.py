@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from .._heap import give_back
 from .._records import Event, Snapshot
 from .._text import valid_text
 from ._aggregate import INF, Points, rollup, rollup_rows
@@ -255,7 +256,7 @@ class Writer:
             self._succeeded()
         if sealed:
             self._retain()
-            self.trimmed_bytes += _give_back_memory()
+            self.trimmed_bytes += give_back()  # the seal is the writer's largest allocation
 
     def _keep(self, groups: list[Group]) -> list[Group]:
         """What a failed flush keeps for the next one: the newest RETRY_MAX_GROUPS groups. Older ones stay in
@@ -895,36 +896,6 @@ class Writer:
 
 
 EventRow = tuple[int, str, str | None, str, str, int]
-
-
-def _give_back_memory() -> int:
-    """After a seal (the writer's largest allocation, every 10 minutes): hand the C heap's free pages back to the
-    OS (glibc's malloc_trim), so that RSS follows what is in use rather than the highest it ever was. Returns the
-    bytes RSS fell by; 0 where there is no glibc or /proc."""
-    global _malloc_trim
-    if _malloc_trim is None:
-        try:
-            import ctypes
-
-            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
-        except (OSError, AttributeError):
-            _malloc_trim = False
-    if not _malloc_trim:
-        return 0
-    before = _rss_bytes()
-    _malloc_trim(0)
-    return max(0, before - _rss_bytes())
-
-
-def _rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-_malloc_trim: Any = None
 
 
 def _file_id(path: Path) -> tuple[int, int] | None:
