@@ -38,6 +38,7 @@ FEATURE_EDGES = {
     ("runcmd", "trace"),  # `gpuscope run --trace`
     ("top", "agent"),  # top reads a running agent through its client
     ("loadtest", "web"),  # the load test's HTML report uses the dashboard's chart library files
+    ("web", "fleet"),  # the dashboard's waste view (/ui/waste) is the fleet report, live, over its Prometheus
 }
 # Stdlib-only units: every layer may import them, so they must stay cheap (no numpy, aiohttp, psutil, ...).
 STDLIB_ONLY = {"_version", "errors", "timeparse", "_paths", "_text", "_files", "_redact", "_child", "_choices",
