@@ -62,6 +62,12 @@ class RuleThresholds:
     #: 0 means Kineto could not compute it (e.g. cluster-launched cuBLAS kernels), not "empty".
     occupancy_low_pct: float = 25.0
 
+    # -- matrix math off the tensor cores -----------------------------------------------------------
+    #: Matrix-multiply / convolution kernels on the CUDA cores taking this share of the traced time: the
+    #: tensor cores do the same math 8x (TF32) to 16x (bf16) faster, so most of it is won back; under a
+    #: tenth it is a few small products in a step whose time goes elsewhere.
+    tensor_unused_min_share: float = 0.10
+
     # -- verdicts (`gpuscope.trace.verdicts`): one bottleneck per GPU from the evidence above -------
     #: Copies busy this share of the GPU's active span, longer than its kernels: transfer-bound.
     transfer_min_share: float = 0.5

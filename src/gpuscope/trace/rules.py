@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from . import tensor_cores
 from .model import GPU_KINDS, EventKind, Trace
 from .rule_thresholds import DEFAULT, RuleThresholds
 from .stacks import Location, Stacks, frame_label
@@ -413,5 +414,65 @@ def _occupancy_limiter(a: dict[str, Any], props: dict[str, Any]) -> str:
     return f"{which} ({detail[which]}: {limits[which]} blocks per SM)"
 
 
+def _tensor_cores_unused(ctx: _Context) -> list[Finding]:
+    ev, th = ctx.ev, ctx.th
+    kernels = ctx.rows(EventKind.KERNEL)
+    if len(kernels) == 0 or ctx.traced_s <= 0:
+        return []
+    ids, which = np.unique(ev["name"][kernels], return_inverse=True)
+    kinds = np.array([tensor_cores.kind(ctx.trace.names[i]) or "" for i in ids.tolist()], dtype=object)[which]
+    tensor = kernels[kinds == "tensor"]
+    # A matrix kernel whose name says neither counts only when no kernel of the trace used the tensor cores.
+    inferred = kernels[kinds == "matmul"] if len(tensor) == 0 else kernels[:0]
+    rows = np.sort(np.r_[kernels[kinds == "simt"], inferred])
+    seconds = float(ev["dur_ns"][rows].sum()) / 1e9
+    if len(rows) == 0 or ctx.share(seconds) < th.tensor_unused_min_share:
+        return []
+    by_name: Counter[str] = Counter()
+    for r in rows.tolist():
+        by_name[ctx.trace.name_of(r)] += int(ev["dur_ns"][r])
+    top = by_name.most_common(1)[0][0]
+    kernel_s = float(ev["dur_ns"][kernels].sum()) / 1e9
+    tensor_s = float(ev["dur_ns"][tensor].sum()) / 1e9
+    precision: Counter[str] = Counter()
+    for name, ns in by_name.items():
+        precision["gemv" if tensor_cores.is_gemv(name) else tensor_cores.precision(name)] += ns
+    what = precision.most_common(1)[0][0]
+    locs = ctx.locations(lr for lr in (ctx.stacks.launcher(r) for r in rows.tolist()) if lr >= 0)
+    none = "; no kernel of the trace used the tensor cores" if len(tensor) == 0 else ""
+    at = f" at {locs[0][0].file}:{locs[0][0].line}" if locs else ""
+    return [Finding(
+        "tensor_cores_unused", ctx.severity(seconds),
+        f"{len(rows)} matrix-multiply / convolution kernels ran on the CUDA cores, not the tensor cores: "
+        f"{seconds * 1e3:.1f} ms ({ctx.share(seconds):.0%} of the traced time, {seconds / kernel_s:.0%} of the "
+        f"kernel time){none}; mostly {tensor_cores.short_name(top)}{_where(locs)}.",
+        {"launches": len(rows), "seconds": seconds, "share": ctx.share(seconds),
+         "kernel_time_share": seconds / kernel_s, "precision": what,
+         "precision_shares": {k: v / 1e9 / seconds for k, v in precision.most_common()},
+         "kernels": {name: ns / 1e9 for name, ns in by_name.most_common(5)},
+         "inferred_launches": len(inferred), "tensor_core_launches": len(tensor), "tensor_core_seconds": tensor_s},
+        locs, _TENSOR_FIX[what].format(at=at))]
+
+
+_TENSOR_FIX = {
+    "fp32": "Let the tensor cores do the matrix math{at}: torch.set_float32_matmul_precision('high') (or "
+            "torch.backends.cuda.matmul.allow_tf32 = True) runs FP32 matmuls as TF32 on them, about 8x the FP32 "
+            "rate; torch.autocast('cuda', dtype=torch.bfloat16) around the step (or bf16 weights and inputs) is "
+            "faster still; convolutions need torch.backends.cudnn.allow_tf32 = True (PyTorch's default) and "
+            "gain from channels_last.",
+    "fp16": "Half-precision matrix math on the CUDA cores{at}: usually a shape the tensor-core kernels cannot "
+            "take; pad the matrix dimensions to multiples of 8 (16 for int8/fp8) and keep tensors contiguous.",
+    "fp64": "Double-precision matrix math{at} runs at a small fraction of the tensor cores' FP32/bf16 rates: if "
+            "the result does not need FP64, compute in float32 with TF32 "
+            "(torch.set_float32_matmul_precision('high')) or in bf16 (torch.autocast).",
+    "complex": "Complex matrix math{at} has no TF32/bf16 tensor-core path: split it into real products "
+               "(real and imaginary parts as float32 matmuls with TF32 allowed) if its time matters.",
+    "gemv": "Matrix-vector products{at} cannot use the tensor cores and are limited by memory bandwidth: "
+            "batch the vectors into one matrix (one matmul for many inputs), or keep the matrix in bf16 to "
+            "halve the bytes read.",
+}
+
+
 _RULES: tuple[Callable[[_Context], list[Finding]], ...] = (
-    _pageable_memcpy, _sync_memcpy, _sync_memset, _sync_in_loop, _gpu_gaps, _tiny_kernel_storm, _low_occupancy)
+    _pageable_memcpy, _sync_memcpy, _sync_memset, _sync_in_loop, _gpu_gaps, _tiny_kernel_storm, _low_occupancy,
+    _tensor_cores_unused)
