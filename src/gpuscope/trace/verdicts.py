@@ -5,6 +5,8 @@ why. A trace can: it holds every sync with the line that called it and the GPU i
 launch with the kernel it queued, and the host's Python stack at any moment the GPU sat idle. So the
 host-bound kinds (sync-bound, launch-bound, input-starved, host-bound) and transfer-bound become
 certain here, while compute- versus memory-bound stays the metrics' call (a trace has no counters).
+One exception: matrix math on the CUDA cores instead of the tensor cores (`tensor_cores_unused`) shows
+in the kernels' names.
 
     >>> from gpuscope.trace import load
     >>> for v in verdicts(load("tests/fixtures/traces/sync_heavy.pt.trace.json.gz")):
@@ -206,6 +208,16 @@ def _device_verdict(d: _Device, found: list[Finding]) -> Verdict:
                     "by DRAM bandwidth is for `gpuscope diagnose` on the metrics to say.")
         extra = {"gemm_kernel_share": round(d.gemm_share, 4), "elementwise_kernel_share": round(d.elementwise_share, 4),
                  "note": counters}
+        simt = rule.get("tensor_cores_unused")
+        if simt is not None and simt.evidence["kernel_time_share"] >= th.cause_min_share:
+            e = simt.evidence
+            return make("tensor_cores_unused", 0.9,
+                        f"busy {1 - d.idle_share:.0%} of its active span, {e['kernel_time_share']:.0%} of the kernel "
+                        f"time in {e['precision'].upper()} matrix-multiply / convolution kernels on the CUDA cores, "
+                        "not the tensor cores (told by the kernels' names)"
+                        + (f", from {_line(simt)}." if _line(simt) else "."),
+                        {**extra, "simt_kernel_share": round(e["kernel_time_share"], 4), "line": _line(simt)},
+                        [simt.fix])
         if d.gemm_share >= th.gemm_min_share:
             return make("compute_bound", 0.8,
                         f"busy {1 - d.idle_share:.0%} of its active span, {d.gemm_share:.0%} of the kernel time in "
