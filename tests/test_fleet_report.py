@@ -40,11 +40,13 @@ from gpuscope.diagnose.rules import ADVICE  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 UUID0 = "GPU-5171a7ed-0000-4000-8000-000000000000"
-RANGE_S = 75.0
-STOP_AT_S, STOP_FOR_S = 28.0, 12.0
+RANGE_S = 66.0
+STOP_AT_S, STOP_FOR_S = 24.0, 12.0
 STEP_S = 0.1  # the agents' sampling interval: their own samples are the truth
 PRICE = 2.0  # the default price of a GPU-hour
 NODES = {"node-a": "idle_allocated", "node-b": "throttled", "node-c": "compute_bound"}
+GPUS = {"node-a": 2, "node-b": 2, "node-c": 3}
+JOB = "torchrun/run-7"  # node-b's and node-c's processes are one torchrun run: node-b's two GPUs are its stragglers
 
 
 class ScrapingVictoriaMetrics(VictoriaMetricsServer):
@@ -77,16 +79,17 @@ class Agent:
             "series"]
 
 
-def start_agent(workdir: Path, name: str, scenario: str, extra: list[str], config: str = "") -> Agent:
+def start_agent(workdir: Path, name: str, extra: list[str], config: str = "") -> Agent:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "KUBERNETES_SERVICE_HOST"}
     env.update(GPUSCOPE_NODE_NAME=name, PYTHONPATH=str(ROOT / "src"))
     cfg = workdir / f"{name}.toml"
     cfg.write_text(config or '[kubernetes]\npod_resources_socket = "off"\n')
-    proc = subprocess.Popen([PY, "-m", "gpuscope", "agent", "--simulate", scenario, "--gpus", "2", *extra, "--port",
+    proc = subprocess.Popen([PY, "-m", "gpuscope", "agent", "--simulate", NODES[name], "--gpus", str(GPUS[name]), *extra,
+                             "--port",
                              str(port), "--data-dir", str(workdir / name), "--config", str(cfg)],
                             env=env, stdout=subprocess.DEVNULL, stderr=open(workdir / f"{name}.log", "wb"))  # noqa: SIM115
-    return Agent(name, scenario, port, proc)
+    return Agent(name, NODES[name], port, proc)
 
 
 def wait(ok, what: str, timeout: float = 40.0) -> Any:
@@ -135,12 +138,18 @@ def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
 def truth_of(agent: Agent, start: float, end: float) -> dict[str, dict[str, float]]:
     """Per GPU, from the agent's own 100 ms samples: seconds observed, SM-seconds used, seconds idle
     (SM activity under 5 %), and the energy and throttle counters' increase between the edges."""
+    # Each of the agent's samples stands for one sampling interval; a 100 ms bucket may hold two of them (the
+    # sampler's ticks are not on the buckets' grid), so counts and sums are taken per bucket, not means.
     out: dict[str, dict[str, float]] = {}
-    for s in agent.series("gpu_sm_active_ratio", start, end, "count"):
-        out.setdefault(s["labels"]["gpu"], {})["observed_s"] = sum(v or 0 for v in s["values"]) * STEP_S
-    for s in agent.series("gpu_sm_active_ratio", start, end, "mean"):
-        vals = [v for v in s["values"] if v is not None]
-        out[s["labels"]["gpu"]].update(used_s=sum(vals) * STEP_S, idle_s=sum(STEP_S for v in vals if v < 0.05))
+    per = {agg: {s["labels"]["gpu"]: s["values"] for s in agent.series("gpu_sm_active_ratio", start, end, agg)}
+           for agg in ("count", "sum", "max")}
+    for gpu, counts in per["count"].items():
+        sums, peaks = per["sum"][gpu], per["max"][gpu]
+        assert len(sums) == len(peaks) == len(counts)
+        out[gpu] = {"observed_s": sum(n or 0 for n in counts) * STEP_S,
+                    "used_s": sum(v or 0 for v in sums) * STEP_S,
+                    "idle_s": sum((n or 0) * STEP_S for n, top in zip(counts, peaks, strict=True)
+                                  if top is not None and top < 0.05)}
 
     def at(metric: str, t: float) -> dict[tuple[str, str], float]:
         got = {}
@@ -168,9 +177,9 @@ def fleet() -> Iterator[Fleet]:
     kubelet.start()
     k8s = (f'[kubernetes]\npod_resources_socket = "{kubelet.path}"\npod_resources_interval = "1s"\n'
            'pod_resources_timeout = "1s"\n')
-    agents = {"node-a": start_agent(workdir, "node-a", NODES["node-a"], ["--processes", "1"], k8s),
-              "node-b": start_agent(workdir, "node-b", NODES["node-b"], []),
-              "node-c": start_agent(workdir, "node-c", NODES["node-c"], [])}
+    run = ["--simulate-workload", JOB.split("/")[1]]
+    agents = {"node-a": start_agent(workdir, "node-a", ["--processes", "1"], k8s),
+              "node-b": start_agent(workdir, "node-b", run), "node-c": start_agent(workdir, "node-c", run)}
     prom = vm = None
     try:
         for a in agents.values():
@@ -181,9 +190,9 @@ def fleet() -> Iterator[Fleet]:
         prom = PrometheusServer(workdir, targets, rule_files=[rules])
         vm = ScrapingVictoriaMetrics(workdir, targets)
         for server in (prom, vm):
-            server.wait_for("gpu_info", lambda r: len(r) == 6)
+            server.wait_for("gpu_info", lambda r: len(r) == sum(GPUS.values()))
             server.wait_for('gpu_allocation_state{hostname="node-a",state="allocated_idle"} == 1', lambda r: len(r) == 1)
-        prom.wait_for("gpuscope:gpu_observed:bool", lambda r: len(r) == 6)
+        prom.wait_for("gpuscope:gpu_observed:bool", lambda r: len(r) == sum(GPUS.values()))
         start = time.time() + 1.0
         time.sleep(max(0.0, start + STOP_AT_S - time.time()))
         a = agents["node-a"]
@@ -221,13 +230,13 @@ def near(got: float, want: float, rel: float = 0.01, slack: float = 0.0) -> bool
     return abs(got - want) <= rel * abs(want) + slack + 1e-9
 
 
-def node_truth(f: Fleet, node: str, key: str, gpus: tuple[str, ...] = ("0", "1")) -> float:
-    return sum(f.truth[node][g].get(key, 0.0) for g in gpus)
+def node_truth(f: Fleet, node: str, key: str, gpus: tuple[str, ...] | None = None) -> float:
+    return sum(f.truth[node][g].get(key, 0.0) for g in (gpus if gpus is not None else f.truth[node]))
 
 
 def gap_slack(f: Fleet, report: dict[str, Any], node: str) -> float:
     """Seconds a gapped node's observed figures may differ by: one scrape step per gap edge per GPU."""
-    return 2 * 2 * report["scrape_step_s"][node] if node == "node-a" else 0.0
+    return 2 * GPUS[node] * report["scrape_step_s"][node] if node == "node-a" else 0.0
 
 
 # -- known answers ---------------------------------------------------------------------------------
@@ -263,7 +272,7 @@ def test_a_gap_in_scraping_is_unobserved_time_never_idle(fleet, server):
     a = g["node-a"]
     step = r["scrape_step_s"]["node-a"]
     # What the agent itself did not sample while it was stopped, on both GPUs.
-    missing = 2 * RANGE_S - node_truth(fleet, "node-a", "observed_s")
+    missing = GPUS["node-a"] * RANGE_S - node_truth(fleet, "node-a", "observed_s")
     assert missing > 2 * (STOP_FOR_S - 2 * step)
     assert near(a["unobserved_gpu_hours"] * 3600, missing, slack=2 * 2 * step), (a["unobserved_gpu_hours"] * 3600,
                                                                                  missing)
@@ -282,7 +291,8 @@ def test_a_gap_in_scraping_is_unobserved_time_never_idle(fleet, server):
               if fleet.start + t - width >= fleet.stopped[0] + 2 * step and fleet.start + t <= fleet.stopped[1] - step]
     assert len(inside) >= STOP_FOR_S / width / 2, (inside, width)
     seen = [p["observed"][i] for i in inside]
-    assert all(v is not None and v < 5.5 for v in seen) and abs(sum(seen) / len(seen) - 4.0) < 0.2, seen
+    others = GPUS["node-b"] + GPUS["node-c"]
+    assert all(v is not None and v < others + 1.5 for v in seen) and abs(sum(seen) / len(seen) - others) < 0.2, seen
     assert all(p["idle_allocated"][i] in (None, 0.0) for i in inside), [p["idle_allocated"][i] for i in inside]
     assert any(v and v > 0.9 for v in p["idle_allocated"])  # outside the gap it is there
 
@@ -321,7 +331,7 @@ def test_ranked_by_money_wasted_with_why_and_fix(fleet):
     for reason in ("sw_thermal", "hw_thermal"):
         want = node_truth(fleet, "node-b", f"throttle_{reason}_s")
         assert near(b["throttled_hours_by_reason"][reason] * 3600, want), (reason, b["throttled_hours_by_reason"])
-    used = max(fleet.truth["node-b"][g]["memory_used_max"] / fleet.truth["node-b"][g]["memory_total"] for g in "01")
+    used = max(t["memory_used_max"] / t["memory_total"] for t in fleet.truth["node-b"].values())
     assert b["memory_headroom_ratio"] == pytest.approx(1 - used, abs=0.002)
 
 
@@ -332,7 +342,7 @@ def test_by_namespace_pod_and_user(fleet):
     assert set(ns) == {"nb", "(none)"}
     assert near(ns["nb"]["observed_gpu_hours"] * 3600, obs0, slack=slack) and ns["nb"]["gpus"] == 1
     assert ns["nb"]["idle_gpu_hours"] == pytest.approx(ns["nb"]["allocated_gpu_hours"], rel=0.02)
-    assert ns["(none)"]["gpus"] == 5
+    assert ns["(none)"]["gpus"] == sum(GPUS.values()) - 1
     pods = groups(fleet.report("prometheus", "--by", "pod"))
     assert set(pods) == {"nb/jupyter-alice", "(none)"}
     # Users: every simulated process runs as 'sim'; node-a's GPU 1 runs none, so its time is no user's.
@@ -358,7 +368,7 @@ def test_csv_and_html_outputs_and_the_text(fleet, chromium):
         next(x for x in lines if x.startswith("node-b")))
     rows = csv_path.read_text().splitlines()
     assert rows[0].startswith("group,gpus,observed_gpu_hours") and rows[1].startswith("node-a,2,")
-    assert rows[-1].startswith("(fleet),6,") and len(rows) == 5
+    assert rows[-1].startswith(f"(fleet),{sum(GPUS.values())},") and len(rows) == 5
     sync_api = pytest.importorskip("playwright.sync_api")
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
@@ -373,6 +383,7 @@ def test_csv_and_html_outputs_and_the_text(fleet, chromium):
                     id: f.id, lines: f.querySelectorAll('polyline.series').length,
                     points: [...f.querySelectorAll('polyline.series')].map(p => p.points.numberOfItems)})),
                 rows: document.querySelectorAll('#groups tbody tr').length,
+                stragglers: document.querySelectorAll('#stragglers tbody tr').length,
                 headline: document.querySelector('#headline').textContent,
             })""")
         finally:
@@ -381,4 +392,19 @@ def test_csv_and_html_outputs_and_the_text(fleet, chromium):
     assert {f["id"] for f in got["figures"]} == {"plot-gpus", "plot-power"}
     for fig in got["figures"]:  # every plot has data: lines with points
         assert fig["lines"] >= 1 and all(n >= 2 for n in fig["points"]), fig
-    assert got["rows"] == 3 and "idle or starved" in got["headline"]
+    assert got["rows"] == 3 and "idle or starved" in got["headline"] and got["stragglers"] == 2
+    assert "Stragglers" in run.stdout and "node-b: throttled" in run.stdout
+
+
+def test_by_job_and_the_stragglers_section(fleet):
+    r = fleet.report("prometheus", "--by", "job")
+    jobs = groups(r)
+    assert set(jobs) == {JOB, "k8s/nb/jupyter-alice", "(none)"}, set(jobs)
+    assert jobs[JOB]["gpus"] == GPUS["node-b"] + GPUS["node-c"]
+    held = node_truth(fleet, "node-b", "observed_s") + node_truth(fleet, "node-c", "observed_s")
+    assert near(jobs[JOB]["observed_gpu_hours"] * 3600, held)
+    # The job's straggler: node-b's GPUs, held down by heat, against node-c's three.
+    st = r["stragglers"]
+    assert st["jobs"] is True
+    named = {(x["workload"], x["node"], x["gpu"], x["cause"]) for x in st["stragglers"]}
+    assert named == {(JOB, "node-b", "0", "throttled"), (JOB, "node-b", "1", "throttled")}, st

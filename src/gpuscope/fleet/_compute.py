@@ -190,9 +190,10 @@ def _check_names(client: Client, start_s: float, end_s: float) -> set[str]:
     missing = [m for m in q.REQUIRED_METRICS if m not in names]
     if missing:
         when = f"between {_iso(start_s)} and {_iso(end_s)}"
-        has = "no series at all" if not names else f"no {', '.join(missing)}"
-        raise NoFleetData(f"The server at {client.shown} has {has} {when}: the gpuscope agents must be scraped by "
-                          "it (a scrape job for each agent's /metrics; docs/FLEET.md), or the range holds no data.")
+        none = " (it holds no series at all)" if not names else ""
+        raise NoFleetData(f"The server at {client.shown} has no {', '.join(missing)} {when}{none}: the gpuscope "
+                          "agents must be scraped by it (a scrape job for each agent's /metrics; docs/FLEET.md), or "
+                          "the range is before they were.")
     return names
 
 
@@ -239,7 +240,7 @@ def build(client: Client, start_s: float, end_s: float, by: str, prices: Prices,
     if not end_s > start_s:
         raise UsageError("The range is empty: its end must come after its start.")
     t0 = time.monotonic()
-    total = 3 + len(q.INSTANT) + 1 + (5 if by == "user" else 2) + len(q.plot_exprs(q.Window(1, 1, 1, 1), False))
+    total = 3 + len(q.INSTANT) + 1 + (5 if by == "user" else 2) + len(q.plot_exprs(q.Window(1, 1, 1, 1), False)) + 1
     if progress:
         progress(0, total, "metric names")
     names = _check_names(client, start_s, end_s)
@@ -263,6 +264,9 @@ def build(client: Client, start_s: float, end_s: float, by: str, prices: Prices,
     answers.update(_run_all(client, _step_plan(by, w, recorded, end_s), progress, done, total))
     done += 5 if by == "user" else 2
     plots = _plots(client, w, recorded, start_s, end_s, steps, rule_steps, progress, done, total)
+    stragglers = _stragglers(client, start_s, end_s)
+    if progress:
+        progress(total, total, "stragglers")
     per_step = rule_steps if recorded else None
     rows = _gpu_rows(answers, by, steps, per_step, w)
     report = _assemble(rows, answers, by, prices, steps, w)
@@ -274,9 +278,28 @@ def build(client: Client, start_s: float, end_s: float, by: str, prices: Prices,
         "scrape_step_s": dict(sorted(steps.items())),
         "subquery_resolution_s": None if recorded else w.resolution_s,
         "rule_interval_s": dict(sorted(rule_steps.items())) if recorded else None,
-        "plots": plots, "queries": client.requests, "query_seconds": round(time.monotonic() - t0, 3),
+        "plots": plots, "stragglers": stragglers, "queries": client.requests, "query_seconds": round(time.monotonic() - t0, 3),
     })
     return report
+
+
+def _stragglers(client: Client, start_s: float, end_s: float) -> dict[str, Any]:
+    """The Stragglers section: per job (the agents' workload label) spanning two GPUs or more, the GPU slower
+    than its peers and why (fleet._stragglers). Asked only where the range holds a workload label at all."""
+    from ._stragglers import find_stragglers
+
+    if not client.label_values("workload", start_s, end_s):
+        return {"stragglers": [], "jobs": False,
+                "note": "No series carries a workload label in the range (the agents label a job's GPUs with it: "
+                        "Slurm, torchrun or a pod's owner), so no job's GPUs can be compared."}
+
+    def query(expr: str, at_s: float) -> list[tuple[dict[str, str], float]]:
+        return _rows(client.query(expr, at_s))
+
+    found = find_stragglers(query, start_s, end_s)
+    return {"jobs": True, "note": "" if found else "No job has a GPU slower than its peers.",
+            "stragglers": [{"workload": x.workload, "node": x.node, "gpu": x.gpu, "cause": x.cause,
+                            "evidence": x.evidence, "fix": x.fix, "values": x.values} for x in found]}
 
 
 def _recorded_cover(answers: Mapping[str, list[dict[str, Any]]], steps: Mapping[str, float],

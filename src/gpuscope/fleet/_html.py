@@ -92,6 +92,12 @@ def text(report: dict[str, Any], top: int = 15) -> str:
         out.append(f"    fix: {g['fix']}")
     if len(report["groups"]) > top:
         out.append(f"... {len(report['groups']) - top} more groups (--top, --csv, --json)")
+    st = report.get("stragglers") or {}
+    if st.get("stragglers"):
+        out += ["", "Stragglers (a job's GPU slower than its peers):"]
+        for x in st["stragglers"]:
+            out.append(f"  {x['workload']}: GPU {x['gpu']} of {x['node']}: {x['cause']}: {x['evidence']}")
+            out.append(f"    fix: {x['fix']}")
     return "\n".join(out) + "\n"
 
 
@@ -227,11 +233,14 @@ def _stragglers(report: dict[str, Any]) -> str:
     out = ["<h2>Stragglers</h2>"]
     rows = s.get("stragglers") or []
     if not rows:
-        return out[0] + f'<p class="muted">{_e(s.get("note") or "No job has a GPU slower than its peers.")}</p>'
-    out.append("<table id=stragglers><thead><tr><th>job</th><th>node</th><th>GPU</th><th>why</th></tr></thead><tbody>")
+        return out[0] + f'<p class="muted" id="stragglers">{_e(s.get("note"))}</p>'
+    out.append('<p class="muted">GPUs of one job (the agents\' workload label) slower than their peers, and why.</p>'
+               "<table id=stragglers><thead><tr><th>job</th><th>node</th><th>GPU</th><th>cause</th><th>evidence</th>"
+               "<th>fix</th></tr></thead><tbody>")
     for r in rows:
-        out.append(f"<tr><td>{_e(r.get('job'))}</td><td>{_e(r.get('hostname'))}</td><td>{_e(r.get('gpu'))}</td>"
-                   f"<td>{_e(r.get('why') or r.get('cause'))}</td></tr>")
+        out.append(f"<tr><td>{_e(r.get('workload'))}</td><td>{_e(r.get('node'))}</td><td>{_e(r.get('gpu'))}</td>"
+                   f"<td>{_e(r.get('cause'))}</td><td class=why>{_e(r.get('evidence'))}</td>"
+                   f"<td class=fix>{_e(r.get('fix'))}</td></tr>")
     out.append("</tbody></table>")
     return "".join(out)
 

@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="the range's start: a duration back from --until (7d, 24h, 90m, 3600) or a time (RFC 3339, "
                         "or unix seconds: a number from 10^9 on); default 7d")
     r.add_argument("--until", default="now", metavar="WHEN",
-                   help="the range's end: now (default), -1h, RFC 3339 or unix seconds")
+                   help="the range's end: now (default), --until=-1h (an hour ago), RFC 3339 or unix seconds")
     r.add_argument("--by", default="namespace", choices=BY_CHOICES, metavar="DIMENSION",
                    help="group by namespace (default), pod, job (the agents' workload label: Slurm job, torchrun "
                         "run, a pod's owner), user (of the GPUs' processes), node or model")
