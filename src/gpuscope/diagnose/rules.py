@@ -8,60 +8,14 @@ from dataclasses import replace
 from typing import Any, TypeVar
 
 from ..catalog import decode_clock_event_reasons
+from . import advice
 from .thresholds import Thresholds
 
 SLOWDOWN_REASONS = ("hw_slowdown", "sw_thermal", "hw_thermal", "hw_power_brake")
 
-ADVICE = {
-    "compute_bound": ["The tensor cores are the limit: that is where you want to be. To go faster: a larger "
-                      "batch if memory allows, FP8 (Transformer Engine) where accuracy allows, or more GPUs."],
-    "healthy": ["No bottleneck to fix: the SMs are busy and no single resource is saturated."],
-    "tensor_cores_unused": ["Matrix math runs on the CUDA cores, not the tensor cores: use bf16/fp16 autocast "
-                            "(torch.autocast('cuda', dtype=torch.bfloat16)) or allow TF32 "
-                            "(torch.backends.cuda.matmul.allow_tf32 = True; torch.set_float32_matmul_precision('high'))."],
-    "memory_bound": ["DRAM bandwidth is the limit: fuse elementwise ops (torch.compile), keep activations in "
-                     "bf16, avoid needless copies (.contiguous(), .clone()), and raise arithmetic intensity "
-                     "(larger batches for matmuls)."],
-    "memory_access_bound": ["The SMs are busy but neither the math pipes nor DRAM are: kernels stall on memory "
-                            "latency or poor access patterns. Profile the top kernels (gpuscope trace, ncu); "
-                            "look for uncoalesced or strided access, small gathers/scatters, low occupancy."],
-    "transfer_bound": ["Host<->device copies dominate while the SMs idle: keep data on the GPU across steps, "
-                       "use pinned memory (DataLoader(pin_memory=True), tensor.pin_memory()) and "
-                       "non_blocking=True copies, overlap copies with compute on a side stream."],
-    "launch_or_sync_bound": ["The GPU waits on the CPU: a Python thread at 100 % launches small kernels or "
-                             "waits on synchronisations. Remove .item()/.cpu()/print of GPU tensors inside the "
-                             "loop, batch small ops, capture the step with CUDA graphs "
-                             "(torch.cuda.graphs / torch.compile(mode='reduce-overhead')); if the thread "
-                             "prepares data, move that to DataLoader workers (num_workers > 0). "
-                             "Stack sampling (py-spy, needs ptrace permission) or `gpuscope trace` tells which."],
-    "input_starved": ["The GPU works in bursts and waits for data in between: more DataLoader workers "
-                      "(num_workers), pin_memory=True, prefetch_factor, persistent_workers=True; move "
-                      "decoding/augmentation to the GPU (DALI, torchvision.transforms.v2 on tensors)."],
-    "launch_bound": ["The Python thread spends its time issuing many small GPU operations: fuse them "
-                     "(torch.compile), batch small tensors into larger ones, and capture the step with CUDA graphs "
-                     "(torch.compile(mode='reduce-overhead') or torch.cuda.graphs) to launch it at once."],
-    "sync_bound": ["The host waits for the GPU, then the GPU waits for the host: remove .item()/.cpu()/"
-                   ".tolist()/print of GPU tensors inside the loop (accumulate on the GPU, read once per N steps), "
-                   "avoid torch.cuda.synchronize(), and use non_blocking=True copies."],
-    "host_bound": ["The GPU waits while the host thread computes something else: move that work to the GPU, "
-                   "to DataLoader workers or a background thread, or overlap it with GPU work."],
-    "idle_allocated": ["Memory is held but nothing runs: release the GPU (end the notebook kernel or job) or "
-                       "give it to someone else; you pay for it idle."],
-    "idle": ["The GPU is idle."],
-    "underutilized": ["The SMs are mostly idle without one clear cause: check the input pipeline and "
-                      "synchronisations with `gpuscope trace`."],
-    "throttled": ["Clocks are cut by temperature or a hardware slowdown: check cooling, airflow and fan "
-                  "state, the power supply, and `nvidia-smi -q -d PERFORMANCE`; the job runs slower than it could."],
-    "power_capped": ["Clocks are held at the power limit: expected at full tensor load. A higher limit "
-                     "(nvidia-smi -pl) or better perf/watt settings change it; nothing is wrong."],
-    "memory_growth": ["GPU memory grows steadily: look for tensors kept across steps (losses appended "
-                      "without .item()/.detach(), growing caches, graphs kept alive by references)."],
-    "hardware": ["Hardware errors: see the XID codes and ECC counters in the evidence; drain the GPU and "
-                 "check it (nvidia-smi -q, dmesg) before it corrupts results."],
-    "gpu_lost": ["The GPU fell off the bus: its processes are dead; it needs a reset (nvidia-smi -r) or a reboot."],
-    "imbalance": ["One GPU does less than its peers: a straggler holds back every synchronised step. Check "
-                  "its clocks and throttling, its data shard, and NCCL topology."],
-}
+#: Each verdict kind's fixes in PyTorch's words (the fleet report and the trace verdicts read them); every
+#: framework's, and the CUDA-level ones, are in advice.py, which the verdicts take theirs from.
+ADVICE = advice.VERDICTS["torch"]
 
 
 def _vals(w: Any, key: str) -> list[float]:
@@ -142,7 +96,7 @@ def classify(w: Any, th: Thresholds, verdict: Any) -> list[Any]:
              primary: bool = True) -> Any:
         return verdict(w.gpu, kind, severity, round(confidence, 2), summary,
                        {k: (round(v, 4) if isinstance(v, float) else v) for k, v in evidence.items()},
-                       ADVICE.get(kind, []), t0, t1, primary)
+                       advice.fixes(kind, advice.frameworks_of(w.processes)), t0, t1, primary)
 
     if not w.healthy:
         return [make("gpu_lost", "critical", 1.0, f"GPU {w.gpu} is lost (NVML cannot reach it).", {})]
@@ -424,4 +378,4 @@ def _imbalance(windows: list[Any], verdict: Any, th: Thresholds) -> list[Any]:
     return [verdict(w.gpu, "imbalance", "warning", 0.6,
                     f"GPU {w.gpu} is {_pct(low)} busy while GPU {peer.gpu} is {_pct(top)}: a straggler "
                     "or uneven work across GPUs.", {"sm_active": low, "peer_sm_active": top, "peer": peer.gpu},
-                    ADVICE["imbalance"], w.times[0] if w.times else 0.0, w.times[-1] if w.times else 0.0, False)]
+                    advice.fixes("imbalance", advice.frameworks_of(w.processes)), w.times[0] if w.times else 0.0, w.times[-1] if w.times else 0.0, False)]
