@@ -94,6 +94,21 @@ class GpuRecord:
         return self.values.get("gpu_power_watts")
 
 
+#: A thread at this share of one core (or more) is busy: on the CPU half the time at least, so its work, not
+#: waiting, sets its pace. `ProcessRecord.threads_busy` counts them.
+THREAD_BUSY_RATIO = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class ThreadCpu:
+    """One busy thread of a process: its id (the kernel's tid), name (/proc/PID/task/TID/comm) and CPU share
+    (0..1 of one core) since the process was read before."""
+
+    tid: int
+    name: str
+    cpu_ratio: float
+
+
 @dataclass(slots=True)
 class ProcessRecord:
     """A process using a GPU, joined with what the host knows about it."""
@@ -117,6 +132,10 @@ class ProcessRecord:
     thread_cpu_max_ratio: float | None = None
     rss_bytes: float | None = None
     threads: int | None = None
+    # Threads at THREAD_BUSY_RATIO of a core or more since the last read, and the busiest of them (at most
+    # eight): a dispatcher that keeps 1.9 cores busy over three threads, none saturated, shows here.
+    threads_busy: int | None = None
+    busy_threads: list[ThreadCpu] = field(default_factory=list)
     started_at: float | None = None  # epoch seconds
     container: str = ""
     pod_uid: str = ""
@@ -127,6 +146,9 @@ class ProcessRecord:
     # k8s/<namespace>/<owner> (gpuscope._cgroup.workload_of); '' when none is known.
     workload: str = ""
     host_visible: bool = True  # False when the pid lives outside our pid namespace
+    # The GPU frameworks it loaded (gpuscope._frameworks: torch, jax, cupy, ...), read once when it was first
+    # seen; () when not known. In the API's and recordings' records, never a label of a series.
+    frameworks: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)
