@@ -149,9 +149,6 @@ class ProcessRecord:
     # The GPU frameworks it loaded (gpuscope._frameworks: torch, jax, cupy, ...), read once when it was first
     # seen; () when not known. In the API's and recordings' records, never a label of a series.
     frameworks: tuple[str, ...] = ()
-    # The GPU frameworks it loaded (gpuscope._frameworks: torch, jax, cupy, ...), read once when it was first
-    # seen; () when not known. In the API's and recordings' records, never a label of a series.
-    frameworks: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)
