@@ -32,6 +32,7 @@ class ProcessView:
     profile_error: str | None = None  # why they could not be sampled
     namespace: str = ""  # its Kubernetes pod, where attribution found one
     pod: str = ""
+    frameworks: tuple[str, ...] = ()  # what it runs on (gpuscope._frameworks): the fixes speak its words
 
 
 @dataclass
@@ -91,5 +92,6 @@ def windows_from_snapshots(snaps: Sequence[Snapshot]) -> list[GpuWindow]:
         w = out.get(p.gpu)
         if w is not None:
             w.processes.append(ProcessView(p.pid, p.name, p.cmdline, p.cpu_cores, p.thread_cpu_max_ratio,
-                                           p.gpu_memory_bytes, namespace=p.namespace, pod=p.pod))
+                                           p.gpu_memory_bytes, namespace=p.namespace, pod=p.pod,
+                                           frameworks=tuple(getattr(p, "frameworks", ()))))
     return list(out.values())
