@@ -16,6 +16,11 @@ with NVIDIA's cupti-python (trace/cupti_backend.py, docs/trace-cupti.md): GPU ke
 and syncs, plus the runtime/driver calls the rules read with their Python lines; `--api all` records
 every runtime and driver call, at a cost of several times the run time of a launch-bound loop.
 
+The program's stdout and stderr are its own: what the profiler's C++ prints while it starts, stops and
+exports (Kineto's "External init callback must run in same thread as registerClient", CUPTI warnings)
+goes to <host>.<pid>[.rank<N>].profiler.log beside the trace; the end-of-run report says how many lines,
+and `--verbose` shows them.
+
 Signals and exit code as `gpuscope run`: a SIGINT or SIGTERM sent to gpuscope alone is forwarded to
 CMD and its processes (each flushes its trace as it exits), a second one terminates CMD, and the exit
 code is CMD's (128 + N when signal N ended it).
@@ -168,8 +173,9 @@ def _size(n: int) -> str:
     return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 1024:.0f} KiB"
 
 
-def render(report: dict[str, Any]) -> str:
-    """The end-of-run text: each trace written, then why any process wrote none."""
+def render(report: dict[str, Any], verbose: bool = False) -> str:
+    """The end-of-run text: each trace written, then why any process wrote none; with `verbose`, what the
+    profiler printed in each process (kept out of the program's stderr, in its log)."""
     lines = [f"gpuscope trace: exit code {report['exit_code']}, {report['duration_s']:.0f} s, "
              f"{len(report['traces'])} trace file(s) in {report['out_dir']}"]
     for t in report["traces"]:
@@ -185,9 +191,32 @@ def render(report: dict[str, Any]) -> str:
             lines.append(f"  no trace from pid {p.get('pid')}: {why.rstrip('.')}.")
         if p.get("torch_after_cupti"):
             lines.append(f"  pid {p.get('pid')}: {p['torch_after_cupti']}.")
+        if p.get("profiler_log"):
+            lines.extend(_profiler_log(report["out_dir"], p, verbose))
     if not report["processes"]:
         lines.append(f"  {NO_TRACE}")
     return "\n".join(lines)
+
+
+#: The most of a profiler log that --verbose shows (the file keeps all of it).
+LOG_SHOWN_LINES, LOG_SHOWN_BYTES = 200, 64 * 1024
+
+
+def _profiler_log(out_dir: str, status: dict[str, Any], verbose: bool) -> list[str]:
+    """Where a process's profiler messages are; with `verbose`, the messages too."""
+    path = os.path.join(out_dir, os.path.basename(str(status["profiler_log"])))
+    n = int(status.get("profiler_log_lines") or 0)
+    head = f"  pid {status.get('pid')}: {n} line{'s' if n != 1 else ''} from the profiler itself, kept in {path}"
+    if not verbose:
+        return [head + " (--verbose shows them)."]
+    try:
+        with open(path, "rb") as f:
+            text = f.read(LOG_SHOWN_BYTES).decode("utf-8", "replace")
+    except OSError as e:
+        return [head + f" (unreadable: {e.strerror or e})."]
+    shown = text.splitlines()[:LOG_SHOWN_LINES]
+    return [head + ":"] + ["    " + line for line in shown] + (
+        ["    ... (the rest is in the file)"] if len(shown) < n else [])
 
 
 def _kernel_summary(path: str, top: int = 5) -> str:
@@ -246,7 +275,7 @@ def run(args: Any) -> int:
     except RunError as e:
         print(f"gpuscope: {e}", file=sys.stderr)
         return e.code
-    print(render(report), file=sys.stderr)
+    print(render(report, verbose=getattr(args, "trace_verbose", False) or getattr(args, "verbose", False)), file=sys.stderr)
     return code
 
 
@@ -284,6 +313,9 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--agent-dir", metavar="DIR",
                    help="with --on-demand: the agent's data directory (default: the agent's default, "
                         "/var/lib/gpuscope as root, else ~/.local/share/gpuscope)")
+    p.add_argument("-v", "--verbose", dest="trace_verbose", action="store_true",
+                   help="after the run, also show what the profiler printed in each process (kept out of the "
+                        "program's stderr, in <host>.<pid>.profiler.log beside its trace)")
     p.add_argument("--no-stack", action="store_true", help="leave out Python stacks (smaller, cheaper traces)")
     p.add_argument("--backend", choices=BACKENDS, default="auto",
                    help="auto (default): the PyTorch profiler in processes that import torch, CUPTI (needs "

@@ -35,6 +35,16 @@ profiled (one CUPTI subscriber per process), which the status file says. With cu
 or CUPTI held by another profiler, one line goes to stderr, the status file says why, and the program
 runs on untraced; a program that never creates a CUDA context writes a status of "no_cuda".
 
+Quiet: what the profiler's C++ writes to fd 2 never reaches the program's stderr. Kineto prints
+"ERROR: External init callback must run in same thread as registerClient" at its first start on any
+thread but the one that loaded torch (libkineto's LibkinetoApi::initClientIfRegistered: PyTorch
+registers its client while torch loads, and the profiler thread here is another thread; PyTorch's
+client has nothing to initialise, so the message is harmless), and Kineto and CUPTI log warnings the
+same way. So while the profiler starts, stops and exports, fd 2 goes through a pipe: the lines in the
+profiler's formats go to <stem>.profiler.log (the status file names it; `gpuscope trace --verbose`
+shows it), every other byte to the program's stderr, in order: the program's own output is never held
+back or hidden, even when its threads write meanwhile.
+
 It must never break the program: every failure is swallowed (one line on stderr when the profiler
 cannot start, such as when another profiler holds CUPTI), nothing is printed to stdout, and the
 program's own sitecustomize (next on sys.path) still runs. Only the standard library is used: the
@@ -42,12 +52,14 @@ traced interpreter need not have gpuscope installed.
 """
 
 import atexit
+import fcntl
 import gzip
 import importlib.machinery
 import importlib.util
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import socket
@@ -66,6 +78,142 @@ def _number(name, default):
         return float(os.environ.get(name, default))
     except ValueError:
         return float(default)
+
+
+# Lines the profiler's own C++ writes to fd 2: Kineto's fprintf about its client's thread, Kineto's log
+# lines ("WARNING:2026-11-29 12:00:00 123:456 CuptiActivityApi.cpp:89] ..."), c10's warnings from the
+# profiler's files ("[W1129 12:00:00.123 kineto_shim.cpp:339] ..."), CUPTI's error names, and a Python
+# warning raised inside torch.profiler (its next, indented line is the source line it quotes).
+_PROFILER_LINE = re.compile(
+    rb"^(ERROR: External init callback must run in same thread as registerClient"
+    rb"|(INFO|WARNING|ERROR|STAGE|VERBOSE):\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \d+:\d+ \S+:\d+\]"
+    rb"|\[[WEIF][^\]]*?[ /](\w*(kineto|profil|cupti|activity|collection|observer)\w*)\.(cpp|h|cc):\d+\]"
+    rb"|.*\bCUPTI_ERROR_\w+|.*\blibkineto\b"
+    rb"|\S*/torch/(autograd/)?profiler[\w/]*\.py:\d+: \w*Warning: )", re.IGNORECASE)
+_PROFILER_WARNING = re.compile(rb"^\S*/torch/(autograd/)?profiler[\w/]*\.py:\d+: \w*Warning: ")
+_IDLE_S = 0.05  # a partial line (a progress bar) waits no longer than this before it is passed on
+
+
+class _Capture:
+    """fd 2 through a pipe for the duration of a `with`: the profiler's lines into a log, the rest on.
+
+    The pump thread reads until every copy of the pipe's write end is closed (a child started meanwhile
+    keeps its copy, and its output keeps flowing through to the real stderr). A fork inside the window
+    gets the real fd 2 back (`after_fork_in_child`). Any failure leaves fd 2 as it was."""
+
+    active = None  # the capture in force, for a child forked meanwhile
+
+    def __init__(self, log_path, logged):
+        self.log_path, self.logged = log_path, logged  # logged(path, lines) once the window's lines are in
+        self.saved = self.out = None
+        self.pump = None
+        self.lines = 0
+
+    def __enter__(self):
+        try:
+            _flush_stderr()
+            r, w = os.pipe()
+        except Exception:
+            return self
+        try:
+            try:
+                fcntl.fcntl(w, 1031, 1 << 20)  # F_SETPIPE_SZ: room for a burst while the pump waits for the GIL
+            except OSError:
+                pass
+            self.saved, self.out = os.dup(2), os.dup(2)
+            self.pump = threading.Thread(target=self._pump, args=(r,), name="gpuscope-trace-stderr", daemon=True)
+            self.pump.start()  # from here the pump owns r and self.out
+            os.dup2(w, 2)
+            _Capture.active = self
+        except Exception:
+            for fd in ((r, self.out) if self.pump is None else ()) + (self.saved,):
+                if fd is not None:
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
+            self.saved = None
+        finally:
+            os.close(w)  # fd 2 holds the write end now; without the dup2, the pump sees EOF and ends
+        return self
+
+    def __exit__(self, *exc):
+        if self.saved is None:
+            return False
+        try:
+            _flush_stderr()
+            os.dup2(self.saved, 2)  # the last write end of the program's own goes: the pump sees EOF
+        finally:
+            _Capture.active = None
+            os.close(self.saved)
+            self.saved = None
+            self.pump.join(2.0)
+            if self.lines:
+                self.logged(self.log_path, self.lines)
+        return False
+
+    def _pump(self, r):
+        pending, log, quoted = b"", None, False
+        try:
+            while True:
+                ready, _, _ = select.select([r], [], [], _IDLE_S if pending else None)
+                if not ready:  # a partial line, and nothing more for a while: it is the program's
+                    self._send(pending)
+                    pending = b""
+                    continue
+                chunk = os.read(r, 1 << 16)
+                if not chunk:
+                    break
+                pending += chunk
+                *lines, pending = pending.split(b"\n")
+                for line in lines:
+                    line += b"\n"
+                    if _PROFILER_LINE.match(line) or (quoted and line[:1] in (b" ", b"\t")):
+                        quoted = bool(_PROFILER_WARNING.match(line))
+                        if log is None:
+                            log = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW,
+                                          0o644)
+                        os.write(log, line)
+                        self.lines += 1
+                    else:
+                        quoted = False
+                        self._send(line)
+            self._send(pending)
+        except Exception:
+            pass
+        finally:
+            for fd in (r, self.out, log):
+                if fd is not None:
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
+
+    def _send(self, data):
+        while data:
+            try:
+                data = data[os.write(self.out, data):]
+            except InterruptedError:
+                continue
+            except OSError:  # the program's stderr is gone: nothing to keep
+                return
+
+    @staticmethod
+    def after_fork_in_child():
+        capture = _Capture.active
+        _Capture.active = None
+        if capture is not None and capture.saved is not None:
+            try:
+                os.dup2(capture.saved, 2)
+            except OSError:
+                pass
+
+
+def _flush_stderr():
+    try:
+        sys.stderr.flush()
+    except Exception:
+        pass
 
 
 class _Tracer:
@@ -333,7 +481,8 @@ class _Tracer:
         if self.backend == "cupti":
             window = self.session.window()
             try:
-                window.start()
+                with self._quiet():
+                    window.start()
             except Exception as e:  # CUPTI taken meanwhile, a CUPTI error
                 return None, False, f"{type(e).__name__}: {e}"
             return window, True, ""
@@ -350,16 +499,26 @@ class _Tracer:
         except (ImportError, TypeError):
             pass
         try:
-            prof = profile(**kwargs)
-            prof.start()
+            with self._quiet():  # Kineto's first start prints about its client's thread, among others
+                prof = profile(**kwargs)
+                prof.start()
         except Exception as e:  # CUPTI held by another profiler, a profiler the program runs itself, ...
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             return None, False, f"{type(e).__name__}: {first}"
         return prof, all_threads, ""
 
+    def _quiet(self):
+        """fd 2 into this process's profiler log while the profiler runs C++ that may print."""
+        return _Capture(self._stem() + ".profiler.log", self._logged)
+
+    def _logged(self, path, lines):
+        self.status["profiler_log"] = os.path.basename(path)
+        self.status["profiler_log_lines"] = self.status.get("profiler_log_lines", 0) + lines
+
     def _stop_and_write(self, prof, window, started, all_threads, suffix=None):
         stopped_ns = time.time_ns()
-        prof.stop()
+        with self._quiet():
+            prof.stop()
         if suffix is None:
             suffix = f".w{window}" if self.every_s > 0 else ""
         path = self._stem() + suffix + ".pt.trace.json.gz"
@@ -373,7 +532,8 @@ class _Tracer:
                 "profiler_stop_unix_ns": stopped_ns, "cpu_ops_all_threads": all_threads,
                 "with_stack": self.with_stack, "backend": self.backend}
         try:
-            prof.export_chrome_trace(raw)
+            with self._quiet():
+                prof.export_chrome_trace(raw)
             if self.backend == "cupti":  # how its launchers were recorded (sampled: how many)
                 try:
                     meta.update(prof.summary())
@@ -551,6 +711,7 @@ def _install():
             tracer.on_imported(name)
     sys.meta_path.insert(0, _Finder(tracer, [n for n in names if n not in sys.modules]))
     os.register_at_fork(after_in_child=tracer.after_fork_in_child)
+    os.register_at_fork(after_in_child=_Capture.after_fork_in_child)
 
 
 def _chain_user_sitecustomize():
