@@ -6,6 +6,7 @@ import time
 import psutil
 import pytest
 
+from gpuscope import _hostproc
 from gpuscope._hostproc import HostProcessReader, HostProcInfo
 
 # A child whose second thread spins while the main thread sleeps: one core saturated by one thread.
@@ -188,8 +189,11 @@ def test_access_denied_fields_stay_empty_and_the_rest_is_read(child, monkeypatch
     def denied(self, *a, **k):
         raise psutil.AccessDenied(self.pid)
 
+    def no_tasks(task_dir):
+        raise PermissionError(13, "Permission denied", task_dir)
+
     monkeypatch.setattr(psutil.Process, "cmdline", denied)
-    monkeypatch.setattr(psutil.Process, "threads", denied)
+    monkeypatch.setattr(_hostproc, "_list_tasks", no_tasks)  # /proc/PID/task, where threads are read
     reader = HostProcessReader()
     reader.read(p.pid)
     time.sleep(0.1)
