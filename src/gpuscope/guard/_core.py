@@ -11,18 +11,22 @@ Order of a decision: classify -> breaker (open: degrade or 503) -> concurrency (
 buckets (class and tenant GCRA; over: 429 with Retry-After from the bucket) -> admit, or (async API only)
 wait in the bounded priority queue until a slot frees or the class's deadline passes.
 
-Concurrency with guaranteed shares (as Netflix concurrency-limits' percentage partitions): a class runs
-when the total in flight is under the limit, or when the class itself is under `share * limit`. So a
-class's share is always available to it, and what it does not use is borrowable by the others. When a
-slot frees, classes under their share are served first, then the highest priority. When the queue is
-full, a newcomer evicts the newest waiter of a lower class, or is shed itself: the lowest priority is
-shed first.
+Concurrency with guaranteed shares: a request runs only while fewer than the limit are in flight, whatever
+its class, so the shares never take the total past the limit. Each class's share is a number of reserved
+slots of the limit in force (`_shares.reserved_slots`: they scale with the limit, add up to at most
+floor(limit), and a class with a share has at least one when the limit allows). What a class does not use
+is borrowable by the others; a slot borrowed is not taken back mid-request, so the share is the class's
+first claim on the slots that free: when a slot frees, waiting classes under their reserved slots are
+served first, then the highest priority. (Netflix concurrency-limits' percentage partitions admit a class
+under its share even with the total at the limit: the shares then add to it.) When the queue is full, a
+newcomer evicts the newest waiter of a lower class, or is shed itself: the lowest priority is shed first.
 
 Deadlines (a class's `deadline_s`): an admitted request that still holds its slot that long after its
 admission gives the slot back (`Decision.expired`): a drop for the limiter, no outcome for the breaker (a slow
 upstream is the limiter's business; a probe that never answers does fail), and its later release does
 nothing. So a request stuck in flight (a hung handler, an answer behind a backlog) never holds the limit
-for ever. Checked on every decision and release, and by a timer while requests wait in the queue.
+for ever. Checked on every decision and release, and by a timer while requests wait in the queue; a data
+path that stops the request at its deadline (the proxy does) gives the slot back the same way with `expire`.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from ._bucket import _EPS_S, LocalBuckets
 from ._classify import Classifier, RequestInfo
 from ._config import GuardConfig
 from ._limit import AdaptiveLimit, GpuSignal
+from ._shares import reserved_slots
 
 __all__ = ["Decision", "Guard"]
 
@@ -167,6 +172,11 @@ class Guard:
         self._lock = threading.Lock()
         self.inflight = [0] * n
         self.inflight_total = 0
+        # the most in flight at once since the start, per class and in all (what the shares and the limit allowed)
+        self.inflight_peak = [0] * n
+        self.inflight_total_peak = 0
+        self._reserved = [0] * n  # reserved slots per class at the limit _reserved_at (see _shares)
+        self._reserved_at = math.nan
         self._queues: list[deque[_Waiter]] = [deque() for _ in range(n)]
         self.queued_total = 0
         self._next_refresh = now + _REFRESH_S
@@ -271,8 +281,8 @@ class Guard:
                 return self._shed(d, why, wait)
             loop = asyncio.get_running_loop()
             with self._lock:
-                if self._guaranteed(d.class_index) or (self._runnable(d.class_index)
-                                                       and not self._higher_waiting(d.class_index)):
+                if self._runnable(d.class_index) and (self._guaranteed(d.class_index)
+                                                      or not self._higher_waiting(d.class_index)):
                     self._admit(d)
                     return d
                 w = self._enqueue(d, loop)
@@ -339,23 +349,36 @@ class Guard:
         return self.limiter.limit * f if f < 1.0 else self.limiter.limit
 
     def _runnable(self, idx: int) -> bool:
+        """Room under the limit (for any class: a share is a first claim on freed slots, never one over it)."""
         limit = self.limiter.limit
         f = self.limiter.rate_factor
         if f < 1.0:
             limit *= f
-        return self.inflight_total < limit or self.inflight[idx] < self._shares[idx] * limit
+        return self.inflight_total < limit
+
+    def reserved(self) -> list[int]:
+        """The slots reserved per class at the limit in force (recomputed when it moves)."""
+        limit = self._effective_limit()
+        if limit != self._reserved_at:
+            self._reserved = reserved_slots(self._shares, limit)
+            self._reserved_at = limit
+        return self._reserved
 
     def _guaranteed(self, idx: int) -> bool:
-        return self.inflight[idx] < self._shares[idx] * self._effective_limit()
+        return self.inflight[idx] < self.reserved()[idx]
 
     def _higher_waiting(self, idx: int) -> bool:
         return self.queued_total > 0 and any(self._queues[i] for i in range(idx + 1))
 
     def _admit(self, d: Decision) -> None:
         idx = d.class_index
-        d.inflight_at = self.inflight_total
-        self.inflight[idx] += 1
-        self.inflight_total += 1
+        d.inflight_at = total = self.inflight_total
+        n = self.inflight[idx] = self.inflight[idx] + 1
+        self.inflight_total = total = total + 1
+        if n > self.inflight_peak[idx]:
+            self.inflight_peak[idx] = n
+        if total > self.inflight_total_peak:
+            self.inflight_total_peak = total
         self.admitted_total[idx] += 1
         deadline = self._deadlines[idx]
         if deadline:
@@ -368,22 +391,13 @@ class Guard:
         """Take back the slots of requests past their deadline, then serve the queue. Holds the lock."""
         nxt = math.inf
         freed = False
-        for idx, held in enumerate(self._held):
+        for held in self._held:
             while held and (held[0].released or held[0].deadline_s <= now):
                 d = held.popleft()
                 if d.released:
                     continue
-                d.released = True
-                d.expired = True
-                inflight = self.inflight_total
-                self.inflight[idx] -= 1
-                self.inflight_total -= 1
-                self.expired_total[idx] += 1
+                self._take_back(d, now)
                 freed = True
-                if d.probe == "probe":  # a probe that never answered is a failed one (and frees its probe slot)
-                    self.breaker.record("probe", 504, self._deadlines[idx], True, now)
-                if self._adaptive:
-                    self.limiter.observe(self._deadlines[idx], inflight, True, now, d.inflight_at)
             if held and held[0].deadline_s < nxt:
                 nxt = held[0].deadline_s
         self._next_expiry = nxt
@@ -394,6 +408,37 @@ class Guard:
                 self._expiry_logged_at, self._expiry_logged_n = now, sum(self.expired_total)
             if self.queued_total > 0:
                 self._dispatch()
+
+    def _take_back(self, d: Decision, now: float) -> None:
+        """An admitted request's slot back at its deadline: a drop for the limiter. Holds the lock."""
+        idx = d.class_index
+        d.released = True
+        d.expired = True
+        inflight = self.inflight_total
+        self.inflight[idx] -= 1
+        self.inflight_total -= 1
+        self.expired_total[idx] += 1
+        if d.probe == "probe":  # a probe that never answered is a failed one (and frees its probe slot)
+            self.breaker.record("probe", 504, self._deadlines[idx], True, now)
+        if self._adaptive:
+            self.limiter.observe(self._deadlines[idx], inflight, True, now, d.inflight_at)
+
+    def expire(self, d: Decision) -> bool:
+        """Take an admitted request's slot back now, as at its deadline: for a data path that stopped the request
+        there (the proxy's timer may fire a little before the guard's clock says so). Counted in expired_total,
+        a drop for the limiter, no outcome for the breaker but a probe's failure; its later release does
+        nothing. False when it was released (or expired) already."""
+        try:
+            with self._lock:
+                if d.released or not d.admitted:
+                    return False
+                self._take_back(d, self._clock())
+                if self.queued_total > 0:
+                    self._dispatch()
+            return True
+        except Exception:  # noqa: BLE001
+            log.exception("gpuscope guard: expire failed")
+            return False
 
     def _arm_expiry(self, loop: asyncio.AbstractEventLoop) -> None:
         """A timer at the next deadline while requests wait: with no arrival and no release nothing else looks.
@@ -493,18 +538,19 @@ class Guard:
             w.loop.call_soon_threadsafe(_resolve, w.fut, d, self)
 
     def _pick(self) -> _Waiter | None:
-        limit = self._effective_limit()
         for q in self._queues:
             while q and q[0].fut.done():  # its client went away (cancelled)
                 q.popleft()
                 self.queued_total -= 1
+        if self.inflight_total >= self._effective_limit():
+            return None
+        reserved = self.reserved()
         for i, q in enumerate(self._queues):
-            if q and self.inflight[i] < self._shares[i] * limit:
+            if q and self.inflight[i] < reserved[i]:
                 return q[0]
-        if self.inflight_total < limit:
-            for q in self._queues:
-                if q:
-                    return q[0]
+        for q in self._queues:
+            if q:
+                return q[0]
         return None
 
     # -- outcomes ----------------------------------------------------------------------------------
@@ -579,7 +625,7 @@ class _Plans:
         per_class = g.buckets.per_class() if g._local_buckets else [(None, None)] * len(g._names)
         for idx, ((cb, tb), types) in enumerate(zip(per_class, _decision_types(g._names), strict=True)):
             # what both inline paths need, then what only the local one needs (the buckets' constants)
-            common = (idx, g._shares[idx], *types, idx * len(_REASONS) + _REASONS.index("rate"),
+            common = (idx, *types, idx * len(_REASONS) + _REASONS.index("rate"),
                       idx * len(_REASONS) + _REASONS.index("tenant_rate"))
             self.plans.append((common, cb is not None, cb.one_s if cb else 0.0, cb.tau_s if cb else 0.0,
                                tb._tat if tb else None, tb.one_s if tb else 0.0, tb.tau_s if tb else 0.0, tb))
@@ -620,6 +666,7 @@ def _inline_acquire(g: Guard) -> Callable[[RequestInfo], Decision]:
     breaker = g.breaker
     limiter = g.limiter
     inflight = g.inflight
+    peak = g.inflight_peak
     admitted = g.admitted_total
     shed = g._shed_n
     take_lock = g._lock.acquire
@@ -646,15 +693,14 @@ def _inline_acquire(g: Guard) -> Callable[[RequestInfo], Decision]:
                 plan = miss(info.path, hv)
                 if plan is None:
                     return general(info, now)
-            (idx, share, Admitted, RateRefused, TenantRefused, rate_key, tenant_key), \
+            (idx, Admitted, RateRefused, TenantRefused, rate_key, tenant_key), \
                 has_class, c_one, c_tau, tats, t_one, t_tau, tb = plan
             tenant = info.tenant
             if tenant is None:
                 tenant = h.get(tenant_header, "")
             take_lock()
             try:
-                limit = limiter.limit
-                if not (g.inflight_total < limit or inflight[idx] < share * limit):
+                if g.inflight_total >= limiter.limit:
                     d = Decision(True, Admitted.klass, tenant, 1.0, idx, now)
                     d.probe = "pass"
                     return g._shed(d, "concurrency", g._concurrency_retry_s())
@@ -693,8 +739,12 @@ def _inline_acquire(g: Guard) -> Callable[[RequestInfo], Decision]:
                 if has_class:
                     class_tat[idx] = cnew
                 found = g.inflight_total
-                inflight[idx] += 1
+                n = inflight[idx] = inflight[idx] + 1
                 g.inflight_total = found + 1
+                if n > peak[idx]:
+                    peak[idx] = n
+                if found >= g.inflight_total_peak:
+                    g.inflight_total_peak = found + 1
                 admitted[idx] += 1
             finally:
                 drop_lock()
@@ -722,6 +772,7 @@ def _inline_acquire_shared(g: Guard) -> Callable[[RequestInfo], Decision]:
     breaker = g.breaker
     limiter = g.limiter
     inflight = g.inflight
+    peak = g.inflight_peak
     admitted = g.admitted_total
     shed = g._shed_n
     take_lock = g._lock.acquire
@@ -747,9 +798,8 @@ def _inline_acquire_shared(g: Guard) -> Callable[[RequestInfo], Decision]:
                 plan = miss(info.path, hv)
                 if plan is None:
                     return general(info, now)
-            idx, share, Admitted, RateRefused, TenantRefused, rate_key, tenant_key = plan[0]
-            limit = limiter.limit
-            if not (g.inflight_total < limit or inflight[idx] < share * limit):
+            idx, Admitted, RateRefused, TenantRefused, rate_key, tenant_key = plan[0]
+            if g.inflight_total >= limiter.limit:
                 return general(info, now)
             tenant = info.tenant
             if tenant is None:
@@ -766,14 +816,17 @@ def _inline_acquire_shared(g: Guard) -> Callable[[RequestInfo], Decision]:
                         d = new(TenantRefused)
                     d.retry_after_s = wait
                 else:
-                    limit = limiter.limit
-                    if not (g.inflight_total < limit or inflight[idx] < share * limit):
+                    if g.inflight_total >= limiter.limit:
                         d = Decision(True, Admitted.klass, tenant, 1.0, idx, now)  # another thread took the slot
                         d.probe = "pass"
                         return g._shed(d, "concurrency", g._concurrency_retry_s())
                     found = g.inflight_total
-                    inflight[idx] += 1
+                    n = inflight[idx] = inflight[idx] + 1
                     g.inflight_total = found + 1
+                    if n > peak[idx]:
+                        peak[idx] = n
+                    if found >= g.inflight_total_peak:
+                        g.inflight_total_peak = found + 1
                     admitted[idx] += 1
                     d = new(Admitted)
                     d.inflight_at = found

@@ -3,7 +3,9 @@
 Families: gpuscope_guard_admitted_total{class}, gpuscope_guard_queued_total{class},
 gpuscope_guard_shed_total{class,reason}, gpuscope_guard_expired_total{class} (slots taken back at deadline_s),
 gpuscope_guard_queue_wait_seconds_{sum,count}{class},
-gpuscope_guard_inflight{class}, gpuscope_guard_queue_depth, gpuscope_guard_concurrency_limit,
+gpuscope_guard_inflight{class}, gpuscope_guard_inflight_max{class} and gpuscope_guard_inflight_all_max (the most in
+flight at once since the start, per class and all together), gpuscope_guard_reserved_slots{class} (the share's slots at the limit in force),
+gpuscope_guard_queue_depth, gpuscope_guard_concurrency_limit,
 gpuscope_guard_rate_factor, gpuscope_guard_breaker_state{state} (1 for the current one),
 gpuscope_guard_gpu_signal_age_seconds (absent before the first reading), gpuscope_guard_gpu_signal_state{state},
 gpuscope_guard_redis_fallback (1 while local fallback buckets stand in for Redis).
@@ -52,6 +54,15 @@ def render(g: Guard) -> bytes:
         out.append(f'gpuscope_guard_queue_wait_seconds_count{{class="{n}"}} {c}\n')
     family("gpuscope_guard_inflight", "gauge", "Requests in flight, per class.")
     out.extend(f'gpuscope_guard_inflight{{class="{n}"}} {v}\n' for n, v in zip(names, g.inflight, strict=True))
+    family("gpuscope_guard_inflight_max", "gauge", "The most requests in flight at once since the start, per class.")
+    out.extend(f'gpuscope_guard_inflight_max{{class="{n}"}} {v}\n' for n, v in zip(names, g.inflight_peak, strict=True))
+    family("gpuscope_guard_inflight_all_max", "gauge", "The most requests in flight at once since the start, in all.")
+    out.append(f"gpuscope_guard_inflight_all_max {g.inflight_total_peak}\n")
+    family("gpuscope_guard_reserved_slots", "gauge",
+           "Slots of the concurrency limit in force reserved for each class by its share.")
+    with g._lock:
+        reserved = list(g.reserved())
+    out.extend(f'gpuscope_guard_reserved_slots{{class="{n}"}} {v}\n' for n, v in zip(names, reserved, strict=True))
     family("gpuscope_guard_queue_depth", "gauge", "Requests waiting in the queue.")
     out.append(f"gpuscope_guard_queue_depth {g.queued_total}\n")
     family("gpuscope_guard_concurrency_limit", "gauge", "The adaptive concurrency limit in force.")
