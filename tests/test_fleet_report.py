@@ -117,16 +117,23 @@ class Fleet:
     truth: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
     reports: dict[tuple[str, ...], dict[str, Any]] = field(default_factory=dict)
 
-    def report(self, server: str, *args: str) -> dict[str, Any]:
-        key = (server, *args)
+    def report(self, server: str, by: str = "node", source: str = "auto", *, via_cli: bool = False) -> dict[str, Any]:
+        """The report over the fleet's range, through the CLI (--json) or the library (the same code, in
+        this process: each CLI run costs a Python start)."""
+        key = (server, by, source, via_cli)
         if key not in self.reports:
             url = self.prom.url if server == "prometheus" else self.vm.url
-            out = self.workdir / f"report-{len(self.reports)}.json"
-            run = cli("fleet", "report", "--prometheus", url, "--since", f"{self.start:.3f}", "--until",
-                      f"{self.end:.3f}", "--json", str(out), *args)
-            assert run.returncode == 0, run.stderr
-            assert run.stderr == "", run.stderr  # no progress bar: stderr is no terminal here
-            self.reports[key] = json.loads(out.read_text())
+            if via_cli:
+                out = self.workdir / f"report-{len(self.reports)}.json"
+                run = cli("fleet", "report", "--prometheus", url, "--since", f"{self.start:.3f}", "--until",
+                          f"{self.end:.3f}", "--json", str(out), "--by", by, "--source", source)
+                assert run.returncode == 0, run.stderr
+                assert run.stderr == "", run.stderr  # no progress bar: stderr is no terminal here
+                self.reports[key] = json.loads(out.read_text())
+            else:
+                from gpuscope.fleet import report
+
+                self.reports[key] = report(url, self.start, self.end, by, source=source)
         return self.reports[key]
 
 
@@ -214,6 +221,7 @@ def fleet() -> Iterator[Fleet]:
         for ag in agents.values():
             ag.proc.send_signal(signal.SIGCONT)
             ag.proc.terminate()
+        for ag in agents.values():
             try:
                 ag.proc.wait(15)
             except subprocess.TimeoutExpired:
@@ -240,10 +248,10 @@ def gap_slack(f: Fleet, report: dict[str, Any], node: str) -> float:
 
 
 # -- known answers ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("server,source", [("prometheus", "raw"), ("prometheus", "recorded"),
-                                           ("victoria-metrics", "raw")])
-def test_gpu_hours_idle_hours_and_energy_equal_the_simulations_truth(fleet, server, source):
-    r = fleet.report(server, "--by", "node", "--source", source)
+@pytest.mark.parametrize("server,source,via_cli", [("prometheus", "raw", True), ("prometheus", "recorded", False),
+                                                   ("victoria-metrics", "raw", False)])
+def test_gpu_hours_idle_hours_and_energy_equal_the_simulations_truth(fleet, server, source, via_cli):
+    r = fleet.report(server, "node", source, via_cli=via_cli)
     assert r["source"] == source and r["by"] == "node"
     assert r["scrape_step_s"] == {"node-a": 1.0, "node-b": 1.0, "node-c": 1.0}  # read from the data
     g = groups(r)
@@ -267,7 +275,7 @@ def test_gpu_hours_idle_hours_and_energy_equal_the_simulations_truth(fleet, serv
 
 @pytest.mark.parametrize("server", ["prometheus", "victoria-metrics"])
 def test_a_gap_in_scraping_is_unobserved_time_never_idle(fleet, server):
-    r = fleet.report(server, "--by", "node")
+    r = fleet.report(server, "node")
     g = groups(r)
     a = g["node-a"]
     step = r["scrape_step_s"]["node-a"]
@@ -298,7 +306,7 @@ def test_a_gap_in_scraping_is_unobserved_time_never_idle(fleet, server):
 
 
 def test_kubernetes_allocation_unallocated_gpus_and_the_money(fleet):
-    r = fleet.report("prometheus", "--by", "node")
+    r = fleet.report("prometheus", "node")
     a = groups(r)["node-a"]
     obs0, obs1 = (fleet.truth["node-a"][g]["observed_s"] for g in ("0", "1"))
     slack = gap_slack(fleet, r, "node-a")
@@ -318,7 +326,7 @@ def test_kubernetes_allocation_unallocated_gpus_and_the_money(fleet):
 
 
 def test_ranked_by_money_wasted_with_why_and_fix(fleet):
-    r = fleet.report("prometheus", "--by", "node")
+    r = fleet.report("prometheus", "node")
     ranked = [g["group"] for g in r["groups"]]
     assert ranked[0] == "node-a"
     wasted = [g["wasted_money"] for g in r["groups"]]
@@ -336,24 +344,24 @@ def test_ranked_by_money_wasted_with_why_and_fix(fleet):
 
 
 def test_by_namespace_pod_and_user(fleet):
-    ns = groups(fleet.report("prometheus", "--by", "namespace"))
+    ns = groups(fleet.report("prometheus", "namespace"))
     obs0 = fleet.truth["node-a"]["0"]["observed_s"]
-    slack = 2 * fleet.report("prometheus", "--by", "node")["scrape_step_s"]["node-a"]
+    slack = 2 * fleet.report("prometheus", "node")["scrape_step_s"]["node-a"]
     assert set(ns) == {"nb", "(none)"}
     assert near(ns["nb"]["observed_gpu_hours"] * 3600, obs0, slack=slack) and ns["nb"]["gpus"] == 1
     assert ns["nb"]["idle_gpu_hours"] == pytest.approx(ns["nb"]["allocated_gpu_hours"], rel=0.02)
     assert ns["(none)"]["gpus"] == sum(GPUS.values()) - 1
-    pods = groups(fleet.report("prometheus", "--by", "pod"))
+    pods = groups(fleet.report("prometheus", "pod"))
     assert set(pods) == {"nb/jupyter-alice", "(none)"}
     # Users: every simulated process runs as 'sim'; node-a's GPU 1 runs none, so its time is no user's.
-    users = groups(fleet.report("victoria-metrics", "--by", "user"))
+    users = groups(fleet.report("victoria-metrics", "user"))
     assert set(users) == {"sim", "(none)"}
     obs1 = fleet.truth["node-a"]["1"]["observed_s"]
     assert near(users["(none)"]["observed_gpu_hours"] * 3600, obs1, slack=slack)
     held = sum(node_truth(fleet, n, "observed_s") for n in NODES) - obs1
     assert near(users["sim"]["observed_gpu_hours"] * 3600, held, slack=2 * slack)
     assert near(users["sim"]["idle_gpu_hours"] * 3600, obs0, slack=slack)
-    models = groups(fleet.report("prometheus", "--by", "model"))
+    models = groups(fleet.report("prometheus", "model"))
     assert set(models) == {"NVIDIA H200 (simulated)"}
 
 
@@ -397,7 +405,7 @@ def test_csv_and_html_outputs_and_the_text(fleet, chromium):
 
 
 def test_by_job_and_the_stragglers_section(fleet):
-    r = fleet.report("prometheus", "--by", "job")
+    r = fleet.report("prometheus", "job")
     jobs = groups(r)
     assert set(jobs) == {JOB, "k8s/nb/jupyter-alice", "(none)"}, set(jobs)
     assert jobs[JOB]["gpus"] == GPUS["node-b"] + GPUS["node-c"]
@@ -408,3 +416,36 @@ def test_by_job_and_the_stragglers_section(fleet):
     assert st["jobs"] is True
     named = {(x["workload"], x["node"], x["gpu"], x["cause"]) for x in st["stragglers"]}
     assert named == {(JOB, "node-b", "0", "throttled"), (JOB, "node-b", "1", "throttled")}, st
+
+
+def test_a_progress_bar_on_a_terminal_only(fleet):
+    """stderr a terminal: the bar is drawn there while it queries, and erased; the JSON is the same report."""
+    import pty
+
+    out = fleet.workdir / "tty.json"
+    main, side = pty.openpty()
+    try:
+        p = subprocess.run([PY, "-m", "gpuscope", "fleet", "report", "--prometheus", fleet.prom.url, "--since",
+                            f"{fleet.start:.3f}", "--until", f"{fleet.end:.3f}", "--by", "node", "--json", str(out)],
+                           stdout=subprocess.PIPE, stderr=side, text=True, timeout=120,
+                           env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+        os.close(side)
+        side = -1
+        drawn = b""
+        while True:
+            try:
+                chunk = os.read(main, 65536)
+            except OSError:  # EIO: the terminal's other side is closed and drained
+                break
+            if not chunk:
+                break
+            drawn += chunk
+    finally:
+        os.close(main)
+        if side >= 0:
+            os.close(side)
+    assert p.returncode == 0
+    text = drawn.decode()
+    assert "querying [" in text and "\r\x1b[K" in text  # drawn, then erased
+    r = json.loads(out.read_text())
+    assert "querying" not in out.read_text() and r["groups"][0]["group"] == "node-a"

@@ -23,9 +23,11 @@ __all__ = ["DEFAULT_PRICES", "DIMENSIONS", "RECORDED", "NoFleetData", "Prices", 
 
 
 def report(url: str, start_s: float, end_s: float, by: str = "namespace", prices: Prices | None = None, *,
-           timeout: float = 120.0, progress: Progress | None = None) -> dict[str, Any]:
-    """The fleet report over [start_s, end_s) from the server at `url`, grouped `by` one of DIMENSIONS."""
+           timeout: float = 120.0, progress: Progress | None = None, source: str = "auto") -> dict[str, Any]:
+    """The fleet report over [start_s, end_s) from the server at `url`, grouped `by` one of DIMENSIONS;
+    `source`: auto (the recorded series of `fleet rules` where they cover the range), raw or recorded."""
     from ..promql import Client
     from ._compute import build
 
-    return build(Client(url, timeout=timeout), start_s, end_s, by, prices or DEFAULT_PRICES, progress=progress)
+    return build(Client(url, timeout=timeout), start_s, end_s, by, prices or DEFAULT_PRICES, progress=progress,
+                 source=source)
