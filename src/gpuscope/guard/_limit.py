@@ -10,7 +10,11 @@ signal, the in-flight count at the releases), then `N / R` and `R` as the median
 windows, so that one window a stall of this process bunched up moves nothing. Against the upstream's no-load latency `base`, `capacity = N * base / R` (at saturation
 `R = N / C * base`, so this is the upstream's own concurrency C whatever the limit) and
 `target = rtt_tolerance * capacity`; while R <= rtt_tolerance x base with the limit full, at least
-`rtt_tolerance * L`. Growth with no queue is taken at once (at most x2 a window); otherwise
+`rtt_tolerance * L`; after a probe that left the capacity above its own limit unknown (no queue found, or an
+estimate under the probe's own limit, as a foreign backlog's latency gives), `2 * L` while the completed
+requests fill the limit (N >= 0.8 L) and no window shows a queue (R <= 1.1 x base) or drops (slow start,
+once per window admitted wholly at the doubled limit; it ends at the first window that does). Growth with
+no queue is taken at once (at most x2 a window); otherwise
 `L <- L*(1-s) + target*s` (s = smoothing, at least 0.5 on the way down); a target under L/2 starts a probe
 instead. Drops (timeouts,
 deadlines, 429/503 from upstream) are no latency samples; a tenth of a window or more caps the target at
@@ -101,6 +105,8 @@ class AdaptiveLimit:
         self._win_drops = 0
         self._win_first = now  # the earliest admission among the window's samples
         self._win_idle_at = math.inf  # when the last release left nothing in flight (inf: not since)
+        self._doubled_at = -math.inf
+        self._slow_start = False  # the last probe left the capacity above its limit unknown
         self._recent: deque[tuple[float, float]] = deque(maxlen=3)  # (N / R, R) of the latest windows
         self._win_n_closed = 0
         # gradient: the upstream's no-load latency (0: not measured yet), when a window last confirmed it, and
@@ -280,6 +286,7 @@ class AdaptiveLimit:
         """The window is complete: what it says of the upstream, and what the limit does about it."""
         c = self.c
         r = self._win_sum / self._win_n
+        first = self._win_first
         self._win_n_closed = self._win_n
         span = now - max(self._win_start, self._win_first)
         # the mean concurrency the upstream held: Little's law on what completed (its slot-seconds over the
@@ -310,6 +317,7 @@ class AdaptiveLimit:
         # the estimates below come from the median of the last three loaded windows' rate (N / R, completions
         # per second with the latency signal) and latency: a window that a stall of this process bunched up or
         # thinned out (a loaded machine) moves nothing on its own
+        r_win, n_win = r, n_mean
         self._recent.append((n_mean / r, r))
         x = statistics.median(v[0] for v in self._recent)
         r = statistics.median(v[1] for v in self._recent)
@@ -326,6 +334,19 @@ class AdaptiveLimit:
             # lowers the estimate; slots held by requests that are not in the upstream, lost or stuck until their
             # deadline, count for the limit but not for it)
             target = max(target, c.rtt_tolerance * self.limit)
+        if drops or max(r, r_win) > 1.1 * self.base_s:
+            self._slow_start = False  # a queue (or drops): the capacity is in sight
+        elif self._slow_start and n_win >= 0.8 * self.limit and first >= self._doubled_at:
+            # slow start, after a probe that left the capacity unknown above its limit (it found no queue, or an
+            # estimate under what it held itself, as after a foreign backlog drained): the requests that
+            # completed filled the limit (Little's law: slots held by requests lost on the way or stuck until
+            # their deadline are not in it) and neither this window nor the last three show a queue inside the
+            # upstream, so its capacity is above the limit by an unknown amount: double, until the first window
+            # that shows a queue. Once per window admitted wholly at the doubled limit, so a queue the doubling
+            # built is seen before the next one (+25 % a window took 6 windows from 2 to 8 after a drain, while
+            # high priority's queue waited)
+            target = max(target, 2.0 * self.limit)
+            self._doubled_at = now
         if target < 0.5 * self.limit:
             # halve the limit or worse: real congestion, or a no-load latency that has grown since it was
             # measured (longer requests); a probe tells them apart and lands on the right limit at once
@@ -368,8 +389,8 @@ class AdaptiveLimit:
 
     def _probe_sample(self, latency_s: float, inflight: int, dropped: bool, now: float, admitted_with: int | None
                       ) -> None:
-        # a probe sample is a request that found at most the probe's limit in flight when admitted (one over:
-        # classes' guaranteed shares round up), so nothing of ours queued ahead of it inside the upstream;
+        # a probe sample is a request that found at most the probe's limit in flight when admitted (one over
+        # tolerated), so nothing of ours queued ahead of it inside the upstream;
         # without that count, one admitted a latency after the probe began, when what was in flight has left
         if not dropped and now - latency_s >= self._probe_start and (
                 admitted_with <= self._probe_limit + 1 if admitted_with is not None
@@ -401,6 +422,10 @@ class AdaptiveLimit:
             # the latency fell with the concurrency, as a queue's does: there was a queue at n_mean, and the
             # upstream holds n_mean * base / r without one
             self.capacity = n_mean * base / r
+            # the probe itself held its limit without a queue, so the upstream holds at least that: an estimate
+            # under it came from a latency that was not our queue's (a foreign backlog ahead of us), and slow
+            # start finds the capacity instead
+            self._slow_start = self.capacity < self._probe_limit
             # a probe whose limit was near that may have queued too: measure again, lower
             self._reprobe = self._probe_limit >= _REPROBE_AT * self.capacity and self._probe_limit > c.min_limit
             target = c.rtt_tolerance * self.capacity
@@ -408,6 +433,7 @@ class AdaptiveLimit:
             # no queue at n_mean (or a transient): the upstream holds at least that; from rtt_tolerance x that
             # (never above where it was) the windows grow while nothing queues
             self.capacity = n_mean
+            self._slow_start = True
             target = min(pre_limit, max(self._probe_limit, c.rtt_tolerance * n_mean))
         if target > pre_limit and self._signal_blocks_growth(now):
             target = pre_limit
