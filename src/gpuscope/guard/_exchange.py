@@ -8,7 +8,9 @@ as they come, each received chunk written on (`transport.write`), with flow cont
 upstream socket pauses reading from the client, a client that does not read pauses reading from the
 upstream. One timer per client connection, re-armed only when a deadline comes due or an earlier one is
 set, keeps every deadline: the kit's header, body and idle ones, the upstream's answer
-(`breaker.timeout_s`) and gaps (`breaker.idle_timeout_s`), the client's stall (`breaker.client_stall_s`).
+(`breaker.timeout_s`) and gaps (`breaker.idle_timeout_s`), the client's stall (`breaker.client_stall_s`), and
+the decision's own (`Decision.deadline_s`, from its class's `deadline_s`): there the request is stopped
+(`_Exchange.past_deadline`).
 """
 
 from __future__ import annotations
@@ -80,6 +82,8 @@ class _Exchange:
     up: Up | None = None
     t0 = 0.0
     up_deadline = INF
+    end_at = INF  # the decision's deadline (its class's deadline_s), in loop time
+    sent = False  # some of the request has been written upstream
     ttft: float | None = None
     status = 0
     started = False  # the answer's head has gone to the client
@@ -266,6 +270,62 @@ class _Exchange:
         self.release(504, timed_out=True)
         c.answer_error(self, 504, f"The upstream {self.pool_url} did not answer within {server.timeout_s:g} s.")
 
+    def past_deadline(self) -> None:
+        """The decision's deadline passed with the request still under way: it is stopped there, as its class's
+        deadline_s says. The slot goes back as at the guard's own expiry (`Guard.expire`: a drop for the
+        limiter), the upstream connection is closed (never reused: its answer is still coming), and the client
+        gets a 503 with Retry-After if the request was never sent (its upstream connection was still being
+        opened), a 504 if it was sent and no byte of the answer has gone to the client, or else the answer's
+        end: the last chunk of a chunked answer (the client's connection stays usable), the close of one that
+        runs to the close; an answer framed by its length can only be cut (a clean end would say it is whole)."""
+        self.end_at = INF
+        d, self.d = self.d, None
+        if d is None or self.done:
+            return
+        c = self.client
+        s = c.server
+        g = s.guard
+        g.expire(d)
+        budget = g.cfg.classes[d.class_index].deadline_s or 0.0
+        up, self.up = self.up, None
+        if up is not None:
+            up.abort()
+        if self.task is not None and self.connecting:
+            self.task.cancel()
+            self.task = None
+            self.connecting = False
+        self.out.clear()
+        self.kept = None  # a cut answer is not one to serve from the cache
+        if not self.sent:
+            reason, what = "not_sent", "answered 503, never sent (no upstream connection in time)"
+        elif not self.started:
+            reason, what = "no_answer", "cut, answered 504"
+        else:
+            reason, what = "mid_answer", "its answer ended there"
+        s.deadlines[reason] += 1
+        if s.lines.allow("deadline"):
+            log.warning("gpuscope guard: %s %s passed its %s class's deadline_s (%g s): %s%s",
+                        self.method.decode("latin-1"), self.path[:200], d.klass, budget, what, s.lines.more("deadline"))
+        if reason == "not_sent":
+            retry = str(max(1, math.ceil(g._concurrency_retry_s())))
+            c._answer(self, 503, {"Content-Type": "application/json", "Retry-After": retry, GUARD_HEADER: "deadline"},
+                      s.error_body(503, f"The request waited its {d.klass} class's deadline_s of {budget:g} s for a "
+                                        f"connection to the upstream {self.pool_url} and was not sent; retry after "
+                                        f"{retry} s."))
+        elif reason == "no_answer":
+            c._answer(self, 504, {"Content-Type": "application/json", GUARD_HEADER: "deadline"},
+                      s.error_body(504, f"The upstream {self.pool_url} did not answer within the {d.klass} class's "
+                                        f"deadline_s of {budget:g} s; the request was stopped there."))
+        elif self.to_client == CHUNKED:
+            t = c.transport
+            if t is not None:
+                t.write(_last_chunk([]))
+            if not self.body_done:
+                self.close_after = True
+            c.finish(self)
+        else:
+            c.cut(self)
+
     @property
     def pool_url(self) -> str:
         return self.pool.url if self.pool is not None else self.client.server.upstream
@@ -330,6 +390,7 @@ class _Exchange:
         elif self.retried and self.replay is not None:
             data = b"".join(self.replay)
         self.sent_whole = self.body_done
+        self.sent = True
         up.transport.write(data)  # type: ignore[union-attr]
 
     def release(self, status: int, timed_out: bool = False) -> None:
@@ -523,6 +584,11 @@ class Client(asyncio.Protocol):
         if when < self.timer_at:
             self._arm(when)
 
+    def due_end(self, ex: _Exchange, after_s: float) -> None:
+        when = ex.end_at = self.loop.time() + max(0.0, after_s)
+        if when < self.timer_at:
+            self._arm(when)
+
     def _arm(self, when: float) -> None:
         if self.timer is not None:
             self.timer.cancel()
@@ -544,6 +610,11 @@ class Client(asyncio.Protocol):
             if self.closed:
                 return
         ex = self.queue[0] if self.queue else None
+        if ex is not None and now >= ex.end_at:
+            ex.past_deadline()
+            if self.closed:
+                return
+        ex = self.queue[0] if self.queue else None
         if ex is not None and not self.write_paused and now >= ex.up_deadline:
             ex.up_timeout()
             if self.closed:
@@ -552,8 +623,10 @@ class Client(asyncio.Protocol):
         nxt = self.stall_at if self.write_paused else INF
         if self.phase:
             nxt = min(nxt, self.deadline)
-        if ex is not None and not self.write_paused:
-            nxt = min(nxt, ex.up_deadline)
+        if ex is not None:
+            nxt = min(nxt, ex.end_at)
+            if not self.write_paused:
+                nxt = min(nxt, ex.up_deadline)
         if nxt < INF:
             self._arm(max(nxt, now + 0.001))
 
@@ -737,6 +810,8 @@ class Client(asyncio.Protocol):
             ex.expect = False
             self.transport.write(CONTINUE)  # type: ignore[union-attr]
         self.due_upstream(ex, s.timeout_s)
+        if d.deadline_s != INF:  # the guard's monotonic clock, not necessarily the loop's: the time left
+            self.due_end(ex, d.deadline_s - s.guard.now())
         ex.connect()
 
     def _answer(self, ex: _Exchange, status: int, headers: dict[str, str], body: bytes, close: bool = False) -> None:

@@ -27,7 +27,14 @@ HTTP/1.1 as the proxy speaks it:
   answer: 502; no answer head within `breaker.timeout_s`: 504 (both count for the circuit breaker). Once
   the answer streams only the gap between two reads is timed (`breaker.idle_timeout_s`): a stalled or
   broken-off answer is cut by closing the client's connection (a clean end would tell it the answer is
-  whole) and counts as a timeout or a 502. A client that reads nothing for `breaker.client_stall_s` while an
+  whole) and counts as a timeout or a 502.
+- A class's `deadline_s` stops its requests there (`Decision.deadline_s`, counted from the admission): one
+  still waiting for its upstream connection is answered 503 with Retry-After and never sent; one sent whose
+  answer has not begun is cut (the upstream connection closed, never reused) and answered 504; one whose
+  answer streams ends there: the last chunk of a chunked answer, the close of one that runs to the close, a
+  cut connection for one framed by its length. The slot goes back as a drop for the limiter
+  (`Guard.expire`), so the adaptive limit reacts; each is counted in gpuscope_guard_proxy_deadline_total
+  {reason} and logged (one line per log interval, with the count of those not shown). A client that reads nothing for `breaker.client_stall_s` while an
   answer waits for it is cut off (aborted) and its slot freed, released as a 499 (not the upstream's fault).
 
 The exhaustion defences are the HTTP kit's (gpuscope.http.limits): the request line and headers within
@@ -60,7 +67,7 @@ from ._metrics import CONTENT_TYPE, render
 from ._signals import SignalPoller
 from ._upstream import Pool
 
-__all__ = ["ERRORS", "ProxyServer", "error_body", "run", "serve"]
+__all__ = ["DEADLINES", "ERRORS", "ProxyServer", "error_body", "run", "serve"]
 
 log = logging.getLogger("gpuscope.guard")
 
@@ -74,6 +81,14 @@ ERRORS = {
     "short_body": "the upstream closed the connection before its answer's body was complete (cut)",
     "long_body": "an answer with more bytes than its length, or bytes after it (502, or cut once streaming)",
     "client_stall": "a client read nothing for breaker.client_stall_s while its answer waited (aborted)",
+}
+
+
+#: what gpuscope_guard_proxy_deadline_total{reason} counts: requests stopped at their class's deadline_s
+DEADLINES = {
+    "not_sent": "still waiting for an upstream connection: answered 503 with Retry-After, never sent",
+    "no_answer": "sent, no byte of the answer to the client yet: the upstream connection closed, answered 504",
+    "mid_answer": "its answer streaming: ended there (the last chunk, or the close), the upstream connection closed",
 }
 
 
@@ -108,6 +123,7 @@ class ProxyServer:
         self.lines = RateLimitedLines(limits.log_interval_s)
         self.stats = Stats()
         self.errors = dict.fromkeys(ERRORS, 0)
+        self.deadlines = dict.fromkeys(DEADLINES, 0)
         self.retries = 0
         self.connections = Connections(self.stats)
         self.conns = self.connections.conns  # oldest first
@@ -152,6 +168,9 @@ class ProxyServer:
                "# HELP gpuscope_guard_proxy_errors_total Upstream and client failures the proxy met, by kind.\n"
                "# TYPE gpuscope_guard_proxy_errors_total counter\n"]
         out += (f'gpuscope_guard_proxy_errors_total{{kind="{k}"}} {v}\n' for k, v in self.errors.items())
+        out.append("# HELP gpuscope_guard_proxy_deadline_total Requests stopped at their class's deadline_s, by what "
+                   "was done.\n# TYPE gpuscope_guard_proxy_deadline_total counter\n")
+        out += (f'gpuscope_guard_proxy_deadline_total{{reason="{k}"}} {v}\n' for k, v in self.deadlines.items())
         out.append("# HELP gpuscope_guard_proxy_retries_total Requests sent again on a fresh upstream connection.\n"
                    "# TYPE gpuscope_guard_proxy_retries_total counter\n"
                    f"gpuscope_guard_proxy_retries_total {self.retries}\n")
