@@ -12,9 +12,11 @@ Per-step expressions read each series through `last_over_time(m[fresh])`, where 
 a sample counts at an instant only when it is at most that old. A gap in scraping is then a gap in every
 figure (never the last value carried over the server's 5-minute lookback, never a zero).
 
-    >>> w = Window(range_s=3600, resolution_s=15, fresh_s=22.5, step_s=450)
-    >>> print(step_expr("idle_allocated", w.fresh_s)[:60])
-    ((last_over_time(gpu_sm_active_ratio[22500ms]) < bool 0.05)
+    >>> print(step_expr("observed", 22.5))
+    last_over_time(gpu_info[22500ms])
+    >>> w = Window(range_s=7 * 86400, resolution_s=15, fresh_s=22.5, step_s=2520)
+    >>> print(instant_expr("energy", group_labels("namespace"), w))
+    sum by (hostname, gpu, model, namespace) (increase(gpu_energy_joules_total[604800s]))
 """
 
 from __future__ import annotations
