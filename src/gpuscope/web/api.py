@@ -5,8 +5,9 @@
 
 Endpoints (GET, JSON; every bad request is a 4xx with {"error": "one sentence"}):
 /ui/api/overview, /ui/api/meta, /ui/api/range?metric=&start=-1h&end=now&step=auto&agg=mean&gpu=host/0,
-/ui/api/timeline?start=&end=&gpu=, /ui/api/alerts and /ui/api/stream?interval=1s (server-sent events,
-`event: overview` every interval).
+/ui/api/timeline?start=&end=&gpu=, /ui/api/alerts, /ui/api/stream?interval=1s (server-sent events,
+`event: overview` every interval) and /ui/api/waste?since=24h&by=namespace (the fleet report, for the page
+/ui/waste; only over a backend with a `waste` view, gpuscope.web.waste: Prometheus's).
 
 Browsers cannot send an Authorization header on a page load or from EventSource, so beyond loopback
 the page is opened once as /ui/?token=TOKEN: the answer is a redirect that drops the token from the
@@ -33,6 +34,7 @@ from ..http.responses import BadRequest, dumps, error_response, json_errors, jso
 from ..http.serve import stats_of
 from ..timeparse import TimeError, parse_duration, parse_time
 from .backend import Backend, BackendError, RangeQuery
+from .waste import NEEDS_PROMETHEUS, waste_params
 
 log = logging.getLogger("gpuscope.web")
 
@@ -41,7 +43,9 @@ STATIC_DIR = HERE / "static"
 # uPlot comes from npm (`make web`), never copied into the repository; the wheel carries these two files.
 VENDOR_DIR = HERE / "node_modules" / "uplot" / "dist"
 VENDOR_FILES = {"uPlot.iife.min.js": "application/javascript", "uPlot.min.css": "text/css"}
-STATIC_FILES = {"app.js": "application/javascript", "app.css": "text/css", "favicon.svg": "image/svg+xml"}
+STATIC_FILES = {"app.js": "application/javascript", "waste.js": "application/javascript", "app.css": "text/css",
+                "favicon.svg": "image/svg+xml"}
+PAGES = {"/ui/": "index.html", "/ui/waste": "waste.html"}
 
 AGGS = ("mean", "max", "min", "last")
 MAX_STREAMS = 32
@@ -171,6 +175,20 @@ async def timeline(request: web.Request) -> web.Response:
     return await _answer(run())
 
 
+async def waste(request: web.Request) -> web.Response:
+    """The fleet report over the backend's Prometheus (gpuscope.web.waste); over the agent's own backend, the
+    sentence that says where the view lives."""
+    view = getattr(_backend(request), "waste", None)
+    if view is None:
+        return error_response(404, NEEDS_PROMETHEUS)
+
+    async def run() -> dict[str, Any]:
+        since_s, by = waste_params(request.query)
+        return await view.answer(since_s, by)
+
+    return await _answer(run())
+
+
 async def stream(request: web.Request) -> web.StreamResponse:
     """Server-sent events: `event: overview` with the overview JSON every `interval` (0.25-10 s); a
     comment line when nothing changed, so proxies and the browser see the connection alive.
@@ -277,7 +295,7 @@ def _file(path: Path, content_type: str) -> web.StreamResponse:
 
 
 async def page(request: web.Request) -> web.StreamResponse:
-    path = STATIC_DIR / "index.html"
+    path = STATIC_DIR / PAGES[request.path]
     if not path.is_file():
         return error_response(500, f"The dashboard page is missing from this install ({path}); reinstall gpuscope.")
     return web.FileResponse(path, headers={"Content-Type": "text/html; charset=utf-8", "Cache-Control": "no-cache",
@@ -327,6 +345,7 @@ def add_ui_routes(app: web.Application, backend: Backend, *, stream_interval_s: 
     r = app.router
     r.add_get("/ui", _redirect_to_page)
     r.add_get("/ui/", page)
+    r.add_get("/ui/waste", page)
     r.add_get("/ui/static/{name}", static)
     r.add_get("/ui/vendor/{name}", vendor)
     r.add_get("/ui/api/overview", overview)
@@ -335,6 +354,7 @@ def add_ui_routes(app: web.Application, backend: Backend, *, stream_interval_s: 
     r.add_get("/ui/api/timeline", timeline)
     r.add_get("/ui/api/alerts", alerts)
     r.add_get("/ui/api/stream", stream)
+    r.add_get("/ui/api/waste", waste)
 
 
 DASHBOARD_TOKEN_HINT = "the dashboard's token file (--token-file; see 'gpuscope dashboard --help')"

@@ -2,6 +2,7 @@
 
     gpuscope dashboard --prometheus http://prometheus:9090            # http://127.0.0.1:9472/
     gpuscope dashboard --prometheus http://prometheus:9090 --bind 0.0.0.0   # token required
+    gpuscope dashboard --prometheus URL --prices prices.toml      # /ui/waste: who holds GPUs they do not use
 
 It listens on 127.0.0.1 unless told otherwise; beyond loopback every request needs a token (made
 once, 0600, in ~/.local/share/gpuscope/dashboard-token, or read from --token-file), and HTTPS is advised
@@ -41,6 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-file", metavar="PATH",
                    help=f"the token beyond loopback (default ~/.local/share/gpuscope/{TOKEN_NAME}, made on first use)")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for Prometheus (default 10)")
+    p.add_argument("--prices", metavar="FILE",
+                   help="the waste view's prices (/ui/waste): the TOML file of `gpuscope fleet report --prices` "
+                        "([gpu_hour] per model, energy_per_kwh, grid_kg_co2e_per_kwh, currency); default its defaults")
     add_limit_args(p, streams=True)
     add_tls_args(p)
 
@@ -91,6 +95,7 @@ async def _serve(backend: Any, args: argparse.Namespace, token: str | None, path
              "no gpu_info series there yet: is it scraping gpuscope agents?")
     announce(f"gpuscope dashboard over Prometheus at {backend.shown} ({found})\n"
              f"  dashboard: {served.url}/ui/" + ("" if loopback else "?token=TOKEN") + "\n"
+             f"  waste:     {served.url}/ui/waste (GPU-hours held, used and idle, and their cost, per group)\n"
              + ("" if loopback else f"  token:     {path} (needed for every request)\n")
              + "  stop with Ctrl-C")
     await served.wait()
@@ -109,7 +114,12 @@ def run(args: argparse.Namespace, announce: Any = print) -> int:
         raise UsageError(f"--timeout must be a number of seconds between 0 and 86400, not {args.timeout:g}.")
     limits_from_args(args)  # bad limits are refused before anything is made
     tls = tls_from_args(args)  # TlsError: one sentence, exit 2
+    prices = None
+    if getattr(args, "prices", None):
+        from ..fleet import load_prices
+
+        prices = load_prices(args.prices)  # PricesError: one sentence naming the file, exit 2
     path = token_path(args.token_file)
     token = None if is_loopback_host(args.bind) and not args.token_file else _token(path)
-    backend = PrometheusBackend(url, timeout=args.timeout)
+    backend = PrometheusBackend(url, timeout=args.timeout, prices=prices)
     return asyncio.run(_serve(backend, args, token, path, announce, tls))

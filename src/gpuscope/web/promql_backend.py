@@ -26,7 +26,7 @@ import math
 import re
 import time
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
@@ -37,6 +37,10 @@ from ..catalog import decode_clock_event_reasons
 from ..promql import BadLabelName, label_matcher, quote, regex_alternation, selector
 from ..viewmodel import _BENIGN_REASONS, GPU_METRICS, gpu_key, merge
 from .backend import BackendError, RangeQuery
+from .waste import WasteView
+
+if TYPE_CHECKING:
+    from ..fleet import Prices
 
 __all__ = ["PrometheusBackend", "label_matcher", "quote"]
 
@@ -170,11 +174,13 @@ def _summary(confidence: float | None, window: str) -> str:
 
 
 class PrometheusBackend:
-    """Backend over Prometheus's HTTP API. `headers` go with every request (e.g. Authorization)."""
+    """Backend over Prometheus's HTTP API. `headers` go with every request (e.g. Authorization), but not with
+    the waste view's (`waste`: the fleet report over this server, priced by `prices`), whose client takes none."""
 
     source = "prometheus"
 
-    def __init__(self, url: str, *, timeout: float = 10, headers: dict[str, str] | None = None) -> None:
+    def __init__(self, url: str, *, timeout: float = 10, headers: dict[str, str] | None = None,
+                 prices: Prices | None = None) -> None:
         self.url = url.rstrip("/")
         self.shown = redact_url(self.url)
         self.timeout = float(timeout)
@@ -184,6 +190,7 @@ class PrometheusBackend:
         self._overview: tuple[float, dict[str, Any]] | None = None
         self._meta: tuple[float, dict[str, Any]] | None = None
         self._rules: tuple[float, dict[str, float]] | None = None
+        self.waste = WasteView(self.url, timeout_s=self.timeout, prices=prices)
 
     # -- HTTP ------------------------------------------------------------------------------------
     def _client(self) -> aiohttp.ClientSession:
@@ -245,6 +252,7 @@ class PrometheusBackend:
         return len(await self.query("gpu_info"))
 
     async def close(self) -> None:
+        self.waste.close()
         if self._session is not None and not self._session.closed:
             await self._session.close()
         self._session = None
