@@ -243,6 +243,9 @@ _METRICS = [
            "", labels=("pid", "process", "user")),
     Metric("process_threads", "", G, "processes", Cost.SLOW, "Threads in the process.", "",
            labels=("pid", "process", "user")),
+    Metric("process_threads_busy", "", G, "processes", Cost.SLOW,
+           "Threads of the process using half a core or more: a runtime that dispatches from several threads "
+           "(JAX/XLA, TensorFlow) is busy with none of them saturated.", "", labels=("pid", "process", "user")),
     # ---- host ----
     Metric("host_cpu_ratio", "ratio", G, "host", Cost.SLOW, "Host CPU busy, all cores (0..1).", "",
            otel="system.cpu.utilization"),
@@ -283,6 +286,7 @@ PROCESS_SERIES: tuple[tuple[str, str], ...] = (
     ("thread_cpu_max_ratio", "process_thread_cpu_max_ratio"),
     ("rss_bytes", "process_resident_memory_bytes"),
     ("threads", "process_threads"),
+    ("threads_busy", "process_threads_busy"),
 )
 
 #: PodRecord attribute -> the series it is exported as (labels gpu, namespace, pod, container).

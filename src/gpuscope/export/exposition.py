@@ -16,7 +16,8 @@ Device series carry `gpu`, `uuid`, `model`, `hostname` plus their own labels (`r
 `gpu_info` (=1) carries `driver`, `cuda`, `pci_bus_id`, `architecture`, `compute_capability`, `mig`.
 Per-process series (`gpu_process_memory_used_bytes`, `gpu_process_sm_active_ratio`,
 `gpu_process_memory_utilization_ratio`, `gpu_process_utilization_ratio`, `gpu_process_energy_joules_total`,
-`process_cpu_cores`, `process_thread_cpu_max_ratio`, `process_resident_memory_bytes`, `process_threads`)
+`process_cpu_cores`, `process_thread_cpu_max_ratio`, `process_resident_memory_bytes`, `process_threads`,
+`process_threads_busy`)
 add `pid`, `process`, `user` and, where attribution found them, `pod`, `namespace`, `container`,
 `slurm_job` (not `job`: Prometheus owns that label and would rename ours to `exported_job`) and `workload`:
 the job the process is one rank of, which may span nodes, first found of `slurm/<SLURM_JOB_ID>`,

@@ -1,6 +1,6 @@
 """Processes on each GPU, their GPU memory and per-process SM / memory utilization, joined with what the
-host knows (user, redacted command line, CPU and busiest-thread CPU, RSS, threads, container / pod /
-Slurm job, and the workload: the job, possibly across nodes, it is one rank of).
+host knows (user, redacted command line, CPU, busiest-thread CPU and busy threads, RSS, threads, container /
+pod / Slurm job, and the workload: the job, possibly across nodes, it is one rank of).
 
 Per-process utilization: NVML keeps a buffer of samples, one per process with non-zero use in each of
 its sample periods. We ask for samples newer than the last time stamp we saw on that GPU; their mean
@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Protocol
 
 from .._cgroup import workload_of
 from .._nvml import ERROR_NO_DATA, ERROR_NOT_FOUND, GpuLost, Nvml, Unavailable
-from .._records import Capability, Event, PodRecord, ProcessRecord
+from .._records import Capability, Event, PodRecord, ProcessRecord, ThreadCpu
 from .._text import valid_text
 from ..shares import Owner, fractions, owner, roll_up
 from .device import Device, mark_lost
@@ -34,6 +35,8 @@ class HostProcessInfo(Protocol):
     thread_cpu_max_ratio: float | None
     rss_bytes: float | None
     threads: int | None
+    threads_busy: int | None
+    busy_threads: list[ThreadCpu] | None
     started_at: float | None
     container: str
     pod_uid: str
@@ -197,6 +200,8 @@ class ProcessSource:
                                    else rec.name if self.cmdline == "name-only" else "")
                     rec.cpu_cores, rec.thread_cpu_max_ratio = info.cpu_cores, info.thread_cpu_max_ratio
                     rec.rss_bytes, rec.threads, rec.started_at = info.rss_bytes, info.threads, info.started_at
+                    rec.threads_busy = info.threads_busy
+                    rec.busy_threads = [replace(t, name=valid_text(t.name)) for t in info.busy_threads or []]
                     rec.container, rec.pod_uid, rec.pod = valid_text(info.container), valid_text(info.pod_uid), \
                         valid_text(info.pod)
                     rec.namespace, rec.slurm_job = valid_text(info.namespace), valid_text(info.slurm_job)

@@ -550,8 +550,9 @@ def snapshot_from_latest(rows: list[tuple[int, int, float | None]], series: dict
         if max(t for t, _ in d.values()) != ptime:
             continue
         kw: dict[str, Any] = {PROCESS_METRICS[m]: v for m, (_, v) in d.items()}
-        if "threads" in kw and math.isfinite(kw["threads"]):
-            kw["threads"] = int(kw["threads"])
+        for count in ("threads", "threads_busy"):
+            if count in kw and math.isfinite(kw[count]):
+                kw[count] = int(kw[count])
         uuid = ids[g].uuid if g in ids else ""
         processes.append(ProcessRecord(pid=int(pid), gpu=g, gpu_uuid=uuid, type="", name=name, user=user, **kw))
     hrec = None
