@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._records import Event, PodRef, Snapshot
+from .._records import Event, PodRef, ProcessRecord, Snapshot, ThreadCpu
 from .stacks import HostProfile
 
 #: The series the rules read.
@@ -22,6 +22,9 @@ SERIES = ("gpu_utilization_ratio", "gpu_sm_active_ratio", "gpu_sm_occupancy_rati
 
 @dataclass
 class ProcessView:
+    """One process of a GPU over the window: its CPU and SM figures are medians over the window's reads of it,
+    its GPU memory the latest."""
+
     pid: int
     name: str = ""
     cmdline: str = ""
@@ -33,6 +36,11 @@ class ProcessView:
     namespace: str = ""  # its Kubernetes pod, where attribution found one
     pod: str = ""
     frameworks: tuple[str, ...] = ()  # what it runs on (gpuscope._frameworks): the fixes speak its words
+    sm_ratio: float | None = None  # its share of the GPU's SM activity (gpuscope.shares)
+    utilization_ratio: float | None = None  # NVML's per-process figure: time a kernel of it ran
+    threads_busy: int | None = None  # threads at half a core or more (_records.THREAD_BUSY_RATIO)
+    busy_threads: list[ThreadCpu] = field(default_factory=list)  # the busiest, latest read
+    memory: list[tuple[float, float]] = field(default_factory=list)  # (seconds, GPU bytes) over the window
 
 
 @dataclass
@@ -88,10 +96,38 @@ def windows_from_snapshots(snaps: Sequence[Snapshot]) -> list[GpuWindow]:
             if e.gpu in out:
                 out[e.gpu].events.append(e)
     last = snaps[-1]
+    reads: dict[tuple[str, int], list[tuple[float, ProcessRecord]]] = {
+        (p.gpu, p.pid): [] for p in last.processes if p.gpu in out}
+    for snap in snaps:
+        t = snap.time_ns / 1e9
+        for p in snap.processes:
+            seen = reads.get((p.gpu, p.pid))
+            # The sampler reads processes every second or so and repeats the records between: one per read.
+            if seen is not None and (not seen or seen[-1][1] is not p):
+                seen.append((t, p))
     for p in last.processes:
         w = out.get(p.gpu)
         if w is not None:
-            w.processes.append(ProcessView(p.pid, p.name, p.cmdline, p.cpu_cores, p.thread_cpu_max_ratio,
-                                           p.gpu_memory_bytes, namespace=p.namespace, pod=p.pod,
-                                           frameworks=tuple(getattr(p, "frameworks", ()))))
+            w.processes.append(_view(p, reads[(p.gpu, p.pid)]))
     return list(out.values())
+
+
+def _mid(xs: list[float | None]) -> float | None:
+    vals = sorted(v for v in xs if v is not None)
+    if not vals:
+        return None
+    n = len(vals)
+    return vals[n // 2] if n % 2 else (vals[n // 2 - 1] + vals[n // 2]) / 2
+
+
+def _view(p: ProcessRecord, reads: list[tuple[float, ProcessRecord]]) -> ProcessView:
+    """The process `p` (its latest record) with the medians of its reads over the window."""
+    recs = [r for _, r in reads] or [p]
+    busy = _mid([float(r.threads_busy) if r.threads_busy is not None else None for r in recs])
+    return ProcessView(
+        p.pid, p.name, p.cmdline, _mid([r.cpu_cores for r in recs]), _mid([r.thread_cpu_max_ratio for r in recs]),
+        p.gpu_memory_bytes, namespace=p.namespace, pod=p.pod, frameworks=tuple(getattr(p, "frameworks", ())),
+        sm_ratio=_mid([r.sm_ratio for r in recs]), utilization_ratio=_mid([r.utilization_ratio for r in recs]),
+        threads_busy=None if busy is None else int(busy + 0.5),
+        busy_threads=next((list(r.busy_threads) for r in reversed(recs) if r.busy_threads), []),
+        memory=[(t, r.gpu_memory_bytes) for t, r in reads if r.gpu_memory_bytes is not None])
