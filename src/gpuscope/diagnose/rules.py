@@ -8,7 +8,7 @@ from dataclasses import replace
 from typing import Any, TypeVar
 
 from ..catalog import decode_clock_event_reasons
-from . import advice
+from . import advice, hostside
 from .thresholds import Thresholds
 
 SLOWDOWN_REASONS = ("hw_slowdown", "sw_thermal", "hw_thermal", "hw_power_brake")
@@ -118,6 +118,9 @@ def classify(w: Any, th: Thresholds, verdict: Any) -> list[Any]:
                             "dram_active": dram, "pcie_bytes_per_s": pcie, "window_s": t1 - t0}
     if cpu_known:
         base["busiest_cpu_thread"] = busiest
+    host = hostside.busiest(w.processes, th)  # the process most busy on the host, if one is
+    if host is not None and hostside.spread_busy(host, th):
+        base.update({k: v for k, v in hostside.evidence(host).items() if k != "pid"})
     if lead_s or tail_s:
         base["left_out_idle_s"] = {"start": round(lead_s, 1), "end": round(tail_s, 1)}
     out: list[Any] = []
@@ -131,7 +134,7 @@ def classify(w: Any, th: Thresholds, verdict: Any) -> list[Any]:
     elif sm >= th.sm_busy:
         out.append(_busy_verdict(w, th, make, base, sm, tensor, dram, fp32, fp16, fp64))
     else:
-        out.append(_low_sm_verdict(w, th, make, base, sm, util, pcie, mem, busiest, cpu_known))
+        out.append(_low_sm_verdict(w, th, make, base, sm, util, pcie, mem, busiest, cpu_known, host))
 
     out.extend(_side(w, th, make))
     return out
@@ -164,9 +167,10 @@ def _busy_verdict(w: Any, th: Thresholds, make: Any, base: dict[str, Any], sm: f
 
 
 def _low_sm_verdict(w: Any, th: Thresholds, make: Any, base: dict[str, Any], sm: float, util: float | None,
-                    pcie: float, mem: list[float], busiest: float | None, cpu_known: bool) -> Any:
+                    pcie: float, mem: list[float], busiest: float | None, cpu_known: bool, host: Any = None) -> Any:
     """The primary verdict of a GPU whose SMs are mostly idle: what it waits for (input, transfers, its host
-    thread), or that it is idle, idle with memory held, or underused."""
+    side), or that it is idle, idle with memory held, or underused. `host` is its process most busy on the host
+    (hostside.busiest), if one is: a GPU held by a process busy on the CPU is never idle."""
     sm_all = _vals(w, "gpu_sm_active_ratio")
     t0, t1 = w.times[0], w.times[-1]
     idle_share = sum(1 for v in sm_all if v < th.sm_idle) / len(sm_all)
@@ -179,6 +183,10 @@ def _low_sm_verdict(w: Any, th: Thresholds, make: Any, base: dict[str, Any], sm:
     step_s = (t1 - t0) / max(1, len(w.times) - 1)
     mean_gap_s = sum(gap_flags) * step_s / gaps if gaps else 0.0
     saturated = cpu_known and busiest >= th.thread_saturated
+    # Busy on the host over several threads, none saturated (a runtime dispatching from several threads).
+    spread = host is not None and hostside.spread_busy(host, th) and not saturated
+    waits_on = (f"a process thread runs at {_pct(busiest)} of a core" if not spread
+                else f"its process keeps {hostside.describe(host)}")
     intermittent = (gaps >= th.min_bursts and gap_share >= th.gap_share
                     and _runs([v >= th.util_active for v in utils]) >= th.min_bursts
                     and (saturated or mean_gap_s <= 1.0))
@@ -195,8 +203,10 @@ def _low_sm_verdict(w: Any, th: Thresholds, make: Any, base: dict[str, Any], sm:
                         f"{_pct(sm)} busy (NVML 'utilization' says {_pct(util)})"
                         + ("; the rate and a saturated CPU thread point to pageable (unpinned) memory."
                            if pageable else "."), {**base, "pageable_likely": pageable})
-    elif saturated and prof is not None:
-        return _host_verdict(w, prof, base, sm, util, busiest, th, make)
+    elif (saturated or spread) and prof is not None:
+        return _host_verdict(w, prof, base, sm, util, busiest, th, make,
+                             head=None if not spread else f"GPU {w.gpu} waits on its process's CPU threads (SMs "
+                             f"{_pct(sm)} busy, {hostside.describe(host)})")
     elif intermittent:
         # The GPU stops completely, again and again, between short bursts of real work: it is fed
         # too slowly. Steady small work (launch- or sync-bound) never leaves it fully idle.
@@ -207,13 +217,23 @@ def _low_sm_verdict(w: Any, th: Thresholds, make: Any, base: dict[str, Any], sm:
                            "side (data loading, preprocessing) is too slow." if saturated
                            else ": it waits for input."),
                         {**base, "idle_gap_share": gap_share, "idle_gaps": gaps, "mean_gap_s": mean_gap_s})
-    elif (util or 0.0) >= th.util_active and saturated:
+    elif (util or 0.0) >= th.util_active and (saturated or spread):
         return make("launch_or_sync_bound", "warning", 0.7,
-                        f"GPU {w.gpu} waits on the CPU: SMs {_pct(sm)} busy while a process thread runs "
-                        f"at {_pct(busiest)} of a core" + (" and kernels are tiny (launch-bound likely)"
-                                                           if sm < 0.02 else "")
+                        f"GPU {w.gpu} waits on the CPU: SMs {_pct(sm)} busy while {waits_on}"
+                        + (" and kernels are tiny (launch-bound likely)" if sm < 0.02 else "")
                         + ". Launches, synchronisations or data preparation: the thread's stacks tell which"
                         + (f" ({base['stack_sampling']})" if "stack_sampling" in base else "") + ".", base)
+    elif host is not None and hostside.spread_busy(host, th):
+        # Held by a process busy on the CPU: it launches work too small to show (NVML's utilization counts any
+        # kernel) or computes something else meanwhile; the GPU waits on it either way, and is not idle.
+        launching = (util or 0.0) > 0.0
+        return make("launch_or_sync_bound" if launching else "host_bound", "warning", 0.6 if launching else 0.5,
+                    f"GPU {w.gpu} waits on its process's CPU: SMs {_pct(sm)} busy (NVML 'utilization' {_pct(util)}) "
+                    f"while it keeps {hostside.describe(host)}"
+                    + (": it dispatches work too small to fill the GPU, or waits on synchronisations; the "
+                       "threads' stacks tell which" + (f" ({base['stack_sampling']})" if "stack_sampling" in base
+                                                       else "") + "."
+                       if launching else ": it runs no GPU work meanwhile; the host does something else."), base)
     elif held >= th.held_bytes and (util or 0.0) < 0.02 and sm < 0.01:
         held_s = _held_for(w, held)
         if held_s < th.min_window_s:  # memory still arriving: a program setting up, not a reservation
@@ -244,16 +264,18 @@ def _pods_of(w: Any) -> list[str]:
 def _profile_of(w: Any, th: Thresholds) -> Any:
     """The stack profile of the busiest process of the window, if one was taken and says enough."""
     profs = [p for p in w.processes if getattr(p, "profile", None) is not None]
-    profs.sort(key=lambda p: -(p.thread_cpu_max_ratio or 0.0))
+    profs.sort(key=lambda p: (-(p.thread_cpu_max_ratio or 0.0), -(p.cpu_cores or 0.0)))
     return profs[0].profile if profs and profs[0].profile.samples >= th.stack_min_samples else None
 
 
 def _host_verdict(w: Any, prof: Any, base: dict[str, Any], sm: float, util: float | None, busiest: float,
-                  th: Thresholds, make: Any) -> Any:
-    """The GPU waits on a saturated host thread, and its stacks say what the thread does."""
+                  th: Thresholds, make: Any, head: str | None = None) -> Any:
+    """The GPU waits on its process's busy host side, and its stacks say what the threads do. `head` opens the
+    summary (what waits on what); by default the GPU on its process's busiest thread."""
     sh = prof.shares
     ev = {**base, **prof.as_evidence()}
-    head = f"GPU {w.gpu} waits on its process's CPU thread (SMs {_pct(sm)} busy, the thread at {_pct(busiest)} of a core)"
+    head = head or (f"GPU {w.gpu} waits on its process's CPU thread (SMs {_pct(sm)} busy, the thread at "
+                    f"{_pct(busiest)} of a core)")
     if sh["data"] >= th.stack_data and prof.dominant() == "data":
         return make("input_starved", "warning", 0.85,
                     f"{head}: {sh['data'] * 100:.0f} % of its time goes to preparing data, at {prof.where('data')}.",

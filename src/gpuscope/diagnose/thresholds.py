@@ -45,6 +45,18 @@ class Thresholds:
     # -- the CPU side --------------------------------------------------------------------------
     #: A process's busiest thread at this share of one core is the bottleneck (Python's GIL).
     thread_saturated: float = 0.85
+    #: A process using this many cores in all, with at least one busy thread (half a core or more,
+    #: _records.THREAD_BUSY_RATIO), is as busy on the host as a saturated thread: a runtime that
+    #: dispatches from several threads (JAX/XLA, TensorFlow, multi-stream PyTorch) spreads its launch
+    #: work so that no thread reaches `thread_saturated`. A GPU it holds while its SMs idle waits on it.
+    process_cpu_busy: float = 0.85
+
+    # -- processes sharing a GPU ---------------------------------------------------------------
+    #: A process whose part of the GPU's SM work is at least this share of a fair one (1/n of n
+    #: processes) is one of its main users: where the SMs are busy, the GPU's own verdict is its own.
+    process_share_major: float = 0.5
+    #: A process doing this much of the GPU's SM work owns the GPU's pattern (bursts, copies) too.
+    process_share_dominant: float = 0.8
 
     # -- oscillation (input starvation) --------------------------------------------------------
     #: Share of samples with idle SMs while the rest are busy bursts.
