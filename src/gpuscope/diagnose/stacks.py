@@ -12,6 +12,11 @@ outside, without pausing the process) and sorts every sample into one of four ki
 - ``launch``: PyTorch calls that issue GPU work (torch.nn, torch.optim, autograd, tensor ops);
 - ``other``: any other host work.
 
+Every busy Python thread is sampled (py-spy samples the threads that run, not the idle ones), and each
+thread's samples are also kept apart (`HostProfile.threads`): a runtime that dispatches from several
+threads shows which one waits on the GPU and which one launches. Native threads (an XLA runtime's)
+have no Python stack; the process record's `busy_threads` names them.
+
 It needs permission to read the process's memory (ptrace: the same user with
 kernel.yama.ptrace_scope 0, or root / CAP_SYS_PTRACE). Without it, `profile()` says why and the
 verdicts fall back to what the metrics alone can tell.
@@ -50,6 +55,24 @@ _LIB_MARKERS = ("/site-packages/", "/dist-packages/", "/lib/python3", "<frozen")
 _MATMUL = re.compile(r"\w\s*@\s*\w")
 _FRAME = re.compile(r"^(?P<func>.*?) \((?P<file>.*?):(?P<line>\d+)\)$")
 _PROFILER_FRAME = re.compile(r"^(?P<file>.*)\((?P<line>\d+)\): (?P<func>.*)$")
+# py-spy --threads: the stack's first frame names its thread, by OS thread id (or pthread id) and name.
+_THREAD_FRAME = re.compile(r"^thread \((?P<id>0x[0-9A-Fa-f]+|\d+)\)(?::\s*(?P<name>.*))?$")
+#: Threads described in a profile's evidence, the most sampled first.
+MAX_THREADS = 8
+
+
+@dataclass
+class ThreadStacks:
+    """One thread's part of a profile: its samples, their kinds, and the line of its dominant kind."""
+
+    tid: int | None  # the OS thread id (None where py-spy gave only a pthread id)
+    name: str
+    samples: int
+    shares: dict[str, float]
+    where: str = ""  # 'file.py:12 func (80 %)' of its dominant kind
+
+    def dominant(self) -> str:
+        return max(KINDS, key=lambda k: self.shares.get(k, 0.0))
 
 
 @dataclass
@@ -61,6 +84,7 @@ class HostProfile:
     shares: dict[str, float]  # kind -> share of samples
     top: dict[str, list[tuple[str, float]]] = field(default_factory=dict)  # kind -> [(file:line func, share)]
     seconds: float = 0.0
+    threads: list[ThreadStacks] = field(default_factory=list)  # per sampled thread, the most sampled first
 
     def dominant(self) -> str:
         return max(KINDS, key=lambda k: self.shares.get(k, 0.0))
@@ -70,8 +94,14 @@ class HostProfile:
         return ", ".join(f"{loc} ({share * 100:.0f} %)" for loc, share in self.top.get(kind, [])[:n])
 
     def as_evidence(self) -> dict[str, object]:
-        return {"stack_samples": self.samples, "stack_shares": {k: round(v, 3) for k, v in self.shares.items()},
-                "stack_top_lines": {k: [[loc, round(s, 3)] for loc, s in v[:3]] for k, v in self.top.items()}}
+        ev: dict[str, object] = {
+            "stack_samples": self.samples, "stack_shares": {k: round(v, 3) for k, v in self.shares.items()},
+            "stack_top_lines": {k: [[loc, round(s, 3)] for loc, s in v[:3]] for k, v in self.top.items()}}
+        if self.threads:
+            ev["stack_threads"] = [{"tid": t.tid, "name": t.name, "samples": t.samples, "kind": t.dominant(),
+                                    "shares": {k: round(v, 3) for k, v in t.shares.items() if v},
+                                    "at": t.where} for t in self.threads[:MAX_THREADS]]
+        return ev
 
 
 class ProfileUnavailable(Exception):
@@ -146,22 +176,42 @@ def classify_profiler_frames(names: list[str], is_user_file: Callable[[str], boo
 
 
 def parse_raw(text: str, pid: int, seconds: float = 0.0) -> HostProfile:
-    """py-spy's raw (collapsed) output: one 'frame;frame;... count' line per distinct stack."""
+    """py-spy's raw (collapsed) output: one 'frame;frame;... count' line per distinct stack, its first frame
+    'thread (TID): name' with --threads."""
     counts: Counter[str] = Counter()
     lines: dict[str, Counter[str]] = {k: Counter() for k in KINDS}
+    per_thread: dict[tuple[str, str], tuple[Counter[str], dict[str, Counter[str]]]] = {}
     total = 0
     for row in text.splitlines():
         stack, _, n = row.rpartition(" ")
         if not stack or not n.isdigit():
             continue
-        kind, at = classify_stack(_frames(stack))
+        first, _, rest = stack.partition(";")
+        thread = _THREAD_FRAME.match(first.strip())
+        kind, at = classify_stack(_frames(rest if thread else stack))
         counts[kind] += int(n)
         total += int(n)
-        if at is not None:
-            lines[kind][f"{os.path.basename(at[1])}:{at[2]} {at[0]}"] += int(n)
+        loc = f"{os.path.basename(at[1])}:{at[2]} {at[0]}" if at is not None else None
+        if loc is not None:
+            lines[kind][loc] += int(n)
+        if thread is not None:
+            mine = per_thread.setdefault((thread["id"], (thread["name"] or "").strip()),
+                                         (Counter(), {k: Counter() for k in KINDS}))
+            mine[0][kind] += int(n)
+            if loc is not None:
+                mine[1][kind][loc] += int(n)
     shares = {k: counts[k] / total if total else 0.0 for k in KINDS}
     top = {k: [(loc, c / total) for loc, c in lines[k].most_common(3)] for k in KINDS if lines[k]}
-    return HostProfile(pid, total, shares, top, seconds)
+    threads = []
+    for (tid, name), (kinds, locs) in per_thread.items():
+        n = sum(kinds.values())
+        lead = max(KINDS, key=lambda k: kinds[k])
+        at = locs[lead].most_common(1)
+        threads.append(ThreadStacks(int(tid) if tid.isdigit() else None, name, n,
+                                    {k: kinds[k] / n for k in KINDS},
+                                    f"{at[0][0]} ({at[0][1] / n * 100:.0f} %)" if at else ""))
+    threads.sort(key=lambda t: (-t.samples, t.tid or 0))
+    return HostProfile(pid, total, shares, top, seconds, threads)
 
 
 def profile(pid: int, seconds: float = 2.0, rate: int = 100) -> HostProfile:
@@ -172,7 +222,7 @@ def profile(pid: int, seconds: float = 2.0, rate: int = 100) -> HostProfile:
     with tempfile.TemporaryDirectory(prefix="gpuscope-stacks-") as tmp:
         out = Path(tmp) / "raw.txt"
         cmd = [exe, "record", "--pid", str(pid), "--duration", str(max(1, round(seconds))), "--rate", str(rate),
-               "--format", "raw", "--nonblocking", "--full-filenames", "-o", str(out)]
+               "--format", "raw", "--nonblocking", "--full-filenames", "--threads", "-o", str(out)]
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 20)
         except (OSError, subprocess.TimeoutExpired) as e:
