@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from ..diagnose import advice
 from . import tensor_cores
 from .model import GPU_KINDS, EventKind, Trace
 from .rule_thresholds import DEFAULT, RuleThresholds
@@ -41,6 +42,17 @@ class Finding:
     evidence: dict[str, Any]            # counts, seconds, shares (0-1)
     locations: list[tuple[Location, int]] = field(default_factory=list)  # (line, events from it), most first
     fix: str = ""
+
+
+def trace_frameworks(trace: Trace) -> tuple[str, ...]:
+    """The frameworks of the traced process, for the fixes: a CUPTI trace says them (`gpuscope_cupti.frameworks`,
+    from the process's own maps and modules; () in one written before it did), any other Kineto trace is the
+    PyTorch profiler's."""
+    cupti = trace.meta.get("gpuscope_cupti")
+    if not isinstance(cupti, dict):
+        return ("torch",)
+    named = cupti.get("frameworks")
+    return tuple(f for f in named if isinstance(f, str)) if isinstance(named, list) else ()
 
 
 def findings(trace: Trace, thresholds: RuleThresholds = DEFAULT,
@@ -66,6 +78,7 @@ def as_dicts(found: Iterable[Finding]) -> list[dict[str, Any]]:
 class _Context:
     def __init__(self, trace: Trace, th: RuleThresholds, stacks: Stacks) -> None:
         self.trace, self.th, self.stacks = trace, th, stacks
+        self.frameworks = trace_frameworks(trace)
         ev = self.ev = trace.events
         timed = ev["kind"] != EventKind.OTHER
         self.traced_s = (float((ev["ts_ns"][timed] + ev["dur_ns"][timed]).max() - ev["ts_ns"][timed].min()) / 1e9
@@ -154,12 +167,10 @@ def _pageable_memcpy(ctx: _Context) -> list[Finding]:
         {"count": len(rows), "bytes": nbytes, "seconds": seconds, "share": ctx.share(seconds),
          "bandwidth_gb_per_s": gbps, "kinds": dict(kinds)},
         locs,
-        "Copy from pinned memory: DataLoader(..., pin_memory=True), or keep a host buffer allocated with "
-        "torch.empty(..., pin_memory=True) / tensor.pin_memory() and copy with .to(device, non_blocking=True); "
-        "pageable copies go through a CPU staging copy at a fraction of the PCIe bandwidth and block the host.")]
+        advice.rule_fix("pageable_memcpy", ctx.frameworks))]
 
 
-def _sync_transfers(ctx: _Context, rule: str, pattern: re.Pattern[str], what: str, fix: str) -> list[Finding]:
+def _sync_transfers(ctx: _Context, rule: str, pattern: re.Pattern[str], what: str) -> list[Finding]:
     calls = ctx.named(ctx.rows(EventKind.RUNTIME, EventKind.DRIVER), lambda n: bool(pattern.match(n)))
     ops = ctx.rows(EventKind.MEMCPY, EventKind.MEMSET)
     op_of = dict(zip(ctx.ev["correlation"][ops].tolist(), ops.tolist(), strict=True))
@@ -180,21 +191,17 @@ def _sync_transfers(ctx: _Context, rule: str, pattern: re.Pattern[str], what: st
         f"({ctx.share(seconds):.0%} of the traced time){_where(locs)}.",
         {"count": len(kept), "seconds": seconds, "share": ctx.share(seconds),
          "calls": dict(Counter(ctx.trace.name_of(r) for r in kept))},
-        locs, fix)]
+        locs, advice.rule_fix(rule, ctx.frameworks))]
 
 
 def _sync_memcpy(ctx: _Context) -> list[Finding]:
     return _sync_transfers(
-        ctx, "sync_memcpy", _SYNC_MEMCPY, "memcpy calls",
-        "Use asynchronous copies from pinned memory: tensor.to(device, non_blocking=True) from a pinned tensor "
-        "(cudaMemcpyAsync in C++), and synchronise once where the result is needed.")
+        ctx, "sync_memcpy", _SYNC_MEMCPY, "memcpy calls")
 
 
 def _sync_memset(ctx: _Context) -> list[Finding]:
     return _sync_transfers(
-        ctx, "sync_memset", _SYNC_MEMSET, "memset calls",
-        "Use the asynchronous form on a stream (torch.zeros(..., device=...) / tensor.zero_() in PyTorch, "
-        "cudaMemsetAsync in C++) so the host does not wait for it.")
+        ctx, "sync_memset", _SYNC_MEMSET, "memset calls")
 
 
 def _sync_in_loop(ctx: _Context) -> list[Finding]:
@@ -227,7 +234,7 @@ def _sync_in_loop(ctx: _Context) -> list[Finding]:
         op = ops.most_common(1)[0][0]
         call = (".item()" if op in ("aten::item", "aten::_local_scalar_dense")
                 else ".cpu() / .to('cpu') / .tolist()" if op in ("aten::to", "aten::_to_copy", "aten::copy_")
-                else "torch.cuda.synchronize()" if "Synchronize" in op else op)
+                else "torch.cuda.synchronize()" if "Synchronize" in op and "torch" in ctx.frameworks else op)
         blocked_s = float(ctx.ev["dur_ns"][rows].sum()) / 1e9
         out.append(Finding(
             "sync_in_loop", ctx.severity(idle_s),
@@ -237,9 +244,7 @@ def _sync_in_loop(ctx: _Context) -> list[Finding]:
              "host_blocked_seconds": blocked_s, "ops": dict(ops),
              "calls": dict(Counter(ctx.trace.name_of(r) for r in rows.tolist()))},
             locs,
-            f"Move the {call} out of the loop at {locs[0][0].file}:{locs[0][0].line}: accumulate on the GPU "
-            "(e.g. total += loss.detach()) and read the value once after the loop or every N steps; each sync "
-            "drains the GPU's queue, so the GPU waits while the host prepares the next work."))
+            advice.rule_fix("sync_in_loop", ctx.frameworks, call=call, where=f"{locs[0][0].file}:{locs[0][0].line}")))
     return out
 
 
@@ -279,9 +284,7 @@ def _gpu_gaps(ctx: _Context) -> list[Finding]:
              "active_span_seconds": span_s, "idle_share": idle_share, "share": ctx.share(idle_s),
              "largest": examples},
             locs.most_common(),
-            "Find what the host does in the largest gaps (above) and overlap it with GPU work: move data loading "
-            "to DataLoader workers (num_workers, pin_memory, prefetch), take syncs (.item(), .cpu()) out of the "
-            "step, and batch small launches (torch.compile, CUDA graphs) so the GPU always has work queued."))
+            advice.rule_fix("gpu_gaps", ctx.frameworks)))
     return out
 
 
@@ -331,9 +334,7 @@ def _tiny_kernel_storm(ctx: _Context) -> list[Finding]:
         {"tiny_kernels": len(tiny), "kernels": len(kernels), "per_second": per_s, "median_kernel_us": kernel_us,
          "median_launch_us": launch_us, "gpu_idle_share": idle_share, "share": idle_share * span_s / ctx.traced_s},
         locs,
-        "Launch fewer, bigger kernels: torch.compile(model) fuses the elementwise chains; "
-        "torch.compile(mode=\"reduce-overhead\") or torch.cuda.graphs (CUDAGraph / make_graphed_callables) "
-        "replays the whole step in one launch; a bigger batch gives each kernel more work.")]
+        advice.rule_fix("tiny_kernel_storm", ctx.frameworks))]
 
 
 def _low_occupancy(ctx: _Context) -> list[Finding]:
@@ -372,21 +373,14 @@ def _low_occupancy(ctx: _Context) -> list[Finding]:
              "shared_memory_bytes": a.get("shared memory"), "grid": a.get("grid"), "block": a.get("block"),
              "blocks_per_sm": a.get("blocks per SM"), "limiter": limiter, "share": ctx.share(seconds)},
             locs,
-            _OCCUPANCY_FIX.get(limiter.split(" ")[0], _OCCUPANCY_FIX["grid"])))
+            advice.rule_fix(f"low_occupancy.{_limit_key(limiter)}", ctx.frameworks)))
     return out
 
 
-_OCCUPANCY_FIX = {
-    "grid": "Give the kernel more parallel work: a bigger batch, fusing small ops (torch.compile), or for "
-            "matmuls TF32/bf16 (torch.backends.cuda.matmul.allow_tf32 = True, autocast) so cuBLAS picks a "
-            "kernel with more tiles.",
-    "registers": "Register pressure limits resident warps: for your own Triton/CUDA kernels use smaller tiles "
-                 "or fewer warps (num_warps), __launch_bounds__ / maxrregcount; for library kernels try "
-                 "torch.compile(mode=\"max-autotune\") to pick another variant.",
-    "shared": "Shared memory per block limits resident blocks: use smaller tiles or fewer pipeline stages "
-              "(num_stages in Triton), or let torch.compile(mode=\"max-autotune\") choose.",
-    "threads": "Block size limits resident blocks: use blocks of 128-256 threads.",
-}
+def _limit_key(limiter: str) -> str:
+    """The fix's key of a limiter ("registers (40 per thread: ...)" -> "registers"); the grid's by default."""
+    key = limiter.split(" ")[0]
+    return key if key in ("registers", "shared", "threads") else "grid"
 
 
 def _occupancy_limiter(a: dict[str, Any], props: dict[str, Any]) -> str:
@@ -451,26 +445,7 @@ def _tensor_cores_unused(ctx: _Context) -> list[Finding]:
          "precision_shares": {k: v / 1e9 / seconds for k, v in precision.most_common()},
          "kernels": {name: ns / 1e9 for name, ns in by_name.most_common(5)},
          "inferred_launches": len(inferred), "tensor_core_launches": len(tensor), "tensor_core_seconds": tensor_s},
-        locs, _TENSOR_FIX[what].format(at=at))]
-
-
-_TENSOR_FIX = {
-    "fp32": "Let the tensor cores do the matrix math{at}: torch.set_float32_matmul_precision('high') (or "
-            "torch.backends.cuda.matmul.allow_tf32 = True) runs FP32 matmuls as TF32 on them, about 8x the FP32 "
-            "rate; torch.autocast('cuda', dtype=torch.bfloat16) around the step (or bf16 weights and inputs) is "
-            "faster still; convolutions need torch.backends.cudnn.allow_tf32 = True (PyTorch's default) and "
-            "gain from channels_last.",
-    "fp16": "Half-precision matrix math on the CUDA cores{at}: usually a shape the tensor-core kernels cannot "
-            "take; pad the matrix dimensions to multiples of 8 (16 for int8/fp8) and keep tensors contiguous.",
-    "fp64": "Double-precision matrix math{at} runs at a small fraction of the tensor cores' FP32/bf16 rates: if "
-            "the result does not need FP64, compute in float32 with TF32 "
-            "(torch.set_float32_matmul_precision('high')) or in bf16 (torch.autocast).",
-    "complex": "Complex matrix math{at} has no TF32/bf16 tensor-core path: split it into real products "
-               "(real and imaginary parts as float32 matmuls with TF32 allowed) if its time matters.",
-    "gemv": "Matrix-vector products{at} cannot use the tensor cores and are limited by memory bandwidth: "
-            "batch the vectors into one matrix (one matmul for many inputs), or keep the matrix in bf16 to "
-            "halve the bytes read.",
-}
+        locs, advice.rule_fix(f"tensor_cores_unused.{what}", ctx.frameworks, at=at))]
 
 
 _RULES: tuple[Callable[[_Context], list[Finding]], ...] = (
