@@ -351,8 +351,12 @@ VERDICTS: dict[str, dict[str, list[str]]] = {
                       ("numba", _NUMBA), ("triton", _TRITON), ("cuda-python", {}), ("cuda", _CUDA))
 }
 
-# -- trace findings (trace.rules): one fix each; {call} and {where} are filled in by the rule ---------------
+# -- trace findings (trace.rules): one fix each ---------------------------------------------------------
 
+_COMPLEX = ("Complex matrix math{at} has no TF32/bf16 tensor-core path: split it into real products (real and "
+            "imaginary parts as float32 matmuls with TF32 allowed) if its time matters.")
+_GEMV = ("Matrix-vector products{at} cannot use the tensor cores and are limited by memory bandwidth: batch the "
+         "vectors into one matrix (one matmul for many inputs), or keep the matrix in bf16 to halve the bytes read.")
 _SYNC_TAIL = "each sync drains the GPU's queue, so the GPU waits while the host prepares the next work."
 
 _TORCH_RULES = {
@@ -383,6 +387,20 @@ _TORCH_RULES = {
     "low_occupancy.shared": "Shared memory per block limits resident blocks: use smaller tiles or fewer pipeline "
                             "stages (num_stages in Triton), or let torch.compile(mode=\"max-autotune\") choose.",
     "low_occupancy.threads": "Block size limits resident blocks: use blocks of 128-256 threads.",
+    "tensor_cores_unused.fp32": "Let the tensor cores do the matrix math{at}: torch.set_float32_matmul_precision("
+                                "'high') (or torch.backends.cuda.matmul.allow_tf32 = True) runs FP32 matmuls as TF32 "
+                                "on them, about 8x the FP32 rate; torch.autocast('cuda', dtype=torch.bfloat16) around "
+                                "the step (or bf16 weights and inputs) is faster still; convolutions need "
+                                "torch.backends.cudnn.allow_tf32 = True (PyTorch's default) and gain from "
+                                "channels_last.",
+    "tensor_cores_unused.fp16": "Half-precision matrix math on the CUDA cores{at}: usually a shape the tensor-core "
+                                "kernels cannot take; pad the matrix dimensions to multiples of 8 (16 for int8/fp8) "
+                                "and keep tensors contiguous.",
+    "tensor_cores_unused.fp64": "Double-precision matrix math{at} runs at a small fraction of the tensor cores' "
+                                "FP32/bf16 rates: if the result does not need FP64, compute in float32 with TF32 "
+                                "(torch.set_float32_matmul_precision('high')) or in bf16 (torch.autocast).",
+    "tensor_cores_unused.complex": _COMPLEX,
+    "tensor_cores_unused.gemv": _GEMV,
 }
 
 _JAX_RULES = {
@@ -413,6 +431,14 @@ _JAX_RULES = {
                                "blocks or fewer warps (num_warps).",
     "low_occupancy.shared": "Shared memory per block limits resident blocks: for your own Pallas or Triton "
                             "kernels use smaller blocks or fewer pipeline stages (num_stages).",
+    "tensor_cores_unused.fp32": "Let the tensor cores do the matrix math{at}: "
+                                "jax.default_matmul_precision('tensorfloat32') (or precision=jax.lax.Precision.DEFAULT "
+                                "instead of HIGHEST) runs float32 matmuls and convolutions as TF32 on them, about 8x "
+                                "the FP32 rate; bf16 params and inputs (jax.numpy.bfloat16) are faster still.",
+    "tensor_cores_unused.fp64": "Double-precision matrix math{at} runs at a small fraction of the tensor cores' "
+                                "FP32/bf16 rates: if the result does not need FP64, turn jax_enable_x64 off (or make "
+                                "the arrays float32) and allow TF32 (jax.default_matmul_precision('tensorfloat32')), "
+                                "or compute in jax.numpy.bfloat16.",
 }
 
 _TENSORFLOW_RULES = {
@@ -436,6 +462,14 @@ _TENSORFLOW_RULES = {
     "low_occupancy.grid": "Give the kernel more parallel work: a bigger batch, XLA fusion "
                           "(tf.function(jit_compile=True)), or for matmuls the mixed_bfloat16 policy or TF32 so "
                           "cuBLAS picks a kernel with more tiles.",
+    "tensor_cores_unused.fp32": "Let the tensor cores do the matrix math{at}: "
+                                "tf.config.experimental.enable_tensor_float_32_execution(True) (TensorFlow's default, "
+                                "unless turned off) runs float32 matmuls and convolutions as TF32 on them, about 8x the "
+                                "FP32 rate; the mixed_bfloat16 policy "
+                                "(tf.keras.mixed_precision.set_global_policy('mixed_bfloat16')) is faster still.",
+    "tensor_cores_unused.fp64": "Double-precision matrix math{at} runs at a small fraction of the tensor cores' "
+                                "FP32/bf16 rates: if the result does not need FP64, use float32 tensors (with TF32 "
+                                "allowed) or the mixed_bfloat16 policy.",
 }
 
 _CUPY_RULES = {
@@ -473,6 +507,16 @@ _CUPY_RULES = {
                             "(less __shared__ memory per block), or smaller blocks.",
     "low_occupancy.threads": "Block size limits resident blocks: launch your RawKernel with block=(128,) to "
                              "(256,) threads.",
+    "tensor_cores_unused.fp32": "Let the tensor cores do the matrix math{at}: CUPY_TF32=1 in the environment lets "
+                                "cuBLAS run float32 matmuls as TF32 on them, about 8x the FP32 rate; float16 arrays "
+                                "(a.astype(cupy.float16)) use them too.",
+    "tensor_cores_unused.fp64": "Double-precision matrix math{at} runs at a small fraction of the tensor cores' "
+                                "rates, and CuPy arrays are float64 unless told (cupy.random.rand, arrays from NumPy "
+                                "floats): if the result does not need FP64, create them as float32 "
+                                "(dtype=cupy.float32) with CUPY_TF32=1, or as float16.",
+    "tensor_cores_unused.gemv": "Matrix-vector products{at} cannot use the tensor cores and are limited by memory "
+                                "bandwidth: batch the vectors into one matrix (one cupy.matmul for many inputs), or "
+                                "keep the matrix in float16 to halve the bytes read.",
 }
 
 _NUMBA_RULES = {
@@ -504,6 +548,13 @@ _NUMBA_RULES = {
                             "smaller, or use smaller blocks.",
     "low_occupancy.threads": "Block size limits resident blocks: launch with 128-256 threads per block "
                              "(kernel[blocks, 256]).",
+    "tensor_cores_unused.fp32": "A @cuda.jit kernel cannot use the tensor cores{at}: hand the matrix products to "
+                                "cuBLAS (cupy.matmul on the same device arrays, zero-copy through "
+                                "__cuda_array_interface__) with TF32 allowed (CUPY_TF32=1) or in float16.",
+    "tensor_cores_unused.fp64": "Double-precision math{at} runs at a small fraction of the tensor cores' rates, "
+                                "and Numba computes in float64 wherever a float64 array or a Python float literal "
+                                "enters: use float32 arrays and numba.float32 constants if the result does not "
+                                "need FP64.",
 }
 
 _TRITON_RULES = {
@@ -518,6 +569,10 @@ _TRITON_RULES = {
     "low_occupancy.shared": "Shared memory per block limits resident blocks: fewer pipeline stages (num_stages) "
                             "or smaller tiles, autotuned (@triton.autotune).",
     "low_occupancy.threads": "Block size limits resident blocks: try num_warps=4 or 8 in the autotune configs.",
+    "tensor_cores_unused.fp32": "Let the tensor cores do the matrix math{at}: in your Triton kernels compute tile "
+                                "products with tl.dot (input_precision='tf32' for float32 inputs, or bf16/fp16 "
+                                "tiles), not with elementwise multiplies and tl.sum; library kernels take the CUDA "
+                                "fix: a TF32 compute type in cuBLAS.",
 }
 
 _CUDA_RULES = {
@@ -545,18 +600,37 @@ _CUDA_RULES = {
     "low_occupancy.shared": "Shared memory per block limits resident blocks: smaller tiles or fewer pipeline "
                             "stages in shared memory, or smaller blocks.",
     "low_occupancy.threads": "Block size limits resident blocks: use blocks of 128-256 threads.",
+    "tensor_cores_unused.fp32": "Let the tensor cores do the matrix math{at}: a TF32 compute type "
+                                "(CUBLAS_COMPUTE_32F_FAST_TF32 in cublasGemmEx / cublasLtMatmul, or "
+                                "cublasSetMathMode(handle, CUBLAS_TF32_TENSOR_OP_MATH)) runs FP32 matmuls as TF32 on "
+                                "them, about 8x the FP32 rate; BF16/FP16 inputs are faster still; cuDNN convolutions "
+                                "need cudnnSetConvolutionMathType(desc, CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION).",
+    "tensor_cores_unused.fp16": "Half-precision matrix math on the CUDA cores{at}: usually a shape the tensor-core "
+                                "kernels cannot take; pad the matrix dimensions to multiples of 8 (16 for int8/fp8), "
+                                "align the leading dimensions, and keep the arrays contiguous.",
+    "tensor_cores_unused.fp64": "Double-precision matrix math{at} runs at a small fraction of the tensor cores' "
+                                "FP32/bf16 rates: if the result does not need FP64, compute in FP32 with a TF32 "
+                                "compute type, or in BF16.",
+    "tensor_cores_unused.complex": _COMPLEX,
+    "tensor_cores_unused.gemv": _GEMV,
 }
 
 # As for the verdicts: what a framework says in the CUDA-level words, explicitly.
+_SAME_PRECISION = {"tensor_cores_unused.fp16", "tensor_cores_unused.complex"}  # the shapes and types, not the API
 _RULES_SAME_AS_CUDA = {
-    "jax": {"low_occupancy.threads"},
-    "tensorflow": {"low_occupancy.registers", "low_occupancy.shared", "low_occupancy.threads"},
-    "triton": {"pageable_memcpy", "sync_memcpy", "sync_memset", "sync_in_loop", "gpu_gaps"},
+    "jax": {"low_occupancy.threads", "tensor_cores_unused.gemv", *_SAME_PRECISION},
+    "tensorflow": {"low_occupancy.registers", "low_occupancy.shared", "low_occupancy.threads",
+                   "tensor_cores_unused.gemv", *_SAME_PRECISION},
+    "cupy": _SAME_PRECISION,
+    "numba": {"tensor_cores_unused.gemv", *_SAME_PRECISION},
+    "triton": {"pageable_memcpy", "sync_memcpy", "sync_memset", "sync_in_loop", "gpu_gaps", "tensor_cores_unused.fp64",
+               "tensor_cores_unused.gemv", *_SAME_PRECISION},
     "cuda-python": set(_CUDA_RULES),
 }
 
-#: Per framework, trace rule (low_occupancy by its limiter: "low_occupancy.grid") -> its fix, with {call}
-#: and {where} where the rule names them.
+#: Per framework, trace rule -> its fix; low_occupancy by its limiter ("low_occupancy.grid") and
+#: tensor_cores_unused by the precision of the math ("tensor_cores_unused.fp32"); {call}, {where} and {at} are
+#: filled in by the rule that names them.
 RULES: dict[str, dict[str, str]] = {
     name: {**{k: _CUDA_RULES[k] for k in _RULES_SAME_AS_CUDA.get(name, ())}, **own}
     for name, own in (("torch", _TORCH_RULES), ("jax", _JAX_RULES), ("tensorflow", _TENSORFLOW_RULES),
@@ -614,4 +688,4 @@ class _Defaults(dict[str, object]):
     """Format parameters; a rule that names none of them still formats."""
 
     def __missing__(self, key: str) -> str:
-        return {"call": "synchronisation", "where": "its line"}.get(key, key)
+        return {"call": "synchronisation", "where": "its line", "at": ""}.get(key, key)
