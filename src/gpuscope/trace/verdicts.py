@@ -28,13 +28,12 @@ from typing import Any
 
 import numpy as np
 
-from ..diagnose import HOST_BOUND, Verdict
-from ..diagnose.rules import ADVICE
+from ..diagnose import HOST_BOUND, Verdict, advice
 from ..diagnose.stacks import classify_profiler_frames
 from .analyze import SYNC_CALLS, Report, _merge, analyze
 from .model import GPU_KINDS, EventKind, Trace
 from .rule_thresholds import DEFAULT, RuleThresholds
-from .rules import Finding, findings
+from .rules import Finding, findings, trace_frameworks
 from .stacks import Location, Stacks, is_user_file
 
 # Kernels that do matrix math (cuBLAS, cuBLASLt's nvjet, CUTLASS, cuDNN convolutions, attention): the
@@ -183,12 +182,13 @@ def _device_verdict(d: _Device, found: list[Finding]) -> Verdict:
     th, ev = d.th, d.evidence()
     gpu = str(d.device)
     head = f"GPU {gpu} (trace of process {d.pid})"
+    frameworks = trace_frameworks(d.trace)
 
     def make(kind: str, confidence: float, summary: str, extra: dict[str, Any], recs: list[str],
              severity: str = "warning") -> Verdict:
         sure = " (certain: from the trace)" if confidence >= 0.9 else ""
         return Verdict(gpu, kind, severity, confidence, f"{head} is {kind.replace('_', '-')}{sure}: {summary}",
-                       {**ev, **extra}, recs or ADVICE.get(kind, []))
+                       {**ev, **extra}, recs or advice.fixes(kind, frameworks))
 
     rule = {f.rule: f for f in found}
     if d.copy_share >= th.transfer_min_share and d.copy_share > d.compute_share:
@@ -227,7 +227,7 @@ def _device_verdict(d: _Device, found: list[Finding]) -> Verdict:
                  else f"{d.gemm_share:.0%} of the kernel time in matrix math")
         return Verdict(gpu, "healthy", "info", 0.8,
                        f"{head} is busy {1 - d.idle_share:.0%} of its active span ({kinds}): the host keeps it fed, "
-                       "nothing on the host side to fix. " + counters, {**ev, **extra}, ADVICE["healthy"])
+                       "nothing on the host side to fix. " + counters, {**ev, **extra}, advice.fixes("healthy", frameworks))
     waiting = d.idle_share >= th.gap_idle_share
     idle = f"idle {d.idle_share:.0%} of its active span"
     syncs = [f for f in found if f.rule == "sync_in_loop"]
@@ -267,7 +267,7 @@ def _device_verdict(d: _Device, found: list[Finding]) -> Verdict:
                 f"{idle}, and in {causes[top]:.0%} of that time the host was {what}"
                 + (f", at {line}." if line else "."),
                 {"host_in_gaps": _rounded(shares), "line": line},
-                ADVICE.get(kind, []) + ([gaps.fix] if gaps else []))
+                advice.fixes(kind, frameworks) + ([gaps.fix] if gaps else []))
 
 
 def refine(metric_verdicts: Iterable[Verdict], trace_verdicts: Iterable[Verdict],
