@@ -390,7 +390,7 @@ def test_csv_and_html_outputs_and_the_text(fleet, chromium):
                 figures: [...document.querySelectorAll('figure')].map(f => ({
                     id: f.id, lines: f.querySelectorAll('polyline.series').length,
                     points: [...f.querySelectorAll('polyline.series')].map(p => p.points.numberOfItems)})),
-                rows: document.querySelectorAll('#groups tbody tr').length,
+                rows: document.querySelectorAll('#groups tbody tr.group').length,
                 stragglers: document.querySelectorAll('#stragglers tbody tr').length,
                 headline: document.querySelector('#headline').textContent,
             })""")

@@ -545,8 +545,11 @@ def explain(f: Figures) -> tuple[str, str]:
     problem = _top_problem(f)
     verdict = f"; verdict {problem[0]} {problem[1]:.0%} of the time" if problem else ""
     if idle >= 0.5:
-        return (f"idle {idle:.0%} of its {_hours(f.allocated_s)} allocated (SM activity under 5 %){verdict}",
-                advice("idle_allocated"))
+        why = f"idle {idle:.0%} of its {_hours(f.allocated_s)} allocated (SM activity under 5 %){verdict}"
+        # Work too small for the SMs (launch- or sync-bound, starved) is not a held GPU nobody uses.
+        if problem and problem[0] not in ("idle_allocated", "idle") and advice(problem[0]):
+            return why, advice(problem[0])
+        return why, advice("idle_allocated")
     why = f"SM activity {use:.0%} of its {_hours(f.allocated_s)} allocated, idle {idle:.0%}{verdict}{slowed}"
     if problem and advice(problem[0]):
         return why, advice(problem[0])

@@ -35,7 +35,8 @@ th{background:#eef1f5;font-weight:600}td.num{text-align:right;white-space:nowrap
 .legend .solid{display:inline-block;width:18px;border-top:2px solid;vertical-align:3px;margin-right:5px}
 figure{margin:8px 0 14px}figcaption{font-weight:600;font-size:13px}
 svg.panel{width:100%;height:auto;display:block}svg .tick{font-size:11px;fill:#5b6475}svg .unit{font-size:11px;fill:#5b6475}
-.muted{color:var(--muted)}.why{max-width:360px}.fix{max-width:360px;color:var(--muted)}
+.muted{color:var(--muted)}tr.group td{border-bottom:none}tr.explain td{padding-top:0;font-size:12.5px}
+.fix{color:var(--muted)}
 footer{color:var(--muted);font-size:12px;margin:30px 0 10px}
 """
 
@@ -50,7 +51,12 @@ def _money(v: float, currency: str) -> str:
 
 
 def _h(v: float) -> str:
-    return f"{v:,.1f}" if v >= 100 else f"{v:.3g}" if v else "0"
+    """Hours (or kWh, kg) for a table: 1,234.5 / 12.3 / 0.0667 / 0.0001 / 0."""
+    if v >= 100:
+        return f"{v:,.1f}"
+    if v >= 0.01:
+        return f"{v:.3g}"
+    return f"{v:.4f}" if v >= 0.0001 else "<0.0001" if v > 0 else "0"
 
 
 def _pct(v: float | None) -> str:
@@ -186,23 +192,29 @@ def _share_bar(g: dict[str, Any]) -> str:
 
 def _groups_table(report: dict[str, Any]) -> str:
     cur = report["currency"]
+    heads = ["#", "group", "wasted", "cost", "GPUs", "GPU-h allocated", "used", "idle", "unallocated", "unobserved",
+             "throttled", "kWh", "CO2e kg", "memory headroom", "verdicts"]
     out = [f"<h2>Groups by {_e(report['by'])}, ranked by money wasted</h2>",
-           '<table id="groups"><thead><tr><th>#</th><th>group</th><th>wasted</th><th>cost</th><th>GPUs</th>'
-           "<th>GPU-h allocated</th><th>used</th><th>idle</th><th>unallocated</th><th>unobserved</th>"
-           "<th>throttled</th><th>kWh</th><th>CO2e kg</th><th>memory headroom</th><th>verdicts</th>"
-           "<th>why</th><th>fix</th></tr></thead><tbody>"]
+           '<table id="groups"><thead><tr>' + "".join(f"<th>{h}</th>" for h in heads) + "</tr></thead><tbody>"]
     for i, g in enumerate(report["groups"], 1):
         out.append(
-            f"<tr><td class=num>{i}</td><td>{_e(g['group'])}</td>"
+            f'<tr class="group"><td class=num>{i}</td><td><b>{_e(g["group"])}</b></td>'
             f"<td class=num>{_e(_money(g['wasted_money'], cur))}</td><td class=num>{_e(_money(g['cost'], cur))}</td>"
             f"<td class=num>{g['gpus']}</td><td class=num>{_h(g['allocated_gpu_hours'])}</td>"
             f"<td class=num>{_h(g['used_gpu_hours'])}</td><td class=num>{_h(g['idle_gpu_hours'])}</td>"
             f"<td class=num>{_h(g['unallocated_gpu_hours'])}</td><td class=num>{_h(g['unobserved_gpu_hours'])}</td>"
             f"<td>{_e(_throttle(g))}</td><td class=num>{_h(g['energy_kwh'])}</td><td class=num>{_h(g['co2e_kg'])}</td>"
-            f"<td class=num>{_e(_pct(g['memory_headroom_ratio']))}</td><td>{_share_bar(g)}</td>"
-            f'<td class="why">{_e(g["why"])}</td><td class="fix">{_e(g["fix"])}</td></tr>')
+            f"<td class=num>{_e(_pct(g['memory_headroom_ratio']))}</td><td>{_share_bar(g)}</td></tr>"
+            f'<tr class="explain"><td></td><td colspan="{len(heads) - 1}"><span class="why">why: {_e(g["why"])}</span>'
+            f'<br><span class="fix">fix: {_e(g["fix"])}</span></td></tr>')
     out.append("</tbody></table>")
     return "".join(out)
+
+
+def _prices_text(pr: dict[str, Any]) -> str:
+    per = ", ".join(f"{k} {v:.2f}" for k, v in pr["gpu_hour"].items()) or "none"
+    return (f"{pr['source']}: per GPU-hour {per} {pr['currency']}; {pr['energy_per_kwh']:g} per kWh; "
+            f"{pr['grid_kg_co2e_per_kwh']:g} kg CO2e per kWh")
 
 
 def _summary(report: dict[str, Any]) -> str:
@@ -218,9 +230,9 @@ def _summary(report: dict[str, Any]) -> str:
             ("Cost", f"{_money(fl['cost'], cur)} (GPU-hours {_money(fl['gpu_cost'], cur)}, energy "
                      f"{_money(fl['energy_cost'], cur)})"),
             ("Wasted", f"{_money(fl['wasted_money'], cur)} on allocated GPU-hours the SMs did not use"),
-            ("Prices", f"{pr['source']}: per GPU-hour {pr['gpu_hour']}, {pr['energy_per_kwh']} per kWh, "
-                       f"{pr['grid_kg_co2e_per_kwh']} kg CO2e per kWh"),
-            ("Series", f"{report['source']}; scrape step per node {report['scrape_step_s']}")]
+            ("Prices", _prices_text(pr)),
+            ("Series", f"{report['source']}; scrape step per node: "
+                       + ", ".join(f"{h} {s:.3g} s" for h, s in report["scrape_step_s"].items()))]
     body = "".join(f"<dt>{_e(k)}</dt><dd>{_e(v)}</dd>" for k, v in rows)
     return (f'<section class="card headline" id="headline">{_e(fl["line"])}</section>'
             f'<section class="card"><dl class="kv">{body}</dl></section>')
