@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 import psutil
 
 from gpuscope._cgroup import Attribution, read_attribution
+from gpuscope._frameworks import read as read_frameworks
 from gpuscope._records import THREAD_BUSY_RATIO, ThreadCpu
 from gpuscope._redact import redact_cmdline
 from gpuscope._text import valid_text
@@ -66,6 +67,9 @@ class HostProcInfo:
     namespace: str = ""
     slurm_job: str = ""
     torchrun_run: str = ""  # TORCHELASTIC_RUN_ID
+    # The GPU frameworks it loaded (gpuscope._frameworks), read from its maps once, when it is first read: a GPU
+    # process has loaded its framework by the time it holds a CUDA context. () where they cannot be read.
+    frameworks: tuple[str, ...] = ()
 
 
 class _Entry:
@@ -217,7 +221,7 @@ class HostProcessReader:
             pid=pid, name=valid_text(name), user=valid_text(user),
             cmdline=redact_cmdline([valid_text(a) for a in cmdline]), started_at=started_at,
             container=att.container, pod_uid=att.pod_uid, pod=att.pod, namespace=att.namespace,
-            slurm_job=att.slurm_job, torchrun_run=att.torchrun_run,
+            slurm_job=att.slurm_job, torchrun_run=att.torchrun_run, frameworks=read_frameworks(pid, self._proc_root),
         )
         return _Entry(proc, static)
 
@@ -231,7 +235,7 @@ class HostProcessReader:
         info = HostProcInfo(
             pid=s.pid, name=s.name, user=s.user, cmdline=s.cmdline, started_at=s.started_at,
             container=s.container, pod_uid=s.pod_uid, pod=s.pod, namespace=s.namespace,
-            slurm_job=s.slurm_job, torchrun_run=s.torchrun_run,
+            slurm_job=s.slurm_job, torchrun_run=s.torchrun_run, frameworks=s.frameworks,
             rss_bytes=float(mem.rss) if mem is not None else None,
         )
         cpu = times.user + times.system if times is not None else None
