@@ -44,6 +44,7 @@ class HostProcessInfo(Protocol):
     namespace: str
     slurm_job: str
     torchrun_run: str
+    frameworks: tuple[str, ...]  # read once per process (gpuscope._frameworks)
 
 
 class HostReader(Protocol):
@@ -209,6 +210,7 @@ class ProcessSource:
                         self.attribute(rec)
                     # after the kubelet's names: a pod's owner is one way to name the job
                     rec.workload = workload_of(rec.slurm_job, valid_text(info.torchrun_run), rec.namespace, rec.pod)
+                    rec.frameworks = tuple(info.frameworks)
                 records.append(rec)
                 owners[(dev.label, pid)] = owner(rec)
             for pid, joules in energy_due.items():
