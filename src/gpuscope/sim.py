@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 import pynvml as _nv
 
 from ._cgroup import MAX_WORKLOAD_CHARS, attribution_from_cgroup, attribution_from_environ
+from ._frameworks import FRAMEWORKS
 from ._hostproc import HostProcInfo
 from .catalog import series_key
 from .errors import UsageError
@@ -100,6 +101,10 @@ _DEFAULT_GPUS = {"gpu_lost": 2, "mixed": 8}
 _MIXED = ["healthy", "compute_bound", "memory_bound", "launch_bound", "input_starved", "idle_allocated",
           "throttled", "transfer_bound"]
 
+#: The frameworks a scenario's processes run on (what their maps would show), where not PyTorch: the fixes of
+#: its verdicts speak them. SimulatedNode(frameworks=...) overrides it for one node.
+SCENARIO_FRAMEWORKS: dict[str, tuple[str, ...]] = {}
+
 _BASE_PID = 4_000_000  # above Linux's default pid_max: never a real process
 _CHURN_PID = _BASE_PID + 10_000 * 64  # pids of replacement processes count up from here, never reused
 _MAX_CHURN_S = 7 * 86_400.0
@@ -120,6 +125,7 @@ class _SimProcess(FakeProcess):
     started_at: float = 0.0
     cgroup: str = ""
     environ: bytes = b""
+    frameworks: tuple[str, ...] = ("torch",)
 
 
 def _cgroup(gpu: int, gpus: int) -> str:
@@ -248,6 +254,7 @@ class _SimHostReader:
             cpu_cores=drv.cpu * share, thread_cpu_max_ratio=drv.thread_cpu, rss_bytes=float(8 << 30),
             threads=24, started_at=sim.started_at or self.node.started_at, pod="", namespace="",
             container=where.container, pod_uid=where.pod_uid, slurm_job=env.slurm_job, torchrun_run=env.torchrun_run,
+            frameworks=sim.frameworks,
         )
 
     def forget(self, alive: set[int]) -> None:
@@ -285,7 +292,7 @@ class SimulatedNode:
 
     def __init__(self, scenario: str, gpus: int | None = None, seed: int = 1,
                  processes: int | None = None, churn_s: float | None = None, pods: bool = False,
-                 workload: str | None = None) -> None:
+                 workload: str | None = None, frameworks: tuple[str, ...] | None = None) -> None:
         scenario = scenario.replace("-", "_")
         if scenario not in DESCRIPTIONS:
             raise UnknownScenario(
@@ -299,6 +306,11 @@ class SimulatedNode:
                                     or not 1.0 <= churn_s <= _MAX_CHURN_S):
             raise UnknownScenario(f"A simulated process lives 1 s to 7 days (churn), not {churn_s!r} s.")
         check_workload(workload)
+        frameworks = tuple(frameworks) if frameworks is not None else SCENARIO_FRAMEWORKS.get(scenario, ("torch",))
+        if not set(frameworks) <= set(FRAMEWORKS):
+            raise UnknownScenario(f"A simulated process runs on {', '.join(FRAMEWORKS)} (any of them, or none), "
+                                  f"not {', '.join(sorted(set(frameworks) - set(FRAMEWORKS)))}.")
+        self.frameworks = frameworks
         environ = b"" if workload is None else (b"PATH=/usr/bin\0TORCHELASTIC_RUN_ID=" + workload.encode() + b"\0")
         self.workload = workload
         # Processes are dealt round-robin over the GPUs (at least one per GPU); one GPU's processes
@@ -315,7 +327,8 @@ class SimulatedNode:
             drv = _GpuDriver(prof, i, seed * 1000 + i)
             cgroup = _cgroup(i, n) if pods else ""
             g = FakeGPU(index=i, uuid=f"GPU-5171a7ed-0000-4000-8000-{i:012d}", name="NVIDIA H200 (simulated)",
-                        processes=[_SimProcess(pid=_BASE_PID + 10_000 * i + k, rank=k, cgroup=cgroup, environ=environ)
+                        processes=[_SimProcess(pid=_BASE_PID + 10_000 * i + k, rank=k, cgroup=cgroup, environ=environ,
+                                               frameworks=frameworks)
                                    for k in range(per_gpu[i])],
                         dynamics=drv)
             self.drivers.append(drv)
@@ -357,7 +370,8 @@ class SimulatedNode:
                     pid=self._next_pid, used_memory_bytes=old.used_memory_bytes, sm_percent=old.sm_percent,
                     mem_percent=old.mem_percent, rank=k, generation=generation, started_at=self.started_at + t,
                     cgroup=old.cgroup if isinstance(old, _SimProcess) else "",
-                    environ=old.environ if isinstance(old, _SimProcess) else b"")
+                    environ=old.environ if isinstance(old, _SimProcess) else b"",
+                    frameworks=old.frameworks if isinstance(old, _SimProcess) else self.frameworks)
                 self._next_pid += 1
                 self.replaced += 1
                 # The next one is due a period later; a clock that jumped several periods replaces it once.
@@ -415,4 +429,4 @@ def describe(scenario: str) -> str:
     return DESCRIPTIONS[scenario]
 
 
-__all__ = ["PROFILES", "SCENARIOS", "SimulatedNode", "UnknownScenario", "check_workload", "describe"]
+__all__ = ["PROFILES", "SCENARIOS", "SCENARIO_FRAMEWORKS", "SimulatedNode", "UnknownScenario", "check_workload", "describe"]
