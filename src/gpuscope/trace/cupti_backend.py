@@ -398,7 +398,8 @@ class Window:
         doc = to_kineto(records, self.s.stacks, self.clock, self.s.api_names, devices)
         doc["gpuscope_cupti"] = {"api": "all" if self.s.api_all else "rules", "records": len(records),
                                  "stacks": len(self.s.stacks), "dropped_buffers": self.s.dropped_buffers,
-                                 "refused_callback_ids": self.skipped, **self.summary(records)}
+                                 "refused_callback_ids": self.skipped, "frameworks": frameworks(),
+                                 **self.summary(records)}
         with open(path, "w") as f:
             json.dump(doc, f, separators=(",", ":"))
 
@@ -420,6 +421,24 @@ class Window:
                       and ((s.runtime_domain if r[0] == "runtime" else s.driver_domain), r[6]) in keys)
         return {"launchers": "sampled", "launch_budget": s.launch_budget, "launches_sampled": sampled,
                 "launch_slices": list(self.launch_slices)}
+
+
+def frameworks():
+    """The traced process's GPU frameworks, from its own maps and modules, for the fixes of the trace's findings
+    (gpuscope/_frameworks.py, loaded by its path like this file); [] when that fails."""
+    try:
+        module = sys.modules.get("_gpuscope_frameworks")
+        if module is None:
+            import importlib.util
+
+            path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_frameworks.py")
+            spec = importlib.util.spec_from_file_location("_gpuscope_frameworks", path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            sys.modules["_gpuscope_frameworks"] = module
+        return list(module.of_this_process())
+    except Exception:  # inside the traced program: never raise
+        return []
 
 
 def _clock_pair(c):
