@@ -71,6 +71,10 @@ class Verdict:
     start_s: float = 0.0
     end_s: float = 0.0
     primary: bool = True
+    pid: int | None = None  # set on a process's own verdict, which lies in its GPU's `processes`
+    # On the primary verdict of a GPU that several processes share: each process's verdicts (diagnose.perprocess);
+    # empty for a GPU with one process, whose verdict is its own.
+    processes: list[Verdict] = field(default_factory=list)
 
 
 def windows_from_snapshots(snaps: Sequence[Snapshot]) -> list[GpuWindow]:
