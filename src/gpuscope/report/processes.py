@@ -54,6 +54,7 @@ class _Proc:
     thread: _Stats = field(default_factory=_Stats)
     rss_max_bytes: float | None = None
     from_tree: bool = False  # CPU figures come from our own tree reads, not the sampler's
+    frameworks: tuple[str, ...] = ()  # from its GPU process records (read once it held a CUDA context)
 
     def seen(self, t: float) -> None:
         self.first_s = t if self.first_s is None else min(self.first_s, t)
@@ -152,6 +153,7 @@ class RunProcesses:
                     p = self._procs[rec.pid] = _Proc(rec.pid, ours)
                 p.ours = p.ours or ours
                 p.name, p.user, p.cmdline = p.name or rec.name, p.user or rec.user, p.cmdline or rec.cmdline
+                p.frameworks = p.frameworks or tuple(getattr(rec, "frameworks", ()))
                 p.seen(t)
                 if not p.from_tree:
                     p.cpu.add(rec.cpu_cores)
@@ -194,7 +196,7 @@ class RunProcesses:
                 base = {"pid": pid, "ours": p.ours, "name": p.name, "user": p.user, "cmdline": p.cmdline,
                         "first_seen_s": p.first_s, "last_seen_s": p.last_s, "cpu_cores_mean": p.cpu.mean,
                         "cpu_cores_max": p.cpu.hi, "thread_cpu_max_ratio": p.thread.hi,
-                        "rss_max_bytes": p.rss_max_bytes}
+                        "rss_max_bytes": p.rss_max_bytes, "frameworks": list(p.frameworks)}
                 per_gpu = sorted(uses.get(pid, []), key=lambda gu: gu[0])
                 if not per_gpu:
                     rows.append({**base, "gpu": None, "gpu_first_seen_s": None, "gpu_memory_max_bytes": None,
