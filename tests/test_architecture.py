@@ -23,7 +23,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "gpuscope"
 LAYERS: list[tuple[str, set[str]]] = [
     ("floor", {"_version", "errors", "timeparse", "_paths", "_text", "_files", "_redact", "_serverlog", "_child",
                "_records", "catalog", "_nvml", "_cgroup", "_hostproc", "http", "_choices", "shares", "_node",
-               "_recent", "_heap"}),
+               "_recent", "_heap", "_frameworks"}),
     ("core", {"sources", "fakenvml", "testing", "sim", "sampler", "store", "diagnose", "export", "viewmodel"}),
     ("kit", {"_args", "report", "promql"}),
     ("features", {"alerts", "trace", "web", "agent", "top", "loadtest", "guard", "integrations", "doctor",
@@ -42,7 +42,7 @@ FEATURE_EDGES = {
 }
 # Stdlib-only units: every layer may import them, so they must stay cheap (no numpy, aiohttp, psutil, ...).
 STDLIB_ONLY = {"_version", "errors", "timeparse", "_paths", "_text", "_files", "_redact", "_child", "_choices",
-               "_node", "_recent", "_heap"}
+               "_node", "_recent", "_heap", "_frameworks"}
 
 
 def _modules() -> dict[str, Path]:
