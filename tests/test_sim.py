@@ -64,7 +64,7 @@ def test_every_scenario_builds_and_samples(name):
         assert 0 < g.memory_used_bytes < g.values["gpu_memory_total_bytes"]
         assert g.power_watts > 0
         assert "simulated" in g.identity.name
-    assert len(snap.processes) == expected_gpus
+    assert len(snap.processes) == expected_gpus * {"shared_gpu": 2}.get(name, 1)
     assert all(p.host_visible and p.name for p in snap.processes)
     assert snap.host is not None and 0.0 <= snap.host.values["host_cpu_ratio"] <= 1.0
 

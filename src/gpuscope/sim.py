@@ -8,6 +8,12 @@ With `workload`, every process of the node is a rank of one torchrun run of that
 TORCHELASTIC_RUN_ID): several simulated nodes (GPUSCOPE_NODE_NAME=node-a, node-b, ...) started with the same id
 are one job across nodes, and one of them with a slower scenario (throttled) is its straggler.
 
+Two scenarios have processes of their own kinds (`ROLES`): `shared_gpu` runs a bf16 matmul loop and a
+small-op loop that reads a value back every step (.item()) on one GPU, each with its own SM share, memory
+and CPU, so the GPU is compute-bound while the second process waits on its syncs; `jax_eager` runs one
+process that dispatches small ops eagerly from several threads (1.9 cores, none saturated) while the SMs
+idle. With `processes`, a GPU's processes take the roles in turn.
+
 With `churn_s`, the processes come and go: each one is replaced, about every `churn_s` seconds of the
 node's clock, by a new process (a new pid and command line) on the same GPU, one at a time and spread
 evenly over the period, so a node of N processes sees N / churn_s starts (and stops) a second while it
@@ -36,6 +42,7 @@ import pynvml as _nv
 from ._cgroup import MAX_WORKLOAD_CHARS, attribution_from_cgroup, attribution_from_environ
 from ._frameworks import FRAMEWORKS
 from ._hostproc import HostProcInfo
+from ._records import THREAD_BUSY_RATIO, ThreadCpu
 from .catalog import series_key
 from .errors import UsageError
 from .fakenvml import FakeGPU, FakeNVML, FakeProcess
@@ -78,6 +85,31 @@ PROFILES: dict[str, Profile] = {
     "idle_allocated": Profile(0, 0.0, 0.0, 0.0, 0.0, 0.0, 1, 121, 0x1, 0, 42193, temp=31, sm_clock=345),
     "healthy": Profile(100, 89.5, 39.4, 32.1, 3.4, 37.7, 51, 687, 0x0, 100, 6099, temp=70),
     "throttled": Profile(100, 95.0, 14.0, 90.0, 0.0, 16.0, 15, 560, 0x60, 100, 2777, temp=89, sm_clock=1110),
+    # compute_bound's GPU with a second process beside it, each on one core (ROLES)
+    "shared_gpu": Profile(100, 96.4, 14.2, 90.1, 0.3, 17.9, 18, 688, 0x4, 200, 3400, temp=72, sm_clock=1755),
+    # the issue's JAX program without jax.jit: SMs ~0 %, NVML 3 %, 75 % of the memory preallocated (JAX's default)
+    "jax_eager": Profile(3, 0.1, 0.1, 0.0, 0.1, 0.1, 40, 128, 0x0, 192, 108_000, temp=36, thread_cpu=82),
+}
+
+
+@dataclass(frozen=True)
+class Role:
+    """What one process of a scenario does: its command, its weight in the GPU's SM time and memory, its CPU
+    (cores) and its busy threads (name, share of a core), the busiest first."""
+
+    cmd: str
+    sm_weight: float
+    mem_weight: float
+    cpu: float
+    threads: tuple[tuple[str, float], ...]
+
+
+#: The processes of the scenarios that have several kinds; rank k of a GPU takes ROLES[scenario][k % len].
+ROLES: dict[str, tuple[Role, ...]] = {
+    "shared_gpu": (Role("python matmul_loop.py --dtype bf16", 0.94, 0.82, 1.0, (("python", 1.0),)),
+                   Role("python small_ops.py --item-every-step", 0.06, 0.18, 1.0, (("python", 1.0),))),
+    "jax_eager": (Role("python jax_eager.py --steps 100000", 1.0, 1.0, 1.92,
+                       (("python", 0.82), ("dispatch-0", 0.58), ("dispatch-1", 0.52))),),
 }
 
 DESCRIPTIONS = {
@@ -95,15 +127,20 @@ DESCRIPTIONS = {
     "gpu_lost": "two GPUs training; GPU 1 falls off the bus after 10 s (XID 79)",
     "xid_storm": "GPU 0 reports bursts of XID 13/31/43 errors and corrected ECC errors",
     "mixed": "an 8-GPU node with a different behaviour on each GPU",
+    "shared_gpu": "two processes on one GPU: a bf16 matmul loop (compute-bound) and a small-op loop that calls "
+                  ".item() every step (low SM share, its thread busy on syncs)",
+    "jax_eager": "JAX-like eager dispatch (no jax.jit): SMs idle, NVML 3 %, 1.9 cores over three busy threads, "
+                 "none saturated",
 }
 SCENARIOS = sorted(DESCRIPTIONS)
 _DEFAULT_GPUS = {"gpu_lost": 2, "mixed": 8}
+_DEFAULT_PROCESSES = {"shared_gpu": 2}  # per GPU
 _MIXED = ["healthy", "compute_bound", "memory_bound", "launch_bound", "input_starved", "idle_allocated",
           "throttled", "transfer_bound"]
 
 #: The frameworks a scenario's processes run on (what their maps would show), where not PyTorch: the fixes of
 #: its verdicts speak them. SimulatedNode(frameworks=...) overrides it for one node.
-SCENARIO_FRAMEWORKS: dict[str, tuple[str, ...]] = {}
+SCENARIO_FRAMEWORKS: dict[str, tuple[str, ...]] = {"jax_eager": ("jax",)}
 
 _BASE_PID = 4_000_000  # above Linux's default pid_max: never a real process
 _CHURN_PID = _BASE_PID + 10_000 * 64  # pids of replacement processes count up from here, never reused
@@ -211,12 +248,26 @@ class _GpuDriver:
             mem += self.leak_mib
         gpu.memory_used_bytes = int((mem + 520) * MIB)
         self.cpu = max(0.0, p.cpu / 100.0 * (1 + 0.02 * r.gauss(0, 1)))
-        self.thread_cpu = min(1.0, self.cpu)
-        share = 1.0 / max(1, len(gpu.processes))
-        for proc in gpu.processes:
-            proc.used_memory_bytes = int(mem * MIB * share)
-            proc.sm_percent = int(round(sm * share))
+        self.thread_cpu = min(1.0, self.cpu if p.thread_cpu is None else p.thread_cpu / 100.0 * self.jitter())
+        roles = [self.role(proc) for proc in gpu.processes]
+        sm_total = sum(ro.sm_weight if ro else 1.0 for ro in roles) or 1.0
+        mem_total = sum(ro.mem_weight if ro else 1.0 for ro in roles) or 1.0
+        for proc, ro in zip(gpu.processes, roles, strict=True):
+            proc.used_memory_bytes = int(mem * MIB * (ro.mem_weight if ro else 1.0) / mem_total)
+            proc.sm_percent = int(round(sm * (ro.sm_weight if ro else 1.0) / sm_total))
             proc.mem_percent = int(round(gpu.util_mem))
+
+    def jitter(self) -> float:
+        """This tick's CPU noise, as a factor (1.0 = the profile's figure)."""
+        return self.cpu / (self.base.cpu / 100.0) if self.base.cpu else 1.0
+
+    def role(self, proc: FakeProcess) -> Role | None:
+        """The role of a process of this GPU in a scenario with ROLES (by its rank); None elsewhere."""
+        roles = ROLES.get(self.name)
+        if not roles:
+            return None
+        rank = proc.rank if isinstance(proc, _SimProcess) else proc.pid % 10_000
+        return roles[rank % len(roles)]
 
 
 class _SimHostReader:
@@ -241,18 +292,29 @@ class _SimHostReader:
         if hit is None:
             return None
         drv, gpu, proc = hit
-        cmd = {"idle_allocated": "jupyter-kernel --notebook analysis.ipynb",
-               "launch_bound": "python serve.py --batch-size 1"}.get(drv.name, "python train.py --batch-size 64")
+        role = drv.role(proc)
+        cmd = role.cmd if role is not None else {"idle_allocated": "jupyter-kernel --notebook analysis.ipynb",
+                                                 "launch_bound": "python serve.py --batch-size 1"}.get(
+            drv.name, "python train.py --batch-size 64")
         share = 1.0 / max(1, len(gpu.processes))
         sim = proc if isinstance(proc, _SimProcess) else _SimProcess(pid=proc.pid, rank=proc.pid % 10_000)
         rank, generation = sim.rank, sim.generation
         tail = (f" --rank {rank}" if len(gpu.processes) > 1 else "") + (f" --run {generation}" if generation else "")
         where = attribution_from_cgroup(sim.cgroup)  # the real parsers, as for a host process
         env = attribution_from_environ(sim.environ)
+        cores, thread = drv.cpu * share, drv.thread_cpu
+        busy = [ThreadCpu(pid, "python", round(thread, 4))] if thread >= THREAD_BUSY_RATIO else []
+        if role is not None:  # its own CPU, with the tick's noise
+            k = drv.jitter()
+            cores = role.cpu * k
+            busy = [ThreadCpu(pid + i, name, round(min(1.0, r * k), 4)) for i, (name, r) in enumerate(role.threads)]
+            thread = busy[0].cpu_ratio
+            busy = [t for t in busy if t.cpu_ratio >= THREAD_BUSY_RATIO]
         return HostProcInfo(
             pid=pid, name="python", user="sim", cmdline=f"{cmd} --gpu {drv.index}{tail}",
-            cpu_cores=drv.cpu * share, thread_cpu_max_ratio=drv.thread_cpu, rss_bytes=float(8 << 30),
-            threads=24, started_at=sim.started_at or self.node.started_at, pod="", namespace="",
+            cpu_cores=cores, thread_cpu_max_ratio=thread, rss_bytes=float(8 << 30),
+            threads=24, threads_busy=len(busy), busy_threads=busy,
+            started_at=sim.started_at or self.node.started_at, pod="", namespace="",
             container=where.container, pod_uid=where.pod_uid, slurm_job=env.slurm_job, torchrun_run=env.torchrun_run,
             frameworks=sim.frameworks,
         )
@@ -315,7 +377,7 @@ class SimulatedNode:
         self.workload = workload
         # Processes are dealt round-robin over the GPUs (at least one per GPU); one GPU's processes
         # share its memory and SM time.
-        per_gpu = [1] * n if processes is None else [processes // n + (1 if i < processes % n else 0) for i in range(n)]
+        per_gpu = [_DEFAULT_PROCESSES.get(scenario, 1)] * n if processes is None else [processes // n + (1 if i < processes % n else 0) for i in range(n)]
         self.scenario = scenario
         self.started_at = time.time()
         self.drivers: list[_GpuDriver] = []
@@ -429,4 +491,4 @@ def describe(scenario: str) -> str:
     return DESCRIPTIONS[scenario]
 
 
-__all__ = ["PROFILES", "SCENARIOS", "SCENARIO_FRAMEWORKS", "SimulatedNode", "UnknownScenario", "check_workload", "describe"]
+__all__ = ["PROFILES", "ROLES", "SCENARIOS", "Role", "SCENARIO_FRAMEWORKS", "SimulatedNode", "UnknownScenario", "check_workload", "describe"]

@@ -47,7 +47,8 @@ def describe(p: Any) -> str:
     """'1.9 cores over 3 busy threads, the busiest at 82 % of a core', with what is known."""
     busy = getattr(p, "threads_busy", None)
     many = busy is not None and busy > 1
-    cores = "" if p.cpu_cores is None else f"{p.cpu_cores:.1f} cores" + (f" over {busy} busy threads" if many else "")
+    cores = "" if p.cpu_cores is None else (f"{p.cpu_cores:.1f} core{'' if f'{p.cpu_cores:.1f}' == '1.0' else 's'}"
+                                            + (f" over {busy} busy threads" if many else ""))
     thread = "" if p.thread_cpu_max_ratio is None else (
         f"{'the busiest' if many else 'its busiest thread'} at {p.thread_cpu_max_ratio * 100:.0f} % of a core")
     return ", ".join(x for x in (cores, thread) if x)
