@@ -401,6 +401,9 @@ _TORCH_RULES = {
                                 "(torch.set_float32_matmul_precision('high')) or in bf16 (torch.autocast).",
     "tensor_cores_unused.complex": _COMPLEX,
     "tensor_cores_unused.gemv": _GEMV,
+    "elementwise_heavy": "Make fewer passes over memory: torch.compile fuses a chain of elementwise ops and reductions into "
+                         "one kernel that reads and writes each tensor once; write in place (x.mul_(...)) or into out= "
+                         "buffers, and keep activations in bf16 (half the bytes).",
 }
 
 _JAX_RULES = {
@@ -439,6 +442,8 @@ _JAX_RULES = {
                                 "FP32/bf16 rates: if the result does not need FP64, turn jax_enable_x64 off (or make "
                                 "the arrays float32) and allow TF32 (jax.default_matmul_precision('tensorfloat32')), "
                                 "or compute in jax.numpy.bfloat16.",
+    "elementwise_heavy": "Make fewer passes over memory: inside jax.jit, XLA fuses a chain of elementwise ops and reductions "
+                         "into one kernel; donate_argnums lets it write in place, and bf16 arrays halve the bytes.",
 }
 
 _TENSORFLOW_RULES = {
@@ -470,6 +475,8 @@ _TENSORFLOW_RULES = {
     "tensor_cores_unused.fp64": "Double-precision matrix math{at} runs at a small fraction of the tensor cores' "
                                 "FP32/bf16 rates: if the result does not need FP64, use float32 tensors (with TF32 "
                                 "allowed) or the mixed_bfloat16 policy.",
+    "elementwise_heavy": "Make fewer passes over memory: tf.function(jit_compile=True) lets XLA fuse a chain of elementwise "
+                         "ops and reductions into one kernel; mixed precision (mixed_bfloat16) halves the bytes.",
 }
 
 _CUPY_RULES = {
@@ -517,6 +524,9 @@ _CUPY_RULES = {
     "tensor_cores_unused.gemv": "Matrix-vector products{at} cannot use the tensor cores and are limited by memory "
                                 "bandwidth: batch the vectors into one matrix (one cupy.matmul for many inputs), or "
                                 "keep the matrix in float16 to halve the bytes read.",
+    "elementwise_heavy": "Make fewer passes over memory: cupy.fuse() or one cupy.ElementwiseKernel / ReductionKernel does the "
+                         "whole chain in one kernel that reads and writes each array once; pass out= to write in place, and "
+                         "float16 arrays halve the bytes.",
 }
 
 _NUMBA_RULES = {
@@ -555,6 +565,8 @@ _NUMBA_RULES = {
                                 "and Numba computes in float64 wherever a float64 array or a Python float literal "
                                 "enters: use float32 arrays and numba.float32 constants if the result does not "
                                 "need FP64.",
+    "elementwise_heavy": "Make fewer passes over memory: do the whole chain of element operations in one @cuda.jit kernel "
+                         "(each element read and written once) instead of one kernel per operation, and write in place.",
 }
 
 _TRITON_RULES = {
@@ -573,6 +585,8 @@ _TRITON_RULES = {
                                 "products with tl.dot (input_precision='tf32' for float32 inputs, or bf16/fp16 "
                                 "tiles), not with elementwise multiplies and tl.sum; library kernels take the CUDA "
                                 "fix: a TF32 compute type in cuBLAS.",
+    "elementwise_heavy": "Make fewer passes over memory: fuse the chain of element operations and the reduction into one "
+                         "Triton kernel (each block loads its tile once), and store in bf16 to halve the bytes.",
 }
 
 _CUDA_RULES = {
@@ -613,6 +627,9 @@ _CUDA_RULES = {
                                 "compute type, or in BF16.",
     "tensor_cores_unused.complex": _COMPLEX,
     "tensor_cores_unused.gemv": _GEMV,
+    "elementwise_heavy": "Make fewer passes over memory: fuse the chain of element operations into one kernel that reads and "
+                         "writes each array once (or let a compiler fuse them: nvFuser, XLA), write in place, and store in "
+                         "bf16/fp16 to halve the bytes.",
 }
 
 # As for the verdicts: what a framework says in the CUDA-level words, explicitly.
