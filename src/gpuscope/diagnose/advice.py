@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-__all__ = ["FRAMEWORKS", "NAMES", "RULES", "VERDICTS", "fixes", "frameworks_of", "leads", "rule_fix"]
+__all__ = ["FRAMEWORKS", "NAMES", "NEUTRAL", "RULES", "RULES_SAME_AS_CUDA", "SAME_AS_CUDA", "VERDICTS", "fixes",
+           "frameworks_of", "leads", "rule_fix"]
 
 #: The frameworks gpuscope._frameworks names, in the order their fixes are given; "cuda" is the CUDA-level
 #: fix, also given where the framework is not known.
@@ -59,6 +60,9 @@ _NEUTRAL = {
     "imbalance": ["One GPU does less than its peers: a straggler holds back every synchronised step. Check "
                   "its clocks and throttling, its data shard, and NCCL topology."],
 }
+
+#: The verdict kinds whose fix is the same for every framework.
+NEUTRAL = frozenset(_NEUTRAL)
 
 _CUDA_MEMORY_ACCESS = ("The SMs are busy but neither the math pipes nor DRAM are: kernels stall on memory "
                        "latency or poor access patterns. Profile the top kernels (gpuscope trace, ncu); "
@@ -337,7 +341,7 @@ _CUDA = {
 # Where a framework's own words would be the CUDA-level ones, it says so here (tests check every kind has
 # words or is listed): Numba has no tensor-core path of its own to be compute-bound on; Triton programs
 # take their data, copies and syncs from PyTorch or JAX; cuda-python is the CUDA API itself.
-_SAME_AS_CUDA = {
+SAME_AS_CUDA = {
     "numba": {"compute_bound"},
     "triton": {"compute_bound", "transfer_bound", "launch_or_sync_bound", "input_starved", "sync_bound",
                "host_bound", "memory_growth"},
@@ -346,7 +350,7 @@ _SAME_AS_CUDA = {
 
 #: Per framework, verdict kind -> its fixes ("cuda": the CUDA-level fix).
 VERDICTS: dict[str, dict[str, list[str]]] = {
-    name: {**_NEUTRAL, **{k: _CUDA[k] for k in _SAME_AS_CUDA.get(name, ())}, **own}
+    name: {**_NEUTRAL, **{k: _CUDA[k] for k in SAME_AS_CUDA.get(name, ())}, **own}
     for name, own in (("torch", _TORCH), ("jax", _JAX), ("tensorflow", _TENSORFLOW), ("cupy", _CUPY),
                       ("numba", _NUMBA), ("triton", _TRITON), ("cuda-python", {}), ("cuda", _CUDA))
 }
@@ -634,7 +638,7 @@ _CUDA_RULES = {
 
 # As for the verdicts: what a framework says in the CUDA-level words, explicitly.
 _SAME_PRECISION = {"tensor_cores_unused.fp16", "tensor_cores_unused.complex"}  # the shapes and types, not the API
-_RULES_SAME_AS_CUDA = {
+RULES_SAME_AS_CUDA = {
     "jax": {"low_occupancy.threads", "tensor_cores_unused.gemv", *_SAME_PRECISION},
     "tensorflow": {"low_occupancy.registers", "low_occupancy.shared", "low_occupancy.threads",
                    "tensor_cores_unused.gemv", *_SAME_PRECISION},
@@ -649,7 +653,7 @@ _RULES_SAME_AS_CUDA = {
 #: tensor_cores_unused by the precision of the math ("tensor_cores_unused.fp32"); {call}, {where} and {at} are
 #: filled in by the rule that names them.
 RULES: dict[str, dict[str, str]] = {
-    name: {**{k: _CUDA_RULES[k] for k in _RULES_SAME_AS_CUDA.get(name, ())}, **own}
+    name: {**{k: _CUDA_RULES[k] for k in RULES_SAME_AS_CUDA.get(name, ())}, **own}
     for name, own in (("torch", _TORCH_RULES), ("jax", _JAX_RULES), ("tensorflow", _TENSORFLOW_RULES),
                       ("cupy", _CUPY_RULES), ("numba", _NUMBA_RULES), ("triton", _TRITON_RULES),
                       ("cuda-python", {}), ("cuda", _CUDA_RULES))
