@@ -68,6 +68,14 @@ class RuleThresholds:
     #: tenth it is a few small products in a step whose time goes elsewhere.
     tensor_unused_min_share: float = 0.10
 
+    # -- passes over memory --------------------------------------------------------------------------
+    #: Elementwise / reduction kernels (longer than tiny_kernel_s) this share of the kernel time: the GPU's
+    #: work is mostly moving bytes at a few operations each (the cut gemm_min_share makes for matrix math);
+    #: a training step's optimizer and activations take a third or so, a healthy mix.
+    elementwise_min_kernel_share: float = 0.6
+    #: ... and this share of the traced time (as tensor_unused_min_share): less is not where the time goes.
+    elementwise_min_share: float = 0.10
+
     # -- verdicts (`gpuscope.trace.verdicts`): one bottleneck per GPU from the evidence above -------
     #: Copies busy this share of the GPU's active span, longer than its kernels: transfer-bound.
     transfer_min_share: float = 0.5

@@ -2,7 +2,8 @@
 
 Modelled on Nsight Systems' expert rules (pageable async memcpy, synchronous memcpy/memset, sync APIs,
 GPU gaps) plus what a PyTorch trace shows that Nsight's do not: syncs repeated from one line, storms of
-tiny launch-bound kernels, low-occupancy hot kernels. Thresholds: `gpuscope.trace.rule_thresholds`.
+tiny launch-bound kernels, low-occupancy hot kernels, matrix math off the tensor cores, kernel time spent
+in passes over memory (elementwise chains to fuse). Thresholds: `gpuscope.trace.rule_thresholds`.
 
     >>> from gpuscope.trace.kineto import load
     >>> for f in findings(load("tests/fixtures/traces/sync_heavy.pt.trace.json.gz")):
@@ -448,6 +449,41 @@ def _tensor_cores_unused(ctx: _Context) -> list[Finding]:
         locs, advice.rule_fix(f"tensor_cores_unused.{what}", ctx.frameworks, at=at))]
 
 
+# Kernels that pass over memory once per op: PyTorch's elementwise and reduction kernels, CuPy's generated
+# ElementwiseKernel / ReductionKernel ones (cupy_<op>__<types>), Eigen's (TensorFlow).
+_ELEMENTWISE = re.compile(r"elementwise|reduce_kernel|vectorized|unrolled|^cupy_|eigenmetakernel", re.IGNORECASE)
+
+
+def _elementwise_heavy(ctx: _Context) -> list[Finding]:
+    ev, th = ctx.ev, ctx.th
+    kernels = ctx.rows(EventKind.KERNEL)
+    kernel_ns = float(ev["dur_ns"][kernels].sum())
+    if kernel_ns <= 0:
+        return []
+    # The short ones are tiny_kernel_storm's: launch cost, not bandwidth, limits them.
+    rows = ctx.named(kernels[ev["dur_ns"][kernels] >= th.tiny_kernel_s * 1e9], lambda n: bool(_ELEMENTWISE.search(n)))
+    seconds = float(ev["dur_ns"][rows].sum()) / 1e9
+    if (len(rows) == 0 or seconds * 1e9 / kernel_ns < th.elementwise_min_kernel_share
+            or ctx.share(seconds) < th.elementwise_min_share):
+        return []
+    by_name: Counter[str] = Counter()
+    for r in rows.tolist():
+        by_name[ctx.trace.name_of(r)] += int(ev["dur_ns"][r])
+    median_us = float(np.median(ev["dur_ns"][rows])) / 1e3
+    locs = ctx.locations(lr for lr in (ctx.stacks.launcher(r) for r in rows.tolist()) if lr >= 0)
+    return [Finding(
+        "elementwise_heavy", ctx.severity(seconds),
+        f"{len(rows)} elementwise / reduction kernels (median {median_us:.0f} µs) took {seconds * 1e3:.1f} ms "
+        f"({ctx.share(seconds):.0%} of the traced time, {seconds * 1e9 / kernel_ns:.0%} of the kernel time): each "
+        "reads and writes whole tensors for a few operations per element, so memory bandwidth, not math, limits "
+        f"them; mostly {tensor_cores.short_name(by_name.most_common(1)[0][0])}{_where(locs)}.",
+        {"launches": len(rows), "seconds": seconds, "share": ctx.share(seconds),
+         "kernel_time_share": seconds * 1e9 / kernel_ns, "median_kernel_us": median_us,
+         "kernels": {name: ns / 1e9 for name, ns in by_name.most_common(5)},
+         "note": "A trace has no counters: how close DRAM runs to its peak is for `gpuscope diagnose` to say."},
+        locs, advice.rule_fix("elementwise_heavy", ctx.frameworks))]
+
+
 _RULES: tuple[Callable[[_Context], list[Finding]], ...] = (
     _pageable_memcpy, _sync_memcpy, _sync_memset, _sync_in_loop, _gpu_gaps, _tiny_kernel_storm, _low_occupancy,
-    _tensor_cores_unused)
+    _tensor_cores_unused, _elementwise_heavy)
