@@ -144,13 +144,54 @@ def windows_from_store(store: Any, start_ns: int, end_ns: int, step_s: float | N
                   for k in (*SERIES, _HEALTHY)}
         health = [h for h in series[_HEALTHY] if h is not None]
         g = ident.get(gpu)
-        out.append(GpuWindow(gpu, times, series,
+        out.append(_StoreWindow(gpu, times, series,
                              memory_total_bytes=float(g.memory_total_bytes) if g is not None else None,
                              sm_clock_max_hertz=g.sm_clock_max_hertz if g is not None else None,
                              healthy=not health or health[-1] != 0.0,  # as live: the state at the end
-                             processes=procs.get(gpu, []), events=events.get(gpu, []),
-                             name=g.name if g is not None else ""))
+                             processes=[v for ps in procs.get(gpu, []) if (v := _view(ps, -math.inf, math.inf))],
+                             events=events.get(gpu, []), name=g.name if g is not None else "",
+                             process_series=procs.get(gpu, [])))
     return out
+
+
+#: ProcessView attribute -> the per-process series it is read from; GPU memory is the most in the window.
+_PROCESS_SERIES = (("gpu_memory_bytes", "gpu_process_memory_used_bytes"), ("cpu_cores", "process_cpu_cores"),
+                   ("thread_cpu_max_ratio", "process_thread_cpu_max_ratio"), ("threads_busy", "process_threads_busy"),
+                   ("sm_ratio", "gpu_process_sm_active_ratio"), ("utilization_ratio", "gpu_process_utilization_ratio"))
+
+
+@dataclass
+class _ProcessSeries:
+    """One process of a GPU over the range: its series, as (seconds, values) per ProcessView attribute."""
+
+    pid: int
+    name: str
+    cols: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+
+
+@dataclass
+class _StoreWindow(GpuWindow):
+    """A GPU's window read from the store, with its processes' series: a slice of it holds the processes seen
+    in the slice, with their figures over the slice."""
+
+    process_series: list[_ProcessSeries] = field(default_factory=list)
+
+
+def _view(ps: _ProcessSeries, a: float, b: float) -> ProcessView | None:
+    """The process over [a, b) seconds: medians (GPU memory: the most), None where it has no sample there."""
+    v = ProcessView(ps.pid, ps.name)
+    seen = False
+    for attr, (ts, vals) in ps.cols.items():
+        keep = vals[(ts >= a) & (ts < b)]
+        if not len(keep):
+            continue
+        seen = True
+        value = float(keep.max() if attr == "gpu_memory_bytes" else np.median(keep))
+        setattr(v, attr, int(value + 0.5) if attr == "threads_busy" else value)
+        if attr == "gpu_memory_bytes":
+            inside = (ts >= a) & (ts < b)
+            v.memory = [(float(t), float(x)) for t, x in zip(ts[inside], vals[inside], strict=True)]
+    return v if seen else None
 
 
 _HEALTHY = "gpu_healthy"
@@ -213,31 +254,34 @@ def _diagnose_window(windows: list[GpuWindow], a_ns: int, b_ns: int, th: Thresho
     return out
 
 
-def _processes(store: Any, start_ns: int, end_ns: int, step: float) -> dict[str, list[ProcessView]]:
-    """Per GPU, the processes seen in the range with their mean CPU numbers over the range."""
-    views: dict[tuple[str, str], ProcessView] = {}
-    for metric, attr in (("gpu_process_memory_used_bytes", "gpu_memory_bytes"), ("process_cpu_cores", "cpu_cores"),
-                         ("process_thread_cpu_max_ratio", "thread_cpu_max_ratio")):
+def _processes(store: Any, start_ns: int, end_ns: int, step: float) -> dict[str, list[_ProcessSeries]]:
+    """Per GPU, the processes seen in the range with their CPU, busy threads, SM share and GPU memory series."""
+    found: dict[tuple[str, str], _ProcessSeries] = {}
+    for attr, metric in _PROCESS_SERIES:
         for r in store.query(metric, start_ns, end_ns, step, agg="mean"):
             gpu, pid = r.labels.get("gpu", ""), r.labels.get("pid", "")
             if not pid.isdigit():
                 continue
-            vals = np.asarray(r.values, dtype=float)
-            vals = vals[~np.isnan(vals)]
-            if not len(vals):
+            ts, vals = np.asarray(r.timestamps_ns, dtype=float) / 1e9, np.asarray(r.values, dtype=float)
+            ok = ~np.isnan(vals)
+            if not ok.any():
                 continue
-            v = views.setdefault((gpu, pid), ProcessView(int(pid), r.labels.get("process", "")))
-            setattr(v, attr, float(vals.max() if attr == "gpu_memory_bytes" else np.median(vals)))
-    out: dict[str, list[ProcessView]] = {}
-    for (gpu, _), v in sorted(views.items()):
-        out.setdefault(gpu, []).append(v)
+            ps = found.setdefault((gpu, pid), _ProcessSeries(int(pid), r.labels.get("process", "")))
+            ps.cols[attr] = (ts[ok], vals[ok])
+    out: dict[str, list[_ProcessSeries]] = {}
+    for (gpu, _), ps in sorted(found.items(), key=lambda kv: (kv[0][0], int(kv[0][1]))):
+        out.setdefault(gpu, []).append(ps)
     return out
 
 
 def _slice(w: GpuWindow, a: float, b: float) -> GpuWindow:
+    """The window's part in [a, b) seconds, with the processes seen there (their figures over it)."""
     i0, i1 = bisect_left(w.times, a), bisect_left(w.times, b)  # times are sorted: [a, b)
+    procs = w.processes
+    if isinstance(w, _StoreWindow):
+        procs = [v for v in (_view(ps, a, b) for ps in w.process_series) if v is not None]
     return GpuWindow(w.gpu, w.times[i0:i1], {k: v[i0:i1] for k, v in w.series.items()}, w.memory_total_bytes,
-                     w.sm_clock_max_hertz, w.healthy, w.processes,
+                     w.sm_clock_max_hertz, w.healthy, procs,
                      [e for e in w.events if a <= e.time_ns / 1e9 < b], w.name)
 
 
