@@ -45,9 +45,10 @@ _SIMT = re.compile(r"simt|[sdcz]gemm|gemmsn|gemmk1|gemv|wgrad_alg\d|dgrad_engine
                    r"convolve_common_engine_float|winograd")
 # Matrix math whose name says neither.
 _MATMUL = re.compile(r"gemm|matmul|conv(?!ert)|wgrad|dgrad|fprop|xmma")
-# Kernels around the matrix math, not the math: split-K reductions, layout changes, copies, casts.
+# Kernels around the matrix math, not the math: split-K reductions, layout changes, copies, casts, cuDNN's
+# workspace set-up.
 _HELPERS = re.compile(r"splitkreduce|reduce_kernel|elementwise|nchwtonhwc|nhwctonchw|transpose|memset|memcpy|"
-                      r"scal_kernel|axpy|copy_kernel|convert|fill_kernel")
+                      r"scal_kernel|axpy|copy_kernel|convert|fill_kernel|workspace")
 
 
 @lru_cache(maxsize=8192)
