@@ -15,7 +15,7 @@ from ..sampler import Sampler, SamplerConfig
 from ._store import with_store
 
 HELP = "name each GPU's bottleneck, with the evidence and what to change"
-DESCRIPTION = 'Samples the GPUs for --seconds (or a simulated node), then gives each GPU a verdict: compute-, memory-, transfer-, launch/sync-bound, input-starved, idle but allocated, throttled, memory growth, hardware errors; with the numbers behind it and a concrete fix.'
+DESCRIPTION = 'Samples the GPUs for --seconds (or a simulated node), then gives each GPU a verdict: compute-, memory-, transfer-, launch/sync-bound, input-starved, idle but allocated, throttled, memory growth, hardware errors; with the numbers behind it and a concrete fix. A GPU that several processes share also gets a verdict per process (indented under it, with its pid).'
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -95,6 +95,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"{mark} GPU {v['gpu']:<5} {v['kind']:<22} {v['summary']}")
         for r in v["recommendations"][:1] if v["kind"] not in ("healthy", "idle") else []:
             print(f"{'':31}-> {r}")
+        for pv in v.get("processes") or []:  # a shared GPU: each process's own verdicts
+            mark = {"critical": "!!", "warning": "! ", "info": "  "}[pv["severity"]]
+            print(f"{mark}   {'pid ' + str(pv['pid']):<13} {pv['kind']:<22} {pv['summary']}")
+            for r in pv["recommendations"][:1] if pv["kind"] not in ("healthy", "idle") else []:
+                print(f"{'':40}-> {r}")
     return EXIT_OK
 
 
