@@ -161,3 +161,20 @@ def test_every_matrix_kernel_of_the_golden_traces_is_told():
 ])
 def test_precision_from_the_name(name, expected):
     assert tensor_cores.precision(name) == expected
+
+
+def test_the_readme_maps_every_metric_verdict_to_a_trace_counterpart():
+    """The README's verdict -> trace table is closed: every metric verdict has a row, every rule it names exists."""
+    import re
+
+    from gpuscope.diagnose.rules import ADVICE
+    from gpuscope.trace import rules
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = text.split("<!-- verdict-to-trace -->", 1)[1].split("<!-- /verdict-to-trace -->", 1)[0]
+    rows = dict(re.findall(r"^\| `(\w+)` \| (.+) \|$", table, re.MULTILINE))
+    assert set(rows) == set(ADVICE)
+    named = {r for cell in rows.values() for r in re.findall(r"rules? ((?:`\w+`(?:, )?)+)", cell) for r in
+             re.findall(r"`(\w+)`", r)}
+    have = {f.__name__.lstrip("_") for f in rules._RULES}
+    assert named == have, (named - have, have - named)  # each rule it names exists; every rule answers a verdict
