@@ -29,6 +29,8 @@ the agent's /ui/api/overview and the Prometheus-backed dashboard.
       "gpu_memory_bytes", "sm_ratio", "cpu_cores", "rss_bytes": float | None,
       "container": str, "pod": str, "namespace": str, "started_at": float | None,
       "ppid": int | None,                 # parent pid when known (for the tree view)
+      "verdict": {"kind", "severity", "confidence", "summary"} | None,   # its own on a shared GPU (the GPU
+                                          # verdict's `processes`); on a GPU it has alone, the GPU's
     }
 """
 
@@ -93,10 +95,15 @@ def from_snapshot(snapshot: Any, verdicts: Iterable[Any] = (), *, source: str = 
     host = host or snap.get("hostname") or os.uname().nodename
     primary: dict[str, dict[str, Any]] = {}
     side: dict[str, list[dict[str, Any]]] = {}
+    own: dict[tuple[str, int], dict[str, Any]] = {}  # (gpu, pid) -> its own verdict on a shared GPU
     for v in verdicts:
         d = v if isinstance(v, dict) else _asdict(v)
         gpu = str(d.get("gpu"))
         if d.get("primary", True):
+            if gpu not in primary:
+                for pv in d.get("processes") or []:
+                    if pv.get("primary", True) and isinstance(pv.get("pid"), int):
+                        own.setdefault((gpu, pv["pid"]), verdict_dict(pv))
             primary.setdefault(gpu, verdict_dict(d))
         else:
             side.setdefault(gpu, []).append({"kind": d.get("kind"), "severity": d.get("severity", "info"),
@@ -122,6 +129,10 @@ def from_snapshot(snapshot: Any, verdicts: Iterable[Any] = (), *, source: str = 
             "allocation": _allocation(values, g.get("allocated_to") or []),
         })
     procs = []
+    alone: dict[str, bool] = {}  # GPUs with one process: its verdict is the GPU's
+    for p in snap.get("processes", []):
+        label = str(p.get("gpu"))
+        alone[label] = label not in alone
     for p in snap.get("processes", []):
         label = str(p.get("gpu"))
         pid = int(p["pid"])
@@ -133,6 +144,7 @@ def from_snapshot(snapshot: Any, verdicts: Iterable[Any] = (), *, source: str = 
             "container": p.get("container", ""), "pod": p.get("pod", ""), "namespace": p.get("namespace", ""),
             "started_at": p.get("started_at"),
             "ppid": _ppid(pid) if with_ppid and p.get("host_visible", True) and not snap.get("simulated") else None,
+            "verdict": own.get((label, pid)) or (primary.get(label) if alone[label] else None),
         })
     host_values = (snap.get("host") or {}).get("values") or {}
     return {"source": source, "simulated": snap.get("simulated"), "time_ns": int(snap.get("time_ns") or time.time_ns()),
