@@ -357,6 +357,8 @@ def _proc_cols(width: int) -> list[tuple[str, int, str]]:
     cols.append(("ELAPSED", 8, ">"))
     if width >= 110:
         cols.append(("CONTAINER/POD", 18, "<"))
+    if width >= 120:  # the process's own verdict on a shared GPU, the GPU's where it is alone
+        cols.append(("VERDICT", 20, "<"))
     used = sum(w + 1 for _, w, _ in cols)
     cols.append(("COMMAND", max(8, width - used), "<"))
     return cols
@@ -371,6 +373,7 @@ def proc_line(prefix: str, p: dict[str, Any], width: int, now_s: float | None = 
         "CPU%": "-" if cpu is None else f"{cpu * 100:.0f}%", "RSS": gib(p.get("rss_bytes"), " GiB"),
         "ELAPSED": elapsed(None if started is None or now_s is None else now_s - started),
         "CONTAINER/POD": printable(p.get("pod") or p.get("container") or "-"),
+        "VERDICT": printable((p.get("verdict") or {}).get("kind") or "-"),
         "COMMAND": prefix + printable(p["command"] or p["name"] or "?"),
     }
     parts = []
