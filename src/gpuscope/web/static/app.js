@@ -305,6 +305,7 @@
   function renderProcesses(ov) {
     const { key, asc } = state.sort;
     const procs = ov.processes.filter((p) => !state.gpus.length || state.gpus.includes(p.gpu_key));
+    for (const p of procs) p.verdict_kind = p.verdict ? p.verdict.kind : null;  // sortable like the other columns
     procs.sort((a, b) => {
       const x = a[key], y = b[key];
       const c = (x === null || x === undefined) - (y === null || y === undefined) ||
@@ -323,11 +324,21 @@
       tr.append(el("td", "num", String(p.pid)), el("td", "", p.user || "—"), cmd, el("td", "", p.gpu_key),
         el("td", "num", fmt(p.gpu_memory_bytes, "bytes")), el("td", "num", fmt(pct(p.sm_ratio), "pct")),
         el("td", "num", fmt(pct(p.cpu_cores), "pct")), el("td", "num", fmt(p.rss_bytes, "bytes")),
-        el("td", "", [p.container, p.pod && (p.namespace ? p.namespace + "/" : "") + p.pod].filter(Boolean).join(" · ") || "—"));
+        el("td", "", [p.container, p.pod && (p.namespace ? p.namespace + "/" : "") + p.pod].filter(Boolean).join(" · ") || "—"),
+        verdictCell(p.verdict));
       frag.appendChild(tr);
     }
     body.replaceChildren(frag);
     $("#proc-count").textContent = "(" + procs.length + ")";
+  }
+
+  // A process's verdict: its kind, coloured by severity; the summary (what limits it and why) on hover.
+  function verdictCell(v) {
+    const td = el("td", "verdict-cell");
+    if (!v) { td.textContent = "—"; return td; }
+    td.appendChild(el("span", "sev-" + v.severity, v.kind.replace(/_/g, " ")));
+    td.title = v.summary || "";
+    return td;
   }
 
   // -- alerts ----------------------------------------------------------------------------------------
