@@ -52,6 +52,8 @@ class _Proc:
     last_s: float | None = None
     cpu: _Stats = field(default_factory=_Stats)
     thread: _Stats = field(default_factory=_Stats)
+    busy: _Stats = field(default_factory=_Stats)  # threads at half a core or more
+    busy_threads: list[Any] = field(default_factory=list)  # the latest non-empty list (ThreadCpu)
     rss_max_bytes: float | None = None
     from_tree: bool = False  # CPU figures come from our own tree reads, not the sampler's
     frameworks: tuple[str, ...] = ()  # from its GPU process records (read once it held a CUDA context)
@@ -61,12 +63,30 @@ class _Proc:
         self.last_s = t if self.last_s is None else max(self.last_s, t)
 
 
+#: What a process's series on a GPU keeps per read: the figures the diagnosis reads (gpuscope.diagnose.windows).
+SERIES_FIELDS = ("sm_ratio", "utilization_ratio", "cpu_cores", "thread_cpu_max_ratio", "threads_busy",
+                 "gpu_memory_bytes")
+#: Reads kept per process and GPU; beyond, every other one goes (the series keeps its span, at half the rate).
+MAX_SERIES_POINTS = 4096
+
+
 @dataclass
 class _GpuUse:
     first_s: float
     last_s: float
     memory_max_bytes: float | None = None
     sm: _Stats = field(default_factory=_Stats)
+    # one row per read of the process: (seconds since the run began, *SERIES_FIELDS), for replaying its verdicts
+    series: list[tuple[float | None, ...]] = field(default_factory=list)
+
+    def add(self, t: float, rec: Any) -> None:
+        self.series.append((t, *(getattr(rec, f, None) for f in SERIES_FIELDS)))
+        if len(self.series) > MAX_SERIES_POINTS:
+            self.series = self.series[::2]
+
+    def columns(self) -> dict[str, list[Any]]:
+        cols = list(zip(*self.series, strict=True)) if self.series else [()] * (len(SERIES_FIELDS) + 1)
+        return {"t": list(cols[0]), **{f: list(c) for f, c in zip(SERIES_FIELDS, cols[1:], strict=True)}}
 
 
 class RunProcesses:
@@ -122,6 +142,8 @@ class RunProcesses:
                 p.seen(t)
                 p.cpu.add(info.cpu_cores)
                 p.thread.add(info.thread_cpu_max_ratio)
+                p.busy.add(info.threads_busy)
+                p.busy_threads = list(info.busy_threads or []) or p.busy_threads
                 if info.rss_bytes is not None:
                     p.rss_max_bytes = max(p.rss_max_bytes or 0.0, info.rss_bytes)
         self._reader.forget({pid for pid, info in infos if info is not None})
@@ -158,6 +180,8 @@ class RunProcesses:
                 if not p.from_tree:
                     p.cpu.add(rec.cpu_cores)
                     p.thread.add(rec.thread_cpu_max_ratio)
+                    p.busy.add(rec.threads_busy)
+                    p.busy_threads = list(rec.busy_threads) or p.busy_threads
                     if rec.rss_bytes is not None:
                         p.rss_max_bytes = max(p.rss_max_bytes or 0.0, rec.rss_bytes)
                 u = self._gpu.get((rec.pid, rec.gpu))
@@ -167,6 +191,7 @@ class RunProcesses:
                 if rec.gpu_memory_bytes is not None:
                     u.memory_max_bytes = max(u.memory_max_bytes or 0.0, rec.gpu_memory_bytes)
                 u.sm.add(rec.sm_ratio)
+                u.add(t, rec)
                 if ours:
                     if self.gpu_start_s is None:
                         self.gpu_start_s = t
@@ -186,7 +211,8 @@ class RunProcesses:
     # -- the table ------------------------------------------------------------------------------
     def table(self) -> list[dict[str, Any]]:
         """One row per process and GPU it used (a run process that used none gets one row with
-        gpu None): the run's first, then other users', each by pid."""
+        gpu None): the run's first, then other users', each by pid. A GPU row has the process's reads on
+        that GPU as `series` (t and SERIES_FIELDS, bounded), so its verdicts can be replayed."""
         rows = []
         with self._lock:
             uses: dict[int, list[tuple[str, _GpuUse]]] = {}
@@ -196,14 +222,17 @@ class RunProcesses:
                 base = {"pid": pid, "ours": p.ours, "name": p.name, "user": p.user, "cmdline": p.cmdline,
                         "first_seen_s": p.first_s, "last_seen_s": p.last_s, "cpu_cores_mean": p.cpu.mean,
                         "cpu_cores_max": p.cpu.hi, "thread_cpu_max_ratio": p.thread.hi,
+                        "threads_busy_mean": p.busy.mean, "threads_busy_max": p.busy.hi,
+                        "busy_threads": [{"tid": b.tid, "name": b.name, "cpu_ratio": b.cpu_ratio} for b in p.busy_threads],
                         "rss_max_bytes": p.rss_max_bytes, "frameworks": list(p.frameworks)}
                 per_gpu = sorted(uses.get(pid, []), key=lambda gu: gu[0])
                 if not per_gpu:
                     rows.append({**base, "gpu": None, "gpu_first_seen_s": None, "gpu_memory_max_bytes": None,
-                                 "sm_ratio_mean": None})
+                                 "sm_ratio_mean": None, "series": None})
                 for gpu, u in per_gpu:
                     rows.append({**base, "gpu": gpu, "gpu_first_seen_s": u.first_s,
-                                 "gpu_memory_max_bytes": u.memory_max_bytes, "sm_ratio_mean": u.sm.mean})
+                                 "gpu_memory_max_bytes": u.memory_max_bytes, "sm_ratio_mean": u.sm.mean,
+                                 "series": u.columns()})
         rows.sort(key=lambda r: (not r["ours"], r["pid"], r["gpu"] or ""))
         return rows
 
