@@ -25,8 +25,11 @@ __all__ = ["NoFleetData", "Progress", "build"]
 
 #: Windows the range is cut into to read each host's scrape step (a gap spoils only the windows it touches).
 STEP_WINDOWS = 16
-#: Subqueries evaluate at most this many steps (VictoriaMetrics refuses more than 100,000 per series).
-MAX_SUBQUERY_STEPS = 11_000
+#: Subqueries evaluate at most this many steps: a week at 5 minutes. Their cost is steps x series (a
+#: Prometheus evaluates about a million series-steps a second on a core); the recording rules cost none.
+MAX_SUBQUERY_STEPS = 2_000
+#: Sub-steps per plot bucket of the plots' subqueries.
+PLOT_SUBSTEPS = 4
 PLOT_POINTS = 240
 #: The recorded series are read instead of subqueries when they cover this share of the observed time.
 RECORDED_COVERAGE = 0.98
@@ -201,19 +204,23 @@ def _iso(t: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
 
 
-def _window(steps: Mapping[str, float], range_s: float) -> q.Window:
+def _window(steps: Mapping[str, float], range_s: float, names: set[str]) -> q.Window:
     fine, coarse = min(steps.values()), max(steps.values())
     resolution = max(fine, range_s / MAX_SUBQUERY_STEPS)
-    return q.Window(range_s=range_s, resolution_s=resolution, fresh_s=1.5 * coarse,
-                    step_s=max(range_s / PLOT_POINTS, fine))
+    plot_step = max(range_s / PLOT_POINTS, fine)
+    k8s, procs = "gpu_allocation_state" in names, "gpu_process_memory_used_bytes" in names
+    allocation = "both" if k8s == procs else "kubernetes" if k8s else "processes"
+    return q.Window(range_s=range_s, resolution_s=resolution, fresh_s=1.5 * coarse, step_s=plot_step,
+                    plot_resolution_s=max(resolution, plot_step / PLOT_SUBSTEPS), allocation=allocation)
 
 
-def _instant_plan(by: str, w: q.Window, names: set[str], end_s: float) -> dict[str, tuple[str, float | None]]:
+def _instant_plan(by: str, w: q.Window, names: set[str], end_s: float, source: str,
+                  ) -> dict[str, tuple[str, float | None]]:
     labels = q.group_labels(by)
     plan: dict[str, tuple[str, float | None]] = {}
     for name in q.INSTANT:
         plan[name] = (q.instant_expr(name, labels, w), end_s)
-    if q.RECORDED["observed"] in names:
+    if q.RECORDED["observed"] in names and source != "raw":
         plan["recorded_observed"] = (q.recorded_expr("observed", labels, w), end_s)
     return plan
 
@@ -250,10 +257,10 @@ def build(client: Client, start_s: float, end_s: float, by: str, prices: Prices,
                           f"and {_iso(end_s)} to tell the scrape step: choose a longer range.")
     if progress:
         progress(2, total, "scrape steps")
-    w = _window(steps, end_s - start_s)
-    answers = _run_all(client, _instant_plan(by, w, names, end_s), progress, 2, total)
+    w = _window(steps, end_s - start_s, names)
+    answers = _run_all(client, _instant_plan(by, w, names, end_s, source), progress, 2, total)
     rule_steps: dict[str, float] = {}
-    if "recorded_observed" in answers and source != "raw":
+    if "recorded_observed" in answers:
         rule_steps = scrape_steps(client, q.RECORDED["observed"], start_s, end_s)
     recorded = _recorded_cover(answers, steps, rule_steps)
     if source == "recorded" and not recorded:
@@ -278,7 +285,8 @@ def build(client: Client, start_s: float, end_s: float, by: str, prices: Prices,
         "scrape_step_s": dict(sorted(steps.items())),
         "subquery_resolution_s": None if recorded else w.resolution_s,
         "rule_interval_s": dict(sorted(rule_steps.items())) if recorded else None,
-        "plots": plots, "stragglers": stragglers, "queries": client.requests, "query_seconds": round(time.monotonic() - t0, 3),
+        "plots": plots, "stragglers": stragglers, "queries": client.requests,
+        "query_seconds": round(time.monotonic() - t0, 3),
     })
     return report
 
@@ -326,7 +334,7 @@ def _plots(client: Client, w: q.Window, recorded: bool, start_s: float, end_s: f
         sums: list[float | None] = [None] * len(t)
         for r in client.query_range(expr, first, end_s, w.step_s):
             host = r.get("metric", {}).get("hostname", "")
-            s = w.resolution_s if per_step is None else per_step.get(host)
+            s = (w.plot_resolution_s or w.resolution_s) if per_step is None else per_step.get(host)
             if s is None:
                 continue
             for ts, v in r.get("values") or []:
@@ -466,10 +474,16 @@ def _money(f: Figures, model: str, prices: Prices) -> None:
 def _assemble(rows: dict[tuple[str, str, str], tuple[str, Figures]], answers: Mapping[str, list[dict[str, Any]]],
               by: str, prices: Prices, steps: Mapping[str, float], w: q.Window) -> dict[str, Any]:
     groups: dict[str, Figures] = defaultdict(Figures)
-    fleet = Figures()
-    for (_, _, group), (model, f) in rows.items():
+    per_gpu: dict[tuple[str, str], tuple[str, Figures]] = {}
+    for (host, gpu, group), (model, f) in rows.items():
         _money(f, model, prices)
         groups[group].add(f)
+        per_gpu.setdefault((host, gpu), (model, Figures()))[1].add(f)
+    # The fleet's money is each GPU's, whatever the grouping: a GPU's waste is its allocated time the SMs did
+    # not use, not the sum of its groups' (clamped at 0 each, they can differ where a GPU worked unallocated).
+    fleet = Figures()
+    for model, f in per_gpu.values():
+        _money(f, model, prices)
         fleet.add(f)
     ranked = sorted(groups.items(), key=lambda kv: (-kv[1].wasted, -kv[1].unallocated_cost, kv[0]))
     out_groups = []

@@ -16,7 +16,7 @@ figure (never the last value carried over the server's 5-minute lookback, never 
     last_over_time(gpu_info[22500ms])
     >>> w = Window(range_s=7 * 86400, resolution_s=15, fresh_s=22.5, step_s=2520)
     >>> print(instant_expr("energy", group_labels("namespace"), w))
-    sum by (hostname, gpu, model, namespace) (increase(gpu_energy_joules_total[604800s]))
+    sum by (hostname, gpu, model, namespace) (increase(gpu_energy_joules_total[604799999ms]))
 """
 
 from __future__ import annotations
@@ -59,12 +59,23 @@ RECORDED = {
 @dataclass(frozen=True)
 class Window:
     """The range (seconds, ending at the query's time), the subqueries' resolution, the freshness window of
-    a sample (1.5 scrape steps), and the step of the plots' range queries."""
+    a sample (1.5 scrape steps), the step of the plots' range queries and the resolution of their
+    subqueries; `allocation` says which series can tell who holds a GPU in this range ("both" where unknown,
+    as in the recording rules; "kubernetes" or "processes" where the other is not there at all)."""
 
     range_s: float
     resolution_s: float
     fresh_s: float
     step_s: float
+    plot_resolution_s: float | None = None
+    allocation: str = "both"
+
+    @property
+    def window(self) -> str:
+        """The range as a selector's window: 1 ms short, so that a sample exactly at the range's start (one
+        scrape before the first of an N-step range) is not counted where a server's windows are closed at
+        both ends (Prometheus 2)."""
+        return duration(self.range_s - 0.001)
 
 
 def group_labels(by: str) -> tuple[str, ...]:
@@ -82,20 +93,24 @@ def _fresh(metric: str, fresh_s: float, matchers: str = "") -> str:
         f"last_over_time({metric}[{duration(fresh_s)}])"
 
 
-def allocated_expr(fresh_s: float) -> str:
+def allocated_expr(fresh_s: float, allocation: str = "both") -> str:
     """1 for each GPU (hostname, gpu) that someone holds now: on Kubernetes, a pod (allocated_idle,
     in_use_by_pod) or a process outside Kubernetes (in_use_outside_kubernetes); elsewhere (no
-    gpu_allocation_state for the GPU), any process on it."""
+    gpu_allocation_state for the GPU), any process on it. `allocation`: "kubernetes" or "processes" drops
+    the part whose series the range does not hold at all (the same answer, cheaper)."""
     states = f'state=~"{regex_alternation(ALLOCATED_STATES)}"'
     k8s = f"max by (hostname, gpu) ({_fresh('gpu_allocation_state', fresh_s, states)}) == 1"
-    procs = (f"group by (hostname, gpu) ({_fresh('gpu_process_memory_used_bytes', fresh_s)}) "
-             f"unless on (hostname, gpu) {_fresh('gpu_allocation_state', fresh_s)}")
-    return f"(({k8s}) or on (hostname, gpu) ({procs}))"
+    procs = f"group by (hostname, gpu) ({_fresh('gpu_process_memory_used_bytes', fresh_s)})"
+    if allocation == "kubernetes":
+        return f"({k8s})"
+    if allocation == "processes":
+        return f"({procs})"
+    return f"(({k8s}) or on (hostname, gpu) ({procs} unless on (hostname, gpu) {_fresh('gpu_allocation_state', fresh_s)}))"
 
 
-def _idle_expr(fresh_s: float) -> str:
+def _idle_expr(fresh_s: float, allocation: str = "both") -> str:
     sm = _fresh("gpu_sm_active_ratio", fresh_s)
-    return f"((({sm} < bool {SM_IDLE:g}) == 1) and on (hostname, gpu) {allocated_expr(fresh_s)})"
+    return f"((({sm} < bool {SM_IDLE:g}) == 1) and on (hostname, gpu) {allocated_expr(fresh_s, allocation)})"
 
 
 def _user_share(fresh_s: float) -> str:
@@ -103,22 +118,22 @@ def _user_share(fresh_s: float) -> str:
     return f"(({procs} > bool 0) / on (hostname, gpu) group_left () count by (hostname, gpu) ({procs}))"
 
 
-def step_expr(name: str, fresh_s: float) -> str:
+def step_expr(name: str, fresh_s: float, allocation: str = "both") -> str:
     """The per-step expression `name` (a key of STEP): a series per GPU (or per GPU and user) whose value,
     summed over the steps of a range and multiplied by the step, is seconds."""
     if name == "observed":  # gpu_info is 1 while the GPU is scraped
         return _fresh("gpu_info", fresh_s)
     if name == "allocated":
-        return f"({_fresh('gpu_info', fresh_s)} and on (hostname, gpu) {allocated_expr(fresh_s)})"
+        return f"({_fresh('gpu_info', fresh_s)} and on (hostname, gpu) {allocated_expr(fresh_s, allocation)})"
     if name == "idle_allocated":
-        return _idle_expr(fresh_s)
+        return _idle_expr(fresh_s, allocation)
     if name == "user_share":
         return _user_share(fresh_s)
     if name == "user_sm_active":
         sm = f"max by (hostname, gpu) ({_fresh('gpu_sm_active_ratio', fresh_s)})"
         return f"({_user_share(fresh_s)} * on (hostname, gpu) group_left () {sm})"
     if name == "user_idle":
-        idle = f"max by (hostname, gpu) ({_idle_expr(fresh_s)})"
+        idle = f"max by (hostname, gpu) ({_idle_expr(fresh_s, allocation)})"
         return f"({_user_share(fresh_s)} * on (hostname, gpu) group_left () {idle})"
     raise KeyError(name)
 
@@ -128,13 +143,13 @@ STEP = tuple(RECORDED)
 
 def subquery_expr(name: str, labels: tuple[str, ...], w: Window) -> str:
     """Step-sum of `name` over the range, by `labels` (raw series: a subquery at the resolution)."""
-    return (f"sum by ({_by(labels)}) (sum_over_time({step_expr(name, w.fresh_s)}"
-            f"[{duration(w.range_s)}:{duration(w.resolution_s)}]))")
+    return (f"sum by ({_by(labels)}) (sum_over_time({step_expr(name, w.fresh_s, w.allocation)}"
+            f"[{w.window}:{duration(w.resolution_s)}]))")
 
 
 def recorded_expr(name: str, labels: tuple[str, ...], w: Window) -> str:
     """Step-sum of `name` over the range, by `labels`, from its recorded series (no subquery)."""
-    return f"sum by ({_by(labels)}) (sum_over_time({RECORDED[name]}[{duration(w.range_s)}]))"
+    return f"sum by ({_by(labels)}) (sum_over_time({RECORDED[name]}[{w.window}]))"
 
 
 #: The instant queries at the range's end, each over the whole range: name -> (template, extra labels).
@@ -155,13 +170,13 @@ INSTANT: dict[str, tuple[str, tuple[str, ...]]] = {
 
 def instant_expr(name: str, labels: tuple[str, ...], w: Window) -> str:
     template, _ = INSTANT[name]
-    return template.format(by=_by(labels), R=duration(w.range_s))
+    return template.format(by=_by(labels), R=w.window)
 
 
 def steps_expr(metric: str, window_s: float) -> str:
     """Samples per host in each window: the densest of its GPUs' series (a series split by a pod's label
     change counts less in the window it changes in; another GPU's does not)."""
-    return f"max by (hostname) (count_over_time({metric}[{duration(window_s)}]))"
+    return f"max by (hostname) (count_over_time({metric}[{duration(window_s - 0.001)}]))"
 
 
 def stamps_expr(metric: str) -> str:
@@ -173,14 +188,14 @@ def stamps_expr(metric: str) -> str:
 def plot_exprs(w: Window, recorded: bool) -> dict[str, str]:
     """The range queries of the plots, at w.step_s: per host sums of samples (times each host's own step
     make seconds), so a bucket's figure is GPU-seconds."""
-    step = duration(w.step_s)
+    step = duration(w.step_s - 0.001)
     if recorded:
         alloc = f"sum by (hostname) (sum_over_time({RECORDED['allocated']}[{step}]))"
         idle = f"sum by (hostname) (sum_over_time({RECORDED['idle_allocated']}[{step}]))"
     else:
-        sub = f"[{step}:{duration(w.resolution_s)}]"
-        alloc = f"sum by (hostname) (sum_over_time({step_expr('allocated', w.fresh_s)}{sub}))"
-        idle = f"sum by (hostname) (sum_over_time({step_expr('idle_allocated', w.fresh_s)}{sub}))"
+        sub = f"[{step}:{duration(w.plot_resolution_s or w.resolution_s)}]"
+        alloc = f"sum by (hostname) (sum_over_time({step_expr('allocated', w.fresh_s, w.allocation)}{sub}))"
+        idle = f"sum by (hostname) (sum_over_time({step_expr('idle_allocated', w.fresh_s, w.allocation)}{sub}))"
     return {
         "observed": f"sum by (hostname) (count_over_time(gpu_info[{step}]))",
         "used": f"sum by (hostname) (sum_over_time(gpu_sm_active_ratio[{step}]))",
