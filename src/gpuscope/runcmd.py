@@ -40,7 +40,8 @@ if TYPE_CHECKING:
     from .trace.onrun import OnRun
 
 # RunError lives in gpuscope._child (trace run raises it too); gpuscope.runcmd.RunError is the same class.
-__all__ = ["EVERY_S", "FINE", "TERM_GRACE_S", "WINDOW_S", "RunError", "Segment", "render", "run", "spans"]
+__all__ = ["EVERY_S", "FINE", "TERM_GRACE_S", "WINDOW_S", "RunError", "Segment", "process_spans", "render", "run",
+           "spans"]
 
 WINDOW_S = 10.0  # each verdict looks at this much history
 EVERY_S = 5.0  # and a new one is made this often
@@ -63,6 +64,10 @@ class Segment:
     severity: str = "info"
     primary: bool = True
     evidence: dict[str, Any] = field(default_factory=dict)
+    pids: list[int] = field(default_factory=list)  # the GPU's processes in the verdict's window
+    # on a GPU they share, each process's own verdicts: {pid, kind, severity, summary, recommendations,
+    # evidence, primary}; empty where one process had the GPU (the GPU's verdict is its own)
+    processes: list[dict[str, Any]] = field(default_factory=list)
 
 
 class _Collector:
@@ -235,13 +240,16 @@ class _Run:
         duration = time.time() - self.t0
         rc = child.returncode
         code = exit_code(rc)
+        table = procs.table()
         report = _summarise(self.segments, duration, _energy(self.first), _energy(last) if last is not None else {},
-                            code, self.forward.interrupts > 0, self.sampler.simulated)
+                            code, self.forward.interrupts > 0, self.sampler.simulated,
+                            ours={r["pid"] for r in table if r["ours"]})
+        _process_verdicts(table, self.segments, report["process_spans"])
         report.update({
             "command": redact_cmdline(cmd), "started_at": self.started_at, "hostname": self.first.hostname,
             "gpu_start_s": procs.gpu_start_s, "gpu_start_by_gpu": procs.gpu_start_by_gpu,
             "gpus": [collector.gpus[k] for k in sorted(collector.gpus, key=gpu_order)],
-            "processes": procs.table(),
+            "processes": table,
             "series": {k: collector.timelines[k].points() for k in sorted(collector.timelines, key=gpu_order)},
             "killed_by_signal": -rc if rc is not None and rc < 0 else None,
         })
@@ -288,9 +296,15 @@ def _verdicts(sampler: Sampler, t0: float, last_end: dict[str, float], final: bo
     out = []
     primary_seen: set[str] = set()
     ends: dict[str, float] = {}
-    found = diagnose(windows_from_snapshots(window), profiler=profiler)
+    windows = windows_from_snapshots(window)
+    pids = {w.gpu: [p.pid for p in w.processes] for w in windows}
+    found = diagnose(windows, profiler=profiler)
     if tracing is not None:
+        shared = {v.gpu: v.processes for v in found if v.primary and v.processes}
         found = tracing.verdicts(found, end / 1e9 - t0, final)
+        for v in found:  # a trace's verdict for a shared GPU keeps its processes' own
+            if v.primary and not v.processes and v.gpu in shared:
+                v.processes = shared.pop(v.gpu)
     for v in found:
         if not (v.primary or v.severity != "info"):
             continue
@@ -304,7 +318,10 @@ def _verdicts(sampler: Sampler, t0: float, last_end: dict[str, float], final: bo
         if final and w_end - start < 1.0:
             continue  # nothing new since the last verdict
         out.append(Segment(v.gpu, v.kind, start, w_end, v.summary, list(v.recommendations), v.severity, primary,
-                           dict(v.evidence)))
+                           dict(v.evidence), pids.get(v.gpu, []) if primary else [],
+                           [{"pid": pv.pid, "kind": pv.kind, "severity": pv.severity, "summary": pv.summary,
+                             "recommendations": list(pv.recommendations), "evidence": dict(pv.evidence),
+                             "primary": pv.primary} for pv in v.processes] if primary else []))
         ends[v.gpu] = max(ends.get(v.gpu, w_end), w_end)
     last_end.update(ends)
     return out
@@ -336,9 +353,59 @@ def spans(segments: list[Segment], primary: bool = True) -> list[dict[str, Any]]
     return out
 
 
+def process_spans(segments: list[Segment]) -> list[dict[str, Any]]:
+    """Each process's own verdicts on a shared GPU, consecutive equal ones merged: [{gpu, pid, kind, start_s,
+    end_s, severity, summary, evidence, recommendations, primary, verdicts}], by GPU, pid, then time."""
+    out: list[dict[str, Any]] = []
+    open_: dict[tuple[str, int, bool, str], dict[str, Any]] = {}
+    for s in sorted((s for s in segments if s.primary and s.processes), key=lambda s: s.start_s):
+        for pv in s.processes:
+            key = (s.gpu, pv["pid"], pv["primary"], "" if pv["primary"] else pv["kind"])
+            cur = open_.get(key)
+            if cur is not None and cur["kind"] == pv["kind"] and s.start_s <= cur["end_s"] + 1.0:
+                cur["end_s"] = max(cur["end_s"], s.end_s)
+                cur["verdicts"] += 1
+                continue
+            cur = open_[key] = {"gpu": s.gpu, "pid": pv["pid"], "kind": pv["kind"], "start_s": s.start_s,
+                                "end_s": s.end_s, "severity": pv["severity"], "summary": pv["summary"],
+                                "evidence": pv["evidence"], "recommendations": pv["recommendations"],
+                                "primary": pv["primary"], "verdicts": 1}
+            out.append(cur)
+    out.sort(key=lambda sp: (gpu_order(sp["gpu"]), sp["pid"], sp["start_s"]))
+    return out
+
+
+def _process_verdicts(table: list[dict[str, Any]], segments: list[Segment], pspans: list[dict[str, Any]]) -> None:
+    """Each GPU row of the process table gets its verdict over the run: `verdict_share` (kind -> share of the
+    time it was judged), `verdict` (the longest), its severity and summary. On a shared GPU the process's own
+    verdicts count; where it had the GPU alone, the GPU's (it was its own)."""
+    held: dict[tuple[str, int], dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    said: dict[tuple[str, int, str], tuple[str, str]] = {}
+    for sp in pspans:
+        if sp["primary"]:
+            held[(sp["gpu"], sp["pid"])][sp["kind"]] += max(0.0, sp["end_s"] - sp["start_s"])
+            said.setdefault((sp["gpu"], sp["pid"], sp["kind"]), (sp["severity"], sp["summary"]))
+    for s in segments:
+        if s.primary and not s.processes and len(s.pids) == 1:
+            held[(s.gpu, s.pids[0])][s.kind] += max(0.0, s.end_s - s.start_s)
+            said.setdefault((s.gpu, s.pids[0], s.kind), (s.severity, s.summary))
+    for row in table:
+        kinds = held.get((row["gpu"], row["pid"])) if row["gpu"] is not None else None
+        if not kinds:
+            row.update({"verdict": None, "verdict_share": {}, "verdict_severity": None, "verdict_summary": None})
+            continue
+        total = sum(kinds.values())
+        top = max(kinds, key=lambda k: (kinds[k], k))
+        severity, summary = said[(row["gpu"], row["pid"], top)]
+        row.update({"verdict": top, "verdict_severity": severity, "verdict_summary": summary,
+                    "verdict_share": {k: (v / total if total > 0 else 1.0 / len(kinds))
+                                      for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])}})
+
+
 def _summarise(segments: list[Segment], duration: float, e0: dict[str, float], e1: dict[str, float],
-               code: int, interrupted: bool, simulated: str | None) -> dict[str, Any]:
+               code: int, interrupted: bool, simulated: str | None, ours: set[int] | None = None) -> dict[str, Any]:
     main, side = spans(segments, True), spans(segments, False)
+    pspans = process_spans(segments)
     share: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for s in main:
         share[s["gpu"]][s["kind"]] += max(0.0, s["end_s"] - s["start_s"])
@@ -351,7 +418,9 @@ def _summarise(segments: list[Segment], duration: float, e0: dict[str, float], e
         "verdict_share": verdict_share,
         "spans": main, "side_spans": side,
         "timeline": [asdict(s) for s in segments],
-        "change_first": _change_first(main + side),
+        "process_spans": pspans,
+        # a problem of one of the run's own processes on a shared GPU is the run's to change too
+        "change_first": _change_first(main + side + [p for p in pspans if ours is None or p["pid"] in ours]),
     }
 
 
@@ -407,6 +476,11 @@ def render(report: dict[str, Any]) -> str:
                 if s["gpu"] == gpu]
         if side:
             lines.append("    also: " + ", ".join(side))
+        shared = {sp["pid"] for sp in report.get("process_spans") or [] if sp["gpu"] == gpu}
+        for row in report.get("processes") or []:  # a shared GPU: what limited each of its processes
+            if row.get("gpu") == gpu and row["pid"] in shared and row.get("verdict_share"):
+                lines.append(f"    process {row['pid']} ({row.get('name') or '?'}): " + ", ".join(
+                    f"{k} {v * 100:.0f} %" for k, v in row["verdict_share"].items()))
     if report.get("trace") is not None:
         from .trace.onrun import report_lines
 

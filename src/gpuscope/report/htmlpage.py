@@ -26,6 +26,7 @@ VERDICT_COLORS = {
     "healthy": "#3a9d23", "compute_bound": "#1b7f3b", "memory_bound": "#1f8a9e", "tensor_cores_unused": "#e08a00",
     "memory_access_bound": "#c8a400", "transfer_bound": "#7b4fc9", "launch_or_sync_bound": "#d1343a",
     "input_starved": "#c2399b", "idle_allocated": "#8a5a2b", "idle": "#9aa0a8", "underutilized": "#d9b44a",
+    "sync_bound": "#b02a30", "launch_bound": "#e0525a", "host_bound": "#a0522d",
     "gpu_lost": "#222222", "throttled": "#e4572e", "power_capped": "#f0a35e", "memory_growth": "#b5179e",
     "hardware": "#8b0000", "imbalance": "#5c6bc0",
 }
@@ -283,8 +284,9 @@ def _processes(r: dict[str, Any]) -> str:
     if not rows:
         return "".join(out) + '<p class="muted">None seen.</p>'
     out.append("<table><thead><tr><th>pid</th><th>whose</th><th>name</th><th>user</th><th>GPU</th>"
-               "<th>on GPU from</th><th>GPU memory max</th><th>SM share mean</th><th>CPU cores mean / max</th>"
-               "<th>busiest thread max</th><th>RSS max</th><th>command line</th></tr></thead><tbody>")
+               "<th>verdict</th><th>on GPU from</th><th>GPU memory max</th><th>SM share mean</th>"
+               "<th>CPU cores mean / max</th><th>busiest thread max</th><th>busy threads max</th><th>RSS max</th>"
+               "<th>command line</th></tr></thead><tbody>")
     for p in rows:
         cpu = ("–" if p.get("cpu_cores_mean") is None else
                f"{p['cpu_cores_mean']:.2f} / {(p.get('cpu_cores_max') or 0):.2f}")
@@ -293,13 +295,37 @@ def _processes(r: dict[str, Any]) -> str:
             f'<tr class="{"ours" if p.get("ours") else ""}"><td class=num>{_e(p["pid"])}</td>'
             f"<td>{'this run' if p.get('ours') else 'other'}</td><td>{_e(p.get('name'))}</td><td>{_e(p.get('user'))}</td>"
             f"<td>{_e(p.get('gpu') if p.get('gpu') is not None else '–')}</td>"
+            f"<td class=verdict>{_process_verdict(p)}</td>"
             f"<td class=num>{_e('–' if first is None else fmt_time(first))}</td>"
             f"<td class=num>{_e(_bytes(p.get('gpu_memory_max_bytes')))}</td>"
             f"<td class=num>{_e(_pct(p.get('sm_ratio_mean')))}</td><td class=num>{_e(cpu)}</td>"
             f"<td class=num>{_e(_pct(p.get('thread_cpu_max_ratio')))}</td>"
+            f"<td class=num>{_e(_busy(p))}</td>"
             f"<td class=num>{_e(_bytes(p.get('rss_max_bytes')))}</td><td><code>{_e(p.get('cmdline'))}</code></td></tr>")
     out.append("</tbody></table>")
     return "".join(out)
+
+
+def _process_verdict(p: dict[str, Any]) -> str:
+    """A process row's verdict over the run: the longest kind, the others' shares, and what it means."""
+    kind = p.get("verdict")
+    if not kind:
+        return "–"
+    share = p.get("verdict_share") or {}
+    others = ", ".join(f"{_e(k)} {v * 100:.0f} %" for k, v in share.items() if k != kind)
+    return (f'<span class="swatch" style="background:{_color(kind)}"></span><b>{_e(kind)}</b>'
+            + (f" {share[kind] * 100:.0f} %" if kind in share and len(share) > 1 else "")
+            + (f'<div class="muted">also {others}</div>' if others else "")
+            + f'<div class="muted">{_e(p.get("verdict_summary"))}</div>')
+
+
+def _busy(p: dict[str, Any]) -> str:
+    """The most threads busy at once, and the busiest threads' names."""
+    n = p.get("threads_busy_max")
+    if n is None:
+        return "–"
+    names = ", ".join(f"{t.get('name') or '?'} {t.get('cpu_ratio', 0) * 100:.0f} %" for t in p.get("busy_threads") or [])
+    return f"{n:.0f}" + (f" ({names})" if names else "")
 
 
 def render_html(report: dict[str, Any]) -> str:
