@@ -24,10 +24,13 @@ from servers import MetricsServer, PrometheusServer, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 LABELS = 'hostname="node-z",gpu="{g}",uuid="GPU-{g}",model="NVIDIA H200 (simulated)",simulated="healthy"'
+# GPU 1's pod has a name no pod could have: HTML, a quote, a spreadsheet formula (escaped in every output).
+HOSTILE = '<script>alert(1)</script>"=HYPERLINK(1)'
+_POD = {0: "", 1: ',namespace="' + HOSTILE.replace('"', '\\"') + '",pod="p"'}
 EXPOSITION = "".join(
-    f"gpu_info{{{LABELS.format(g=g)}}} 1\n"
-    f"gpu_sm_active_ratio{{{LABELS.format(g=g)}}} 0.5\n"
-    f"gpu_energy_joules_total{{{LABELS.format(g=g)}}} 1000\n" for g in (0, 1)).encode()
+    f"gpu_info{{{LABELS.format(g=g)}{_POD[g]}}} 1\n"
+    f"gpu_sm_active_ratio{{{LABELS.format(g=g)}{_POD[g]}}} 0.5\n"
+    f"gpu_energy_joules_total{{{LABELS.format(g=g)}{_POD[g]}}} 1000\n" for g in (0, 1)).encode()
 
 
 def fleet(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -279,3 +282,25 @@ def test_rules_bad_input(tmp_path):
 def test_recorded_source_without_the_rules_says_so(prom_with_gpus):
     one_sentence(fleet("report", "--prometheus", prom_with_gpus.url, "--since", "30s", "--source", "recorded"), 1,
                  "does not hold the recorded series", "gpuscope fleet rules")
+
+
+def test_hostile_label_values_are_escaped_in_every_output(tmp_path, prom_with_gpus):
+    import csv
+
+    html, csv_path, js = tmp_path / "r.html", tmp_path / "r.csv", tmp_path / "r.json"
+    p = fleet("report", "--prometheus", prom_with_gpus.url, "--since", "30s", "--by", "namespace", "--html", str(html),
+              "--csv", str(csv_path), "--json", str(js))
+    assert p.returncode == 0, p.stderr
+    assert HOSTILE in {g["group"] for g in json.loads(js.read_text())["groups"]}
+    page = html.read_text()
+    assert "<script" not in page and "&lt;script&gt;alert(1)&lt;/script&gt;&quot;=HYPERLINK(1)" in page
+    assert "default-src 'none'" in page
+    cells = [row[0] for row in csv.reader(csv_path.read_text().splitlines())]
+    assert HOSTILE in cells  # starts with '<': no formula; kept as it is
+    assert "(none)" in cells
+    # A group named like a formula is written so that a spreadsheet shows it as text.
+    from gpuscope.fleet._html import csv_text
+
+    r = json.loads(js.read_text())
+    r["groups"][0]["group"] = "=HYPERLINK(\"http://x\")"
+    assert [row[0] for row in csv.reader(csv_text(r).splitlines())][1] == "'=HYPERLINK(\"http://x\")"
