@@ -232,7 +232,8 @@ def _summary(report: dict[str, Any]) -> str:
             ("Wasted", f"{_money(fl['wasted_money'], cur)} on allocated GPU-hours the SMs did not use"),
             ("Prices", _prices_text(pr)),
             ("Series", f"{report['source']}; scrape step per node: "
-                       + ", ".join(f"{h} {s:.3g} s" for h, s in report["scrape_step_s"].items()))]
+                       + ", ".join(f"{h} {s:.3g} s" for h, s in report["scrape_step_s"].items())),
+            ("Not in the range", ", ".join(report.get("metrics_not_found") or []) or "–")]
     body = "".join(f"<dt>{_e(k)}</dt><dd>{_e(v)}</dd>" for k, v in rows)
     return (f'<section class="card headline" id="headline">{_e(fl["line"])}</section>'
             f'<section class="card"><dl class="kv">{body}</dl></section>')
