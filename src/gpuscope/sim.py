@@ -109,7 +109,7 @@ ROLES: dict[str, tuple[Role, ...]] = {
     "shared_gpu": (Role("python matmul_loop.py --dtype bf16", 0.94, 0.82, 1.0, (("python", 1.0),)),
                    Role("python small_ops.py --item-every-step", 0.06, 0.18, 1.0, (("python", 1.0),))),
     "jax_eager": (Role("python jax_eager.py --steps 100000", 1.0, 1.0, 1.92,
-                       (("python", 0.82), ("dispatch-0", 0.58), ("dispatch-1", 0.52))),),
+                       (("python", 0.82), ("dispatch-0", 0.56), ("dispatch-1", 0.54))),),
 }
 
 DESCRIPTIONS = {
