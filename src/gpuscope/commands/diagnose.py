@@ -82,7 +82,12 @@ def run(args: argparse.Namespace) -> int:
 
         names = {f.name for f in fields(Verdict)}
         metric = [Verdict(**{k: v for k, v in d.items() if k in names}) for d in data["verdicts"]]
-        data["verdicts"] = [asdict(v) for v in refine(metric, traced, gpu_of_pid)]
+        shared = {v.gpu: v.processes for v in metric if v.primary and v.processes}
+        refined = refine(metric, traced, gpu_of_pid)
+        for v in refined:  # a trace's verdict for a shared GPU keeps its processes' own
+            if v.primary and not v.processes and v.gpu in shared:
+                v.processes = shared.pop(v.gpu)
+        data["verdicts"] = [asdict(v) for v in refined]
     if args.json:
         print(json.dumps(data, indent=1, default=str))
         return EXIT_OK
