@@ -54,7 +54,9 @@ def test_workload_verdict(name):
         rows = [{"t": sn.time_ns, **{k: sn.gpus[0].values.get(k) for k in SERIES}} for sn in snaps]
         views = {v.pid: v for w in windows for v in w.processes}
         procs = [{"pid": p.pid, "cpu_cores": p.cpu_cores, "thread_cpu_max_ratio": p.thread_cpu_max_ratio,
-                  "gpu_memory_bytes": p.gpu_memory_bytes,
+                  "gpu_memory_bytes": p.gpu_memory_bytes, "threads_busy": p.threads_busy,
+                  "busy_threads": [[t.tid, t.name, t.cpu_ratio] for t in p.busy_threads], "sm_ratio": p.sm_ratio,
+                  "utilization_ratio": p.utilization_ratio,
                   "profile": None if views.get(p.pid) is None or views[p.pid].profile is None else {
                       "samples": views[p.pid].profile.samples, "shares": views[p.pid].profile.shares,
                       "top": views[p.pid].profile.top}} for p in snaps[-1].processes]
