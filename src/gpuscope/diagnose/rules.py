@@ -119,7 +119,7 @@ def classify(w: Any, th: Thresholds, verdict: Any) -> list[Any]:
     if cpu_known:
         base["busiest_cpu_thread"] = busiest
     host = hostside.busiest(w.processes, th)  # the process most busy on the host, if one is
-    if host is not None and hostside.spread_busy(host, th):
+    if host is not None and hostside.spread_busy(host, th) and sm is not None and sm < th.sm_busy:
         base.update({k: v for k, v in hostside.evidence(host).items() if k != "pid"})
     if lead_s or tail_s:
         base["left_out_idle_s"] = {"start": round(lead_s, 1), "end": round(tail_s, 1)}

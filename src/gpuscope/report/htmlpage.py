@@ -58,6 +58,7 @@ svg .unit{font-size:11px;fill:#5b6475}
 .change{border-left:4px solid #d1343a}.ok{border-left:4px solid #3a9d23}.muted{color:var(--muted)}
 .ours{font-weight:600}.tag{font-size:11px;border-radius:3px;padding:0 4px;background:#eef1f5;color:var(--muted)}
 footer{color:var(--muted);font-size:12px;margin:30px 0 10px}
+.scroll{overflow-x:auto}details{font-weight:400;color:var(--muted);max-width:26em}details summary{cursor:pointer}
 """
 
 
@@ -87,25 +88,34 @@ def _evidence(ev: dict[str, Any]) -> str:
     for k, v in ev.items():
         if v is None:
             continue
-        if isinstance(v, float):
-            if k.endswith("_bytes_per_s") or k == "bytes_per_s":
-                s = f"{v / 1e9:.2f} GB/s"
-            elif k.endswith("_bytes"):
-                s = _bytes(v)
-            elif k.endswith("_s"):
-                s = f"{v:.1f} s"
-            elif k.endswith("_hertz"):
-                s = f"{v / 1e6:.0f} MHz"
-            elif 0.0 <= v <= 1.0:
-                s = f"{v * 100:.1f} %"
-            else:
-                s = f"{v:.3g}"
-        elif isinstance(v, list):
-            s = ", ".join(map(str, v)) or "–"
-        else:
-            s = str(v)
+        if isinstance(v, list) and v and all(isinstance(x, dict) for x in v):  # rows: shared_by, stack_threads
+            s = " | ".join(", ".join(f"{a} {_value(a, b)}" for a, b in x.items() if b is not None) for x in v)
+            out.append(f"<span class=mono>{_e(k)}</span>&nbsp;{_e(s)}")
+            continue
+        s = _value(k, v)
         out.append(f"<span class=mono>{_e(k)}</span>&nbsp;{_e(s)}")
     return "; ".join(out)
+
+
+def _value(k: str, v: Any) -> str:
+    """One evidence value in its unit, by its key's suffix."""
+    if isinstance(v, float):
+        if k.endswith("_cores"):
+            return f"{v:.2f} cores"
+        if k.endswith("_bytes_per_s") or k == "bytes_per_s":
+            return f"{v / 1e9:.2f} GB/s"
+        if k.endswith("_bytes"):
+            return _bytes(v)
+        if k.endswith("_s"):
+            return f"{v:.1f} s"
+        if k.endswith("_hertz"):
+            return f"{v / 1e6:.0f} MHz"
+        if 0.0 <= v <= 1.0:
+            return f"{v * 100:.1f} %"
+        return f"{v:.3g}"
+    if isinstance(v, list):
+        return ", ".join(map(str, v)) or "–"
+    return str(v)
 
 
 def _fmt_energy(j: float | None) -> str:
@@ -283,7 +293,7 @@ def _processes(r: dict[str, Any]) -> str:
            "users' processes seen on the GPUs meanwhile.</p>"]
     if not rows:
         return "".join(out) + '<p class="muted">None seen.</p>'
-    out.append("<table><thead><tr><th>pid</th><th>whose</th><th>name</th><th>user</th><th>GPU</th>"
+    out.append('<div class="scroll"><table><thead><tr><th>pid</th><th>whose</th><th>name</th><th>user</th><th>GPU</th>'
                "<th>verdict</th><th>on GPU from</th><th>GPU memory max</th><th>SM share mean</th>"
                "<th>CPU cores mean / max</th><th>busiest thread max</th><th>busy threads max</th><th>RSS max</th>"
                "<th>command line</th></tr></thead><tbody>")
@@ -302,7 +312,7 @@ def _processes(r: dict[str, Any]) -> str:
             f"<td class=num>{_e(_pct(p.get('thread_cpu_max_ratio')))}</td>"
             f"<td class=num>{_e(_busy(p))}</td>"
             f"<td class=num>{_e(_bytes(p.get('rss_max_bytes')))}</td><td><code>{_e(p.get('cmdline'))}</code></td></tr>")
-    out.append("</tbody></table>")
+    out.append("</tbody></table></div>")
     return "".join(out)
 
 
@@ -316,7 +326,7 @@ def _process_verdict(p: dict[str, Any]) -> str:
     return (f'<span class="swatch" style="background:{_color(kind)}"></span><b>{_e(kind)}</b>'
             + (f" {share[kind] * 100:.0f} %" if kind in share and len(share) > 1 else "")
             + (f'<div class="muted">also {others}</div>' if others else "")
-            + f'<div class="muted">{_e(p.get("verdict_summary"))}</div>')
+            + f'<details><summary>why</summary>{_e(p.get("verdict_summary"))}</details>')
 
 
 def _busy(p: dict[str, Any]) -> str:
