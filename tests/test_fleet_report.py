@@ -279,7 +279,7 @@ def test_gpu_hours_idle_hours_and_energy_equal_the_simulations_truth(fleet, serv
         assert near(g[node]["energy_kwh"] * 3.6e6, node_truth(fleet, node, "energy_j")), node
     # The fleet's totals, gap and all, within 1 %.
     total = sum(node_truth(fleet, n, "observed_s") for n in NODES)
-    assert near(r["fleet"]["observed_gpu_hours"] * 3600, total)
+    assert near(r["fleet"]["observed_gpu_hours"] * 3600, total, slack=gap_slack(fleet, r, "node-a"))  # node-a's edges
     assert near(r["fleet"]["energy_kwh"] * 3.6e6, sum(node_truth(fleet, n, "energy_j") for n in NODES))
     assert near(r["fleet"]["idle_gpu_hours"] * 3600, node_truth(fleet, "node-a", "idle_s", ("0",)),
                 slack=gap_slack(fleet, r, "node-a") / 2)  # the fleet's one idle GPU is node-a's GPU 0

@@ -490,7 +490,8 @@ def _assemble(rows: dict[tuple[str, str, str], tuple[str, Figures]], answers: Ma
     out_groups = []
     for name, f in ranked:
         why, fix = explain(f)
-        out_groups.append({"group": name, **figures_dict(f), "why": why, "fix": fix})
+        out_groups.append({"group": name, **figures_dict(f), "gpu_keys": sorted(f"{h}/{g}" for h, g in f.gpus),
+                           "why": why, "fix": fix})
     return {"fleet": {**figures_dict(fleet), "line": fleet_line(fleet, prices, w.range_s)},
             "groups": out_groups, "prices": prices.as_dict(), "currency": prices.currency}
 
@@ -581,7 +582,7 @@ def _money_text(v: float, currency: str) -> str:
 
 
 def _span(range_s: float) -> str:
-    for name, s in (("week", 7 * 86400), ("day", 86400), ("hour", 3600)):
+    for name, s in (("week", 7 * 86400), ("day", 86400), ("hour", 3600), ("minute", 60)):
         if abs(range_s - s) < 0.01 * s:
             return f"this {name}"
     if range_s >= 2 * 86400:

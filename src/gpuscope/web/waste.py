@@ -27,15 +27,13 @@ from typing import TYPE_CHECKING, Any
 from ..errors import UserError
 from ..http.responses import BadRequest
 from ..timeparse import TimeError, parse_duration
-from ..viewmodel import gpu_key
 from .backend import BackendError
 
 if TYPE_CHECKING:
     from ..fleet import Prices
-    from ..promql import Client
 
 __all__ = ["CACHE_TTL_S", "DEADLINE_S", "MAX_SINCE_S", "MIN_SINCE_S", "NEEDS_PROMETHEUS", "WasteView",
-           "group_gpus", "waste_params"]
+           "waste_params"]
 
 DEFAULT_SINCE, DEFAULT_BY = "24h", "namespace"
 #: The range: from a minute (a few scrapes at the usual 15 s) to 31 days (longer ranges are the CLI's job).
@@ -76,43 +74,6 @@ def waste_params(q: Mapping[str, str]) -> tuple[float, str]:
     return since, by
 
 
-def _group_name(labels: Mapping[str, str], names: tuple[str, ...]) -> str:
-    """The report's name of a group (gpuscope.fleet's rule): its labels joined by '/', '(none)' without the last."""
-    if not labels.get(names[-1], ""):
-        return NONE
-    return "/".join(labels[n] for n in names if labels.get(n, ""))
-
-
-def group_gpus(client: Client, start_s: float, end_s: float, by: str) -> dict[str, list[str]]:
-    """Each group's GPU keys ('hostname/gpu') over [start_s, end_s), as the report groups them: by the labels
-    of the GPU's own series; for `user`, the users of its processes, and '(none)' (the time no user's process
-    held a GPU, which every GPU can have: a scrape before its first process, a gap between two) every GPU."""
-    from ..fleet import DIMENSIONS
-    from ..promql import duration
-
-    r = duration(end_s - start_s)
-    groups: dict[str, set[str]] = {}
-
-    def add(group: str, labels: Mapping[str, str]) -> None:
-        if labels.get("hostname") is not None and labels.get("gpu") is not None:
-            groups.setdefault(group, set()).add(gpu_key(labels["hostname"], labels["gpu"]))
-
-    if by == "user":
-        procs = f'count_over_time(gpu_process_memory_used_bytes{{pid!="other"}}[{r}])'
-        for row in client.query(f"group by (hostname, gpu, user) ({procs})", end_s):
-            labels = row.get("metric") or {}
-            add(labels.get("user") or NONE, labels)
-        for row in client.query(f"group by (hostname, gpu) (count_over_time(gpu_info[{r}]))", end_s):
-            add(NONE, row.get("metric") or {})
-    else:
-        names = DIMENSIONS[by]
-        labels_by = ", ".join(dict.fromkeys(("hostname", "gpu", *names)))
-        for row in client.query(f"group by ({labels_by}) (count_over_time(gpu_info[{r}]))", end_s):
-            labels = row.get("metric") or {}
-            add(_group_name(labels, names), labels)
-    return {g: sorted(keys) for g, keys in groups.items()}
-
-
 def _span(seconds: float) -> str:
     for unit, s in (("d", 86400), ("h", 3600), ("m", 60)):
         if seconds >= s and seconds % s == 0:
@@ -140,14 +101,11 @@ class WasteView:
     def _compute(self, since_s: float, by: str) -> dict[str, Any]:
         """One report and its groups' GPUs (in a worker thread)."""
         from ..fleet import report
-        from ..promql import Client
-
         end = self.wall()
         start = end - since_s
         doc = report(self.url, start, end, by, self.prices, timeout=self.timeout_s)
-        gpus = group_gpus(Client(self.url, timeout=self.timeout_s), start, end, by)
         return {"since": _span(since_s), "since_s": since_s, "by": by, "computed_at_s": end,
-                "report": doc, "gpus": {g["group"]: gpus.get(g["group"], []) for g in doc.get("groups", [])}}
+                "report": doc, "gpus": {g["group"]: g.get("gpu_keys", []) for g in doc.get("groups", [])}}
 
     def _finished(self, key: tuple[float, str], fut: asyncio.Future[dict[str, Any]]) -> None:
         if self._running.get(key) is fut:
