@@ -11,6 +11,7 @@ are there), and where the Python heap grew (the agent under tracemalloc: slower,
     .venv/bin/python benchmarks/soak.py --duration 5m
     .venv/bin/python benchmarks/soak.py --duration 1h --churn 0 --out soak-1h-control
     .venv/bin/python benchmarks/soak.py --duration 1h --tracemalloc --out soak-1h-tracemalloc
+    .venv/bin/python benchmarks/soak.py --duration 1h --heap --out soak-1h-heap   # which allocator grows (cheap)
 
 What runs, all on 127.0.0.1 (nothing is sent anywhere else; the agent binds to loopback):
   - `python -m gpuscope agent --simulate mixed --gpus 8 --processes 100 --churn 60` with a config file whose
