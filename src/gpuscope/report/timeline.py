@@ -24,7 +24,9 @@ from typing import Any
 #: The series a run report keeps, in display order.
 SERIES = ("gpu_sm_active_ratio", "gpu_tensor_active_ratio", "gpu_dram_active_ratio", "gpu_utilization_ratio",
           "gpu_pcie_rx_bytes_per_second", "gpu_pcie_tx_bytes_per_second", "gpu_power_watts",
-          "gpu_memory_used_bytes", "gpu_sm_clock_hertz", "gpu_temperature_celsius")
+          "gpu_memory_used_bytes", "gpu_sm_clock_hertz", "gpu_temperature_celsius",
+          # the math pipes the verdicts read (tensor_cores_unused, memory_access_bound), so a recorded run replays them
+          "gpu_fp32_active_ratio", "gpu_fp16_active_ratio", "gpu_fp64_active_ratio")
 MASK = "gpu_clock_event_reasons"
 
 NAN = float("nan")
