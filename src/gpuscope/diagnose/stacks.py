@@ -6,10 +6,13 @@ engineer would look at the thread's stacks; this module does the same with py-sp
 outside, without pausing the process) and sorts every sample into one of four kinds:
 
 - ``sync``: the thread waits for the GPU (a line with .item(), .cpu(), .tolist(), .numpy(),
-  synchronize(), or torch.cuda's synchronize frames);
+  synchronize(), block_until_ready(), copy_to_host(), asnumpy(), device_get(); torch.cuda's synchronize
+  frames, or a framework's device-to-host read below the line: a JAX array's __float__ or __array__);
 - ``data``: data loading and preparation (torch.utils.data, numpy, PIL, OpenCV, torchvision
   transforms, pandas, datasets; or user lines in a loader-like function that call numpy/PIL/cv2);
-- ``launch``: PyTorch calls that issue GPU work (torch.nn, torch.optim, autograd, tensor ops);
+- ``launch``: calls that issue GPU work: PyTorch's (torch.nn, torch.optim, autograd, tensor ops), and a
+  line that calls into JAX, CuPy, numba-cuda's kernel launcher or Triton's (jax.numpy lives in
+  jax/_src/numpy/, a data path by its name: what the line called decides, before any data rule);
 - ``other``: any other host work.
 
 Every busy Python thread is sampled (py-spy samples the threads that run, not the idle ones), and each
@@ -41,7 +44,8 @@ from pathlib import Path
 
 KINDS = ("sync", "data", "launch", "other")
 
-_SYNC_LINE = re.compile(r"\.item\(\)|\.cpu\(\)|\.tolist\(\)|\.numpy\(\)|synchronize\(|\.to\(\s*['\"]cpu['\"]")
+_SYNC_LINE = re.compile(r"\.item\(\)|\.cpu\(\)|\.tolist\(\)|\.numpy\(\)|synchronize\(|\.to\(\s*['\"]cpu['\"]"
+                        r"|block_until_ready\(|copy_to_host\(|asnumpy\(|device_get\(")
 _SYNC_FRAME = ("torch/cuda/__init__.py", "torch/cuda/streams.py", "torch/cuda/graphs.py")
 _DATA_PATHS = ("/torch/utils/data/", "/numpy/", "/PIL/", "/cv2/", "/torchvision/transforms/",
                "/torchvision/io/", "/torchvision/datasets/", "/pandas/", "/datasets/", "/albumentations/",
@@ -53,6 +57,16 @@ _TORCH_PATHS = ("/torch/nn/", "/torch/optim/", "/torch/autograd/", "/torch/_tens
                 "/torch/amp/", "/torch/_ops.py", "/torch/overrides.py")
 _LIB_MARKERS = ("/site-packages/", "/dist-packages/", "/lib/python3", "<frozen")
 _MATMUL = re.compile(r"\w\s*@\s*\w")
+#: Other frameworks' Python code that issues GPU work when a user line calls into it: JAX's dispatch (and
+#: jax.numpy, under jax/_src/numpy/), CuPy's Python layer, numba-cuda's kernel launcher, Triton's launcher.
+_GPU_PATHS = ("/jax/", "/jaxlib/", "/cupy/", "/cupyx/", "/numba/cuda/", "/numba_cuda/", "/triton/runtime/")
+#: Their functions that wait for the GPU: a device-to-host read of an array, or an explicit wait.
+_GPU_SYNC_FUNCS = frozenset(("block_until_ready", "device_get", "copy_to_host", "synchronize", "asnumpy", "tolist",
+                             "__float__", "__int__", "__bool__", "__index__", "__array__", "_value"))
+#: A line that issues GPU work through JAX or CuPy.
+_GPU_LINE = re.compile(r"\b(jnp|jax|lax|cp|cupy|cupyx)\.")
+#: A numba-cuda kernel launch, kernel[grid, block](...): a launch, whatever its arguments (np.float32(0.5)).
+_KERNEL_LAUNCH = re.compile(r"\w\s*\[[^\[\]]+,[^\[\]]+\]\s*\(")
 _FRAME = re.compile(r"^(?P<func>.*?) \((?P<file>.*?):(?P<line>\d+)\)$")
 _PROFILER_FRAME = re.compile(r"^(?P<file>.*)\((?P<line>\d+)\): (?P<func>.*)$")
 # py-spy --threads: the stack's first frame names its thread, by OS thread id (or pthread id) and name.
@@ -139,12 +153,16 @@ def classify_stack(frames: list[tuple[str, str, int]]) -> tuple[str, tuple[str, 
     below = frames[frames.index(at) + 1:] if at in frames else []  # library frames the user line called
     files = [f[1] for f in below]
     source = linecache.getline(at[1], at[2]) if at and _user_file(at[1]) else ""
-    if any(f.endswith(s) for f in files for s in _SYNC_FRAME) or _SYNC_LINE.search(source):
+    if any(f.endswith(s) for f in files for s in _SYNC_FRAME) or _SYNC_LINE.search(source) or any(
+            f[0].rpartition(".")[2] in _GPU_SYNC_FUNCS and any(p in f[1] for p in _GPU_PATHS) for f in below):
         return "sync", at
+    if (files and any(p in files[0] for p in _GPU_PATHS)) or (not files and _KERNEL_LAUNCH.search(source)):
+        return "launch", at  # the line called a GPU framework, or launches a kernel: it issues GPU work
     in_loader = any(_DATA_FUNC.search(u[0].rpartition(".")[2]) for u in user)  # load_batch, __getitem__, ...
     if any(p in f for f in files for p in _DATA_PATHS) or _DATA_LINE.search(source) or (in_loader and not files):
         return "data", at
-    if any(p in f for f in files for p in _TORCH_PATHS) or "torch." in source or _MATMUL.search(source):
+    if (any(p in f for f in files for p in _TORCH_PATHS) or "torch." in source or _MATMUL.search(source)
+            or _GPU_LINE.search(source)):
         return "launch", at
     return "other", at
 
