@@ -137,12 +137,13 @@ def test_the_limit_finds_the_upstreams_capacity_and_keeps_high_priority_fast(tmp
     assert len(by["high"]) > 0.1 * RATE * SECONDS and len(by["low"]) > 0.5 * RATE * SECONDS
     ok = {k: sum(1 for r in v if r.get("status") == 200) / len(v) for k, v in by.items()}
     shed = {k: sum(1 for r in v if r.get("status") == 429) / len(v) for k, v in by.items()}
-    # Always: high priority is served far more than low. Unstarved: nearly all of it. (A starved process completes
-    # fewer requests, the limit follows them down, and high priority, never let past the limit, times out in its
-    # queue too: at load 7 beside other test runs, 56 % of high served against 4 % of low.)
-    assert ok["high"] >= ok["low"] + 0.3, ok
+    # Always: high priority is served before low. Unstarved: nearly all of it. (A starved process completes fewer
+    # requests, the limit follows them down, and high priority, never let past the limit, times out in its queue
+    # too: 56 % of high served against 4 % of low at load 7 beside other test runs, 11 % against 2 % beside
+    # stress-ng and a whole suite.)
+    assert ok["high"] > 2 * ok["low"], ok
     if not starved:
-        assert ok["high"] >= 0.9, ok
+        assert ok["high"] >= 0.9 and ok["high"] >= ok["low"] + 0.3, ok
     assert shed["low"] > 0.4 and shed["low"] > shed["high"] + 0.3, shed
     assert sum(g.shed_total.get((0, r), 0) for r in ("queue_full", "evicted")) == 0  # high is never pushed out
     # high priority's median within 2x of its unloaded one, both as the guard's side saw them (its queue wait

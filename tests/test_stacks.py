@@ -46,10 +46,17 @@ while time.time() - t < 20:
 
 
 def _spawn(tmp_path: Path, name: str, code: str) -> subprocess.Popen:
-    script = tmp_path / f"{name}.py"
-    script.write_text(textwrap.dedent(code))
+    """The child says when its imports and set-up are done (a file, before its loop): sampling starts then, not
+    after a guessed second (on a loaded machine numpy's import alone took most of the sampled window)."""
+    script, ready = tmp_path / f"{name}.py", tmp_path / f"{name}.ready"
+    assert "\nt = time.time()\n" in code
+    script.write_text(textwrap.dedent(code).replace("\nt = time.time()\n",
+                                                    f"\nopen({str(ready)!r}, 'w').close()\nt = time.time()\n"))
     p = subprocess.Popen([sys.executable, str(script)])
-    time.sleep(1.0)  # past the imports
+    deadline = time.monotonic() + 120
+    while not ready.exists() and p.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ready.exists(), f"{name} never reached its loop (exit {p.poll()})"
     return p
 
 

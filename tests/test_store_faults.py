@@ -324,7 +324,7 @@ def test_a_full_disk_loses_nothing_says_so_while_it_lasts_and_one_line_says_it_r
     recovered = [x for x in lines if re.search(r"recovered: .* \([1-9][0-9]* failed meanwhile", x)]
     assert len(started) == 1 and len(recovered) == 1, err
     down = float(re.search(r"succeeded ([0-9.]+) s after", recovered[0]).group(1))
-    assert down >= full["last_flush_age_seconds"]
+    assert down >= full["last_flush_age_seconds"] - 0.05  # the line says it to 0.1 s (3.0 for an age of 3.001)
     assert "Traceback" not in err
     # what was lost: nothing (the 3 s of samples waited in memory and were written on recovery)
     with Store(tmp_path, readonly=True) as r:

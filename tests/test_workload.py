@@ -111,6 +111,17 @@ def _child(env: dict[bytes, bytes]) -> subprocess.Popen[bytes]:
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def _attribution_once_running(p: subprocess.Popen[bytes], timeout_s: float = 30.0) -> Attribution:
+    """The child's attribution once its environment is readable: on a loaded machine /proc/PID/environ was
+    once read empty right after Popen returned (a loaded suite run), which says nothing of the reader."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        att = read_attribution(p.pid)
+        if att != Attribution() or time.monotonic() > deadline or p.poll() is not None:
+            return att
+        time.sleep(0.05)
+
+
 @pytest.fixture
 def children() -> Iterator[list[subprocess.Popen[bytes]]]:
     made: list[subprocess.Popen[bytes]] = []
@@ -139,7 +150,7 @@ def test_a_real_process_environment_gives_its_slurm_job_and_torchrun_run(childre
 def test_a_real_process_environment_that_is_not_utf8_is_made_valid_text(children: list) -> None:
     p = _child({b"TORCHELASTIC_RUN_ID": b"run-\xff\xfe-caf\xc3\xa9", b"SLURM_JOB_ID": b"\xc3(7"})
     children.append(p)
-    att = read_attribution(p.pid)
+    att = _attribution_once_running(p)
     assert att.torchrun_run == "run-\\xff\\xfe-café"
     assert att.slurm_job == "\\xc3(7"
     att.torchrun_run.encode("utf-8")  # encodable: /metrics, the store and JSON can carry it
