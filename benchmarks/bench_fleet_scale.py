@@ -422,6 +422,15 @@ def check(result: dict[str, Any], name: str, got: dict[str, dict[str, Any]], wan
         result["failures"].append(name)
 
 
+def _code() -> dict[str, str]:
+    """The commit measured, and whether the report's sources differ from it."""
+    def git(*a: str) -> str:
+        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    return {"commit": git("rev-parse", "--short", "HEAD"),
+            "fleet_dirty": git("status", "--short", "src/gpuscope/fleet", "src/gpuscope/promql.py")}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", type=int, default=64)
@@ -444,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.data) if keep else Path(tempfile.mkdtemp(prefix="bench-fleet-"))
     work.mkdir(parents=True, exist_ok=True)
     prom: Prometheus | None = None
-    result: dict[str, Any] = {"checks": {}, "failures": [], "report": {}, "report_recorded": {}}
+    result: dict[str, Any] = {"checks": {}, "failures": [], "report": {}, "report_recorded": {}, "code": _code()}
     try:
         meta, truths = load_or_build(args, work)
         result.update(fleet=meta, truth_fleet={f: sum(g[f] for g in truths["node"].values()) for f in FIGURES})
@@ -504,7 +513,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_summary(r: dict[str, Any]) -> None:
     m = r["fleet"]
-    print(f"\n{m['nodes']} nodes x {m['gpus']} GPUs x {m['days']:g} d at {m['step_s']} s scrapes: "
+    print(f"\ncode {r['code']['commit']}" + (" (src/gpuscope/fleet modified)" if r["code"]["fleet_dirty"] else ""))
+    print(f"{m['nodes']} nodes x {m['gpus']} GPUs x {m['days']:g} d at {m['step_s']} s scrapes: "
           f"{m['backfill']['samples'] / 1e6:.1f} M samples, {m['gpu_label_sets']} GPU label sets")
     print("truth, fleet-wide: " + ", ".join(f"{k} {v:,.1f}" for k, v in r["truth_fleet"].items()))
     peer = r.get("peer")
