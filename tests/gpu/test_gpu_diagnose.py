@@ -35,11 +35,19 @@ def test_workload_verdict(name):
         s.open()
     except Exception as e:  # noqa: BLE001
         pytest.skip(f"no usable NVIDIA GPU: {e}")
-    proc = subprocess.Popen([sys.executable, str(script), "--seconds", "20"], cwd=str(WORKLOADS),
+    proc = subprocess.Popen([sys.executable, str(script), "--seconds", "30"], cwd=str(WORKLOADS),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         s.start()  # from the launch on: the start-up (torch import, allocation) is part of what it sees
-        time.sleep(17.0)
+        # Until 12 s after the GPU's first work (input_starved's set-up once took 12 s before its first kernel,
+        # and the rules rightly give no verdict on a few seconds of work), at most 40 s.
+        began, deadline = None, time.monotonic() + 40
+        while time.monotonic() < deadline and (began is None or time.monotonic() < began + 12):
+            time.sleep(0.5)
+            last = s.latest()
+            if began is None and last is not None and last.gpus and (
+                    last.gpus[0].values.get("gpu_sm_active_ratio") or 0) > 0.01:
+                began = time.monotonic()
         s.stop()
         snaps = list(s.history)
         window = [sn for sn in snaps if sn.time_ns >= snaps[-1].time_ns - 10 * 10**9]
