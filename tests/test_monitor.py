@@ -174,7 +174,10 @@ def test_simulated_scenarios_give_their_sm_activity_not_nvml_utilization(scenari
     assert [r["step"] for r in recs] == list(range(12)) and recs[0]["flags"][0] == "warmup"  # GPM needs a first window
     assert all(r["gpus"] == ["0"] and r["samples"] == 16 for r in recs)
     assert sum(r["duration_s"] for r in recs[1:]) == pytest.approx(rep.step_seconds_total)
-    assert all(abs(r["gpu_busy_ratio"] - prof.sm / 100) < 0.08 for r in recs)
+    # A step no sampler window covered has no figure (absent, never 0): that happens on a starved machine.
+    measured = [r for r in recs if r["gpu_busy_ratio"] is not None]
+    assert len(measured) >= len(recs) // 2, recs
+    assert all(abs(r["gpu_busy_ratio"] - prof.sm / 100) < 0.08 for r in measured)
 
 
 def test_sm_activity_that_changes_with_the_steps_is_attributed_to_them(tmp_path):

@@ -117,7 +117,9 @@ def test_subscriber_exceptions_do_not_stop_sampling(make_sampler, caplog):
     s.subscribe(received.append)
     with caplog.at_level(logging.WARNING, logger="gpuscope.sampler"):
         s.start()
-        time.sleep(0.2)
+        deadline = time.monotonic() + 30  # ten ticks, however slowly a loaded machine runs them
+        while s.ticks < 10 and time.monotonic() < deadline:
+            time.sleep(0.02)
         s.stop()
     assert s.ticks >= 10
     assert len(received) == s.ticks  # the next subscriber still gets every snapshot
