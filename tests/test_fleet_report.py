@@ -260,9 +260,10 @@ def gap_slack(f: Fleet, report: dict[str, Any], node: str) -> float:
 
 
 # -- known answers ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("server,source,via_cli", [("prometheus", "raw", True), ("prometheus", "recorded", False),
-                                                   ("victoria-metrics", "raw", False)])
-def test_gpu_hours_idle_hours_and_energy_equal_the_simulations_truth(fleet, server, source, via_cli):
+KNOWN_ANSWER_RUNS = [("prometheus", "raw", True), ("prometheus", "recorded", False), ("victoria-metrics", "raw", False)]
+
+
+def check_gpu_hours_idle_hours_and_energy_equal_the_simulations_truth(fleet, server, source, via_cli):
     r = fleet.report(server, "node", source, via_cli=via_cli)
     assert r["source"] == source and r["by"] == "node"
     assert r["scrape_step_s"] == {"node-a": 1.0, "node-b": 1.0, "node-c": 1.0}  # read from the data
@@ -285,8 +286,7 @@ def test_gpu_hours_idle_hours_and_energy_equal_the_simulations_truth(fleet, serv
                 slack=gap_slack(fleet, r, "node-a") / 2)  # the fleet's one idle GPU is node-a's GPU 0
 
 
-@pytest.mark.parametrize("server", ["prometheus", "victoria-metrics"])
-def test_a_gap_in_scraping_is_unobserved_time_never_idle(fleet, server):
+def check_a_gap_in_scraping_is_unobserved_time_never_idle(fleet, server):
     r = fleet.report(server, "node")
     g = groups(r)
     a = g["node-a"]
@@ -318,7 +318,7 @@ def test_a_gap_in_scraping_is_unobserved_time_never_idle(fleet, server):
     assert any(v and v > 0.9 for v in p["idle_allocated"])  # outside the gap it is there
 
 
-def test_kubernetes_allocation_unallocated_gpus_and_the_money(fleet):
+def check_kubernetes_allocation_unallocated_gpus_and_the_money(fleet):
     r = fleet.report("prometheus", "node")
     a = groups(r)["node-a"]
     obs0, obs1 = (fleet.truth["node-a"][g]["observed_s"] for g in ("0", "1"))
@@ -338,7 +338,7 @@ def test_kubernetes_allocation_unallocated_gpus_and_the_money(fleet):
     assert fl["line"].startswith(f"${x:,.2f} of ${fl['cost']:,.2f}") and "idle or starved" in fl["line"]
 
 
-def test_ranked_by_money_wasted_with_why_and_fix(fleet):
+def check_ranked_by_money_wasted_with_why_and_fix(fleet):
     r = fleet.report("prometheus", "node")
     ranked = [g["group"] for g in r["groups"]]
     assert ranked[0] == "node-a"
@@ -356,7 +356,7 @@ def test_ranked_by_money_wasted_with_why_and_fix(fleet):
     assert b["memory_headroom_ratio"] == pytest.approx(1 - used, abs=0.002)
 
 
-def test_by_namespace_pod_and_user(fleet):
+def check_by_namespace_pod_and_user(fleet):
     ns = groups(fleet.report("prometheus", "namespace"))
     obs0 = fleet.truth["node-a"]["0"]["observed_s"]
     slack = edge_slack(fleet, fleet.report("prometheus", "node"))
@@ -382,7 +382,7 @@ def test_by_namespace_pod_and_user(fleet):
     assert set(models) == {"NVIDIA H200 (simulated)"}
 
 
-def test_csv_and_html_outputs_and_the_text(fleet, chromium):
+def check_csv_and_html_outputs_and_the_text(fleet, chromium):
     html, csv_path = fleet.workdir / "fleet.html", fleet.workdir / "fleet.csv"
     run = cli("fleet", "report", "--prometheus", fleet.prom.url, "--since", f"{fleet.start:.3f}", "--until",
               f"{fleet.end:.3f}", "--by", "node", "--html", str(html), "--csv", str(csv_path))
@@ -421,7 +421,7 @@ def test_csv_and_html_outputs_and_the_text(fleet, chromium):
     assert "Stragglers" in run.stdout and "node-b: throttled" in run.stdout
 
 
-def test_by_job_and_the_stragglers_section(fleet):
+def check_by_job_and_the_stragglers_section(fleet):
     r = fleet.report("prometheus", "job")
     jobs = groups(r)
     assert set(jobs) == {JOB, "k8s/nb/jupyter-alice", "(none)"}, set(jobs)
@@ -435,7 +435,7 @@ def test_by_job_and_the_stragglers_section(fleet):
     assert named == {(JOB, "node-b", "0", "throttled"), (JOB, "node-b", "1", "throttled")}, st
 
 
-def test_a_progress_bar_on_a_terminal_only(fleet):
+def check_a_progress_bar_on_a_terminal_only(fleet):
     """stderr a terminal: the bar is drawn there while it queries, and erased; the JSON is the same report."""
     import pty
 
@@ -466,3 +466,19 @@ def test_a_progress_bar_on_a_terminal_only(fleet):
     assert "querying [" in text and "\r\x1b[K" in text  # drawn, then erased
     r = json.loads(out.read_text())
     assert "querying" not in out.read_text() and r["groups"][0]["group"] == "node-a"
+
+
+def test_the_fleet_report_over_real_servers(fleet, chromium):
+    """Every check over the one fleet, in one test: under pytest-xdist each worker that runs a test of this module
+    builds the module's fixture again (80 s of three agents, Prometheus and VictoriaMetrics), which made five
+    fleets of one and the whole suite minutes longer."""
+    for server, source, via_cli in KNOWN_ANSWER_RUNS:
+        check_gpu_hours_idle_hours_and_energy_equal_the_simulations_truth(fleet, server, source, via_cli)
+    for server in ("prometheus", "victoria-metrics"):
+        check_a_gap_in_scraping_is_unobserved_time_never_idle(fleet, server)
+    check_kubernetes_allocation_unallocated_gpus_and_the_money(fleet)
+    check_ranked_by_money_wasted_with_why_and_fix(fleet)
+    check_by_namespace_pod_and_user(fleet)
+    check_csv_and_html_outputs_and_the_text(fleet, chromium)
+    check_by_job_and_the_stragglers_section(fleet)
+    check_a_progress_bar_on_a_terminal_only(fleet)
