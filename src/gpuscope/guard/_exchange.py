@@ -247,10 +247,9 @@ class _Exchange:
         else:
             self.client.unhold(_HOLD_UPSTREAM)
 
-    def up_timeout(self) -> None:
-        """The upstream deadline passed: no answer within timeout_s (504), or a gap past idle_timeout_s (cut)."""
-        c = self.client
-        server = c.server
+    def _drop_upstream(self) -> None:
+        """Close the upstream connection (never reused: an answer may still be coming), cancel a connect under way,
+        and drop what was queued for it."""
         up, self.up = self.up, None
         if up is not None:
             up.abort()
@@ -259,6 +258,12 @@ class _Exchange:
             self.task = None
             self.connecting = False
         self.out.clear()
+
+    def up_timeout(self) -> None:
+        """The upstream deadline passed: no answer within timeout_s (504), or a gap past idle_timeout_s (cut)."""
+        c = self.client
+        server = c.server
+        self._drop_upstream()
         if self.started:
             server.count("idle_timeout")
             log.warning("gpuscope guard: the upstream %s sent nothing for %g s mid-answer; cut off %s %s",
@@ -287,14 +292,7 @@ class _Exchange:
         g = s.guard
         g.expire(d)
         budget = g.cfg.classes[d.class_index].deadline_s or 0.0
-        up, self.up = self.up, None
-        if up is not None:
-            up.abort()
-        if self.task is not None and self.connecting:
-            self.task.cancel()
-            self.task = None
-            self.connecting = False
-        self.out.clear()
+        self._drop_upstream()
         self.kept = None  # a cut answer is not one to serve from the cache
         if not self.sent:
             reason, what = "not_sent", "answered 503, never sent (no upstream connection in time)"
