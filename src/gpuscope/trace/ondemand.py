@@ -8,6 +8,7 @@ Everything lives in one request directory (the agent's `DATA_DIR/trace-requests`
 
     proc.<host>.<pid>.json          a process that opted in: pid, host, rank, budget (removed at exit)
     req.<id>.json                   a request: {"id", "duration_s", "pids": [..] | "all", "created_unix"}
+                                    and, for windows that start together across nodes, "start_unix"
     done.<id>.<host>.<pid>.json     one process's answer: status written | refused | profiler_failed,
                                     the reason, and the trace file (in the agent's DATA_DIR/traces)
 
@@ -43,6 +44,8 @@ DEFAULT_MAX_DUTY = 0.01
 # A request older than this is history: a process that opts in later does not act on it.
 REQUEST_TTL_S = 60.0
 _ID = re.compile(r"[0-9a-f]{16}")
+# A request may ask its window to start later (every rank of a job at one moment), at most this far ahead.
+MAX_START_AHEAD_S = 30.0
 # A protocol file is a few hundred bytes; anything bigger is not one of ours (and is not read whole).
 MAX_FILE_BYTES = 64 << 10
 
@@ -103,11 +106,15 @@ def _listing(req_dir: str, prefix: str) -> list[str]:
 
 
 # -- the agent's side -------------------------------------------------------------------------------
-def write_request(req_dir: str, duration_s: float, pids: list[int] | str, host: str | None = None) -> dict[str, Any]:
-    """Write a request for `pids` (or "all") to trace `duration_s` seconds; returns it, with its new id."""
+def write_request(req_dir: str, duration_s: float, pids: list[int] | str, host: str | None = None,
+                  start_unix: float | None = None) -> dict[str, Any]:
+    """Write a request for `pids` (or "all") to trace `duration_s` seconds, from `start_unix` (this host's
+    clock; None: at once); returns it, with its new id."""
     os.makedirs(req_dir, exist_ok=True)
     req = {"id": secrets.token_hex(8), "duration_s": float(duration_s), "pids": pids,
            "host": host or socket.gethostname(), "created_unix": time.time()}
+    if start_unix is not None:
+        req["start_unix"] = float(start_unix)
     _write_json(os.path.join(req_dir, f"req.{req['id']}.json"), req)
     return req
 
@@ -208,10 +215,20 @@ def pending_for(req_dir: str, pid: int, host: str, since_unix: float) -> list[di
     return sorted(out, key=lambda r: r["created_unix"])
 
 
+def start_delay_s(req: dict[str, Any], now: float | None = None) -> float:
+    """How long to wait before a request's window starts: 0 without a start_unix or when it has passed,
+    never more than MAX_START_AHEAD_S."""
+    start = _unix(req.get("start_unix"))
+    now = time.time() if now is None else now
+    return min(max(0.0, start - now), MAX_START_AHEAD_S) if start else 0.0
+
+
 def _valid(req: dict[str, Any]) -> bool:
     """A request's fields are used in file names and as a duration: check them all, trust none."""
     pids = req.get("pids")
+    start = req.get("start_unix")
     return (isinstance(req.get("id"), str) and _ID.fullmatch(req["id"]) is not None
+            and (start is None or (isinstance(start, (int, float)) and not isinstance(start, bool)))
             and isinstance(req.get("duration_s"), (int, float)) and not isinstance(req["duration_s"], bool)
             and isinstance(req.get("created_unix"), (int, float))
             and (pids == "all" or (isinstance(pids, list)

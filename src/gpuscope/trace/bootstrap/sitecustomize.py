@@ -454,9 +454,16 @@ class _Tracer:
     def _answer(self, od, req, budget, host):
         """One request: refused (and why), or traced and written, with its answer beside it."""
         answer = {"duration_s": req["duration_s"], "rank": self._rank()}
+        if req.get("start_unix") is not None:
+            answer["start_unix"] = req["start_unix"]
         why = budget.refuse(req["duration_s"])
         if why:
             od.mark_done(self.requests_dir, req["id"], host, self.pid, status="refused", reason=why, **answer)
+            return
+        # Every rank of a job asked for the same moment (gpuscope trace fleet): wait for it, on this host's clock.
+        if self.exiting.wait(od.start_delay_s(req)):
+            od.mark_done(self.requests_dir, req["id"], host, self.pid, status="refused",
+                         reason="the process exited before the window's start", **answer)
             return
         began = time.monotonic()
         prof, all_threads, error = self._start()
