@@ -49,6 +49,7 @@ class GpuFlame:
     """GPU time per launching stack, in ns; what could not be attributed is counted beside it."""
 
     stacks: dict[tuple[Frame, ...], int] = field(default_factory=dict)
+    launches: dict[tuple[Frame, ...], int] = field(default_factory=dict)  # GPU ops per stack
     attributed_ns: int = 0
     unattributed_ns: int = 0
     unattributed_ops: int = 0
@@ -100,6 +101,7 @@ def gpu_flame(trace: Trace) -> GpuFlame:
             launched_by.setdefault(name, Counter())[prefix] += 1
         key = prefix + (Frame(trace.names[name], kind=_LEAF_KIND[EventKind(kind)]),)
         flame.stacks[key] = flame.stacks.get(key, 0) + dur
+        flame.launches[key] = flame.launches.get(key, 0) + 1
         flame.attributed_ns += dur
     for name, (ns, ops) in unsampled.items():
         _charge_sampled(flame, trace.names[name], ns, ops, launched_by.get(name))
@@ -109,7 +111,7 @@ def gpu_flame(trace: Trace) -> GpuFlame:
 def _charge_sampled(flame: GpuFlame, name: str, ns: int, ops: int,
                     launches: Counter[tuple[Frame, ...]] | None) -> None:
     """A kernel name's unsampled time, split over the stacks that launched it among the samples by their
-    number of launches (whole ns; the remainder to the most frequent stack)."""
+    number of launches (whole ns and ops; the remainders to the most frequent stack)."""
     if not launches:
         flame.unattributed_ns += ns
         flame.unattributed_ops += ops
@@ -118,11 +120,14 @@ def _charge_sampled(flame: GpuFlame, name: str, ns: int, ops: int,
     ranked = launches.most_common()
     shares = [ns * n // total for _, n in ranked]
     shares[0] += ns - sum(shares)
+    counts = [ops * n // total for _, n in ranked]
+    counts[0] += ops - sum(counts)
     leaf = (Frame(SAMPLED_LAUNCHER, kind="sampled"), Frame(name, kind="kernel"))
-    for (prefix, _), share in zip(ranked, shares, strict=True):
-        if share:
+    for (prefix, _), share, count in zip(ranked, shares, counts, strict=True):
+        if share or count:
             key = prefix + leaf
             flame.stacks[key] = flame.stacks.get(key, 0) + share
+            flame.launches[key] = flame.launches.get(key, 0) + count
     flame.attributed_ns += ns
     flame.inferred_ns += ns
     flame.inferred_ops += ops
@@ -149,19 +154,25 @@ def _host_frames(trace: Trace, stacks: Stacks, launch: int) -> tuple[Frame, ...]
 def speedscope(trace: Trace) -> dict:
     """The flame as a speedscope "sampled" profile: one sample per distinct stack, weighted by µs of GPU time."""
     flame = gpu_flame(trace)
+    name = os.path.basename(trace.source) or "trace"
+    return speedscope_doc(f"GPU time by launching stack: {name}", flame.stacks,
+                          f"GPU time (µs), {flame.unattributed_ratio:.1%} unattributed" + _inferred_note(flame))
+
+
+def speedscope_doc(title: str, stacks: dict[tuple[Frame, ...], int], profile_name: str) -> dict:
+    """Speedscope's file format for ns per stack (weights in µs, heaviest first); `gpuscope.trace.profile`
+    writes merged profiles through it too."""
     index: dict[Frame, int] = {}
     samples, weights = [], []
-    for stack, ns in sorted(flame.stacks.items(), key=lambda kv: -kv[1]):
+    for stack, ns in sorted(stacks.items(), key=lambda kv: -kv[1]):
         samples.append([index.setdefault(f, len(index)) for f in stack])
         weights.append(ns / 1e3)
     frames = [{"name": f.name, **({"file": f.file, "line": f.line} if f.file else {})} for f in index]
-    name = os.path.basename(trace.source) or "trace"
     return {
-        "$schema": SPEEDSCOPE_SCHEMA, "exporter": "gpuscope", "name": f"GPU time by launching stack: {name}",
+        "$schema": SPEEDSCOPE_SCHEMA, "exporter": "gpuscope", "name": title,
         "activeProfileIndex": 0, "shared": {"frames": frames},
-        "profiles": [{"type": "sampled", "name": f"GPU time (µs), {flame.unattributed_ratio:.1%} unattributed"
-                      + _inferred_note(flame),
-                      "unit": "microseconds", "startValue": 0, "endValue": flame.attributed_ns / 1e3,
+        "profiles": [{"type": "sampled", "name": profile_name,
+                      "unit": "microseconds", "startValue": 0, "endValue": sum(stacks.values()) / 1e3,
                       "samples": samples, "weights": weights}],
     }
 
