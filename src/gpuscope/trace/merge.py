@@ -77,13 +77,20 @@ def _relabel(doc: dict[str, Any], rank: int, index: int) -> None:
                                    "args": {"name": f"rank {rank} pid {pid}"}})
 
 
-def merge(paths: Sequence[str | os.PathLike[str]], out_path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Writes the merged timeline; returns what was done per file (rank, events, clock shift)."""
+def merge(paths: Sequence[str | os.PathLike[str]], out_path: str | os.PathLike[str],
+          clock_offsets_ns: Sequence[int] | None = None, ranks: Sequence[int | None] | None = None) -> dict[str, Any]:
+    """Writes the merged timeline; returns what was done per file (rank, events, clock shift).
+
+    `clock_offsets_ns`: per file, how far its host's clock was ahead of the caller's, measured (`gpuscope
+    trace fleet`): each file is moved back by it onto the caller's clock, instead of the per-host alignment
+    above. `ranks`: per file, the rank it speaks for, where the caller knows better than the file (None:
+    the file's own)."""
     if not paths:
         raise TraceError("Nothing to merge: give at least one trace file.")
     docs = [load_json(p) for p in paths]
     names = [os.fspath(p) for p in paths]
-    ranks = [rank_of(d, n) for d, n in zip(docs, names, strict=True)]
+    ranks = [r if r is not None else rank_of(d, n)
+             for d, n, r in zip(docs, names, ranks if ranks is not None else [None] * len(docs), strict=True)]
     if any(r is None for r in ranks):  # unknown ranks get the places after the known ones, in the given order
         free = iter(r for r in range(len(docs) + max((r for r in ranks if r is not None), default=-1) + 1)
                     if r not in ranks)
@@ -93,7 +100,7 @@ def merge(paths: Sequence[str | os.PathLike[str]], out_path: str | os.PathLike[s
         raise TraceError(f"Two traces claim rank {dupes[0]}: "
                          f"{', '.join(n for n, r in zip(names, ranks, strict=True) if r == dupes[0])}.")
     facts = [d.get("gpuscope") if isinstance(d.get("gpuscope"), dict) else None for d in docs]
-    shifts = clock_shifts(facts)
+    shifts = clock_shifts(facts) if clock_offsets_ns is None else [-int(o) for o in clock_offsets_ns]
     events: list[dict[str, Any]] = []
     summary = []
     for i, (doc, name, rank, shift) in enumerate(zip(docs, names, ranks, shifts, strict=True)):
