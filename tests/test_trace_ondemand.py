@@ -109,8 +109,10 @@ def test_the_duty_budget_spaces_windows():
     b = od.Budget(0.01)
     assert b.refuse(5, now=100.0) == "" and b.next_allowed_unix(now=100.0) is None
     b.spend(100.0, 5)
-    assert "duty budget of 1 %" in b.refuse(5, now=599.0) and "in 1 s" in b.refuse(5, now=599.0)
-    assert b.refuse(5, now=600.0) == ""
+    assert "duty budget of 1 %" in b.refuse(5, now=599.0) and "in 101 s" in b.refuse(5, now=599.0)
+    # spaced 500 s after it, but two windows of 5 s would be 10 s of the 10 minutes [5, 605]
+    assert "spent 5.0 s of the last 10 min" in b.refuse(5, now=600.0)
+    assert b.refuse(5, now=700.0) == "" and b.refuse(1, now=600.0) == ""  # 5 + 1 s of any 10 min
     assert "outside 1..30 s" in b.refuse(31, now=10_000.0)
     assert od.Budget(7).max_duty == od.DEFAULT_MAX_DUTY  # a nonsense setting cannot lift the cap
 
@@ -121,6 +123,25 @@ def test_the_budget_charges_the_whole_measured_cost_not_the_duration():
     b.spend(100.0, 2.5)
     assert "in 1 s" in b.refuse(1, now=349.0)
     assert b.refuse(1, now=350.0) == ""
+
+
+def test_the_budget_holds_over_any_ten_minutes_whatever_the_spacing():
+    """Windows of 1.5 s in all, each spaced by its cost: the spacing alone would let four into 600 s (6 s);
+    the 10-minute rule counts every window that overlaps the span whole, so the sum over any 600 s of the
+    windows it lets start stays <= 6 s, checked over every span that starts or ends at a window's edge."""
+    b = od.Budget(0.01)
+    t, starts = 0.0, []
+    while t < 3600:
+        t = b.allowed_at(1.0, t)
+        starts.append(t)
+        b.spend(t, 1.5, duration_s=1.0)
+        t += 1.5
+    edges = [s for s in starts] + [s + 1.5 for s in starts]
+    for left in edges:
+        inside = sum(1.5 for s in starts if s + 1.5 > left and s < left + 600)
+        assert inside <= 6.0 + 1e-9, (left, inside)
+    assert len(starts) >= 3600 / 600 * 4 - 1  # and it does not hold back more than that: 4 per 10 min
+    assert "the next window of 30 s" in b.refuse(30, now=t)  # 30 s needs 3000 s with nothing else in them
 
 
 def test_the_watcher_costs_one_stat_when_nothing_changed(tmp_path):

@@ -41,6 +41,8 @@ from typing import Any
 MIN_DURATION_S = 1.0
 MAX_DURATION_S = 30.0
 DEFAULT_MAX_DUTY = 0.01
+# The budget holds over any this many seconds of wall time (max_duty of it: 6 s of any 10 minutes at 1 %).
+HORIZON_S = 600.0
 # A request older than this is history: a process that opts in later does not act on it.
 REQUEST_TTL_S = 60.0
 _ID = re.compile(r"[0-9a-f]{16}")
@@ -263,37 +265,103 @@ class Watcher:
 
 
 class Budget:
-    """The hard overhead budget of one process, for windows on demand and repeated windows alike.
+    """The hard overhead budget of one process, for windows on demand, repeated windows and windows the
+    agent starts itself alike. It lives in the traced process, so no request can lift it.
 
     A window's cost is everything it took, measured: from the profiler's start call through the window,
     the stop, the export and the compression, all counted as if the program made no progress meanwhile
-    (an upper bound: the program runs on during a window, only slower). After a window that started at
-    `started` and cost `cost_s`, the next may start only at started + cost_s / max_duty, so over any run of
-    windows the tracing costs at most max_duty of the wall time (1 %: a window that cost 2 s at most
-    every 200 s). The cost of the first window is not known before it runs; a request whose duration
-    alone would break the budget of the window before it waits. Monotonic clock.
+    (an upper bound: the program runs on during a window, only slower). Two rules, both enforced:
+
+    - spacing: after a window that started at `started` and cost `cost_s`, the next may start only at
+      started + cost_s / max_duty (1 %: a window that cost 2 s at most every 200 s), so the program is
+      never slowed for long stretches at a time;
+    - any 10 minutes: the windows that overlap any HORIZON_S (600 s) of wall time cost at most
+      max_duty of it (6 s at 1 %), counting a window whole when any part of it falls inside. A window
+      whose cost alone exceeds that (a 30 s window asked by hand) needs cost / max_duty seconds with
+      nothing else in them instead.
+
+    The next window's cost is estimated as its duration plus the overhead the last one measured beyond
+    its duration (none before the first: that one is charged after the fact). Monotonic clock.
+
+        >>> b = Budget(0.01)
+        >>> b.spend(100.0, 2.0, duration_s=1.5)
+        >>> b.refuse(2.0, now=300.0)    # spaced 200 s, and 2 s + 2.5 s est. <= 6 s of the last 600 s
+        ''
+        >>> b.spend(300.0, 2.5, duration_s=2.0)
+        >>> b.refuse(2.0, now=600.0)[:40], b.refuse(2.0, now=699.5)
+        ('over the duty budget of 1 % of wall time', '')
     """
 
-    def __init__(self, max_duty: float = DEFAULT_MAX_DUTY) -> None:
+    def __init__(self, max_duty: float = DEFAULT_MAX_DUTY, horizon_s: float = HORIZON_S) -> None:
         self.max_duty = max_duty if 0 < max_duty <= 1 else DEFAULT_MAX_DUTY
-        self.next_allowed = float("-inf")  # monotonic seconds
+        self.horizon_s = horizon_s
+        self.spent: list[tuple[float, float]] = []  # (start, cost) of the windows that may still count, monotonic s
+        self.overhead_s = 0.0  # the last window's cost beyond its duration
+        self.last_duration_s = MIN_DURATION_S
+
+    def allowed_at(self, duration_s: float, now: float | None = None) -> float:
+        """The earliest monotonic time >= now at which a window of duration_s may start."""
+        now = time.monotonic() if now is None else now
+        est = duration_s + self.overhead_s
+        span = max(self.horizon_s, est / self.max_duty)
+        allowance = self.max_duty * span
+        t = now
+        if self.spent:
+            start, cost = self.spent[-1]
+            t = max(t, start + cost / self.max_duty)  # spacing
+        # A window starting at t ends at t + est: every earlier window that ends within the span before
+        # that counts. Windows leave the span as t moves on, oldest end first.
+        ends = sorted((s + c, c) for s, c in self.spent if s + c > t + est - span)
+        total = sum(c for _, c in ends)
+        for end, cost in ends:
+            if total + est <= allowance:
+                break
+            t = max(t, end + span - est)
+            total -= cost
+        return t
 
     def refuse(self, duration_s: float, now: float | None = None) -> str:
         """Why a window of duration_s cannot start now, or "" when it can."""
         now = time.monotonic() if now is None else now
         if not MIN_DURATION_S <= duration_s <= MAX_DURATION_S:
             return f"the duration {duration_s:g} s is outside {MIN_DURATION_S:g}..{MAX_DURATION_S:g} s"
-        if now < self.next_allowed:
-            return (f"over the duty budget of {self.max_duty * 100:g} % of wall time: the next window may "
-                    f"start in {self.next_allowed - now:.0f} s")
+        self.last_duration_s = duration_s
+        at = self.allowed_at(duration_s, now)
+        if at > now:
+            return (f"over the duty budget of {self.max_duty * 100:g} % of wall time (spent "
+                    f"{self.spent_s(now):.1f} s of the last {self.horizon_s / 60:g} min): the next window of "
+                    f"{duration_s:g} s may start in {max(1.0, at - now):.0f} s")
         return ""
 
-    def spend(self, started: float, cost_s: float) -> None:
-        """Charge a window that started at `started` (monotonic s) and cost `cost_s` seconds in all."""
-        self.next_allowed = started + max(0.0, cost_s) / self.max_duty
+    def spend(self, started: float, cost_s: float, duration_s: float | None = None) -> None:
+        """Charge a window that started at `started` (monotonic s) and cost `cost_s` seconds in all
+        (of which `duration_s` was the window itself, when known: the rest is the next one's estimate)."""
+        cost_s = max(0.0, cost_s)
+        if duration_s is not None:
+            self.overhead_s = max(0.0, cost_s - duration_s)
+        keep = started - max(self.horizon_s, (MAX_DURATION_S + self.overhead_s) / self.max_duty)
+        self.spent = [(s, c) for s, c in self.spent if s + c > keep][-256:] + [(started, cost_s)]
+
+    def spent_s(self, now: float | None = None) -> float:
+        """Seconds of windows within the last horizon_s (10 minutes), counted whole."""
+        now = time.monotonic() if now is None else now
+        return sum(c for s, c in self.spent if s + c > now - self.horizon_s)
+
+    def windows_unix(self, now: float | None = None) -> list[list[float]]:
+        """[start unix s, cost s] of each window of the last horizon_s: what the status file records."""
+        now = time.monotonic() if now is None else now
+        off = time.time() - now
+        return [[round(s + off, 3), round(c, 3)] for s, c in self.spent if s + c > now - self.horizon_s]
+
+    @property
+    def next_allowed(self) -> float:
+        """The earliest monotonic time a window of the last duration asked may start (-inf: now)."""
+        if not self.spent:
+            return float("-inf")
+        return self.allowed_at(self.last_duration_s, time.monotonic())
 
     def next_allowed_unix(self, now: float | None = None) -> float | None:
-        if self.next_allowed == float("-inf"):
+        if not self.spent:
             return None
         now = time.monotonic() if now is None else now
-        return time.time() + max(0.0, self.next_allowed - now)
+        return time.time() + max(0.0, self.allowed_at(self.last_duration_s, now) - now)
