@@ -32,6 +32,7 @@ VERBS = {
     "top": "gpuscope.commands.top",
     "alerts": "gpuscope.commands.alerts",
     "trace": "gpuscope.commands.trace",
+    "profile": "gpuscope.commands.profile",
     "loadtest": "gpuscope.loadtest.cli",
     "capture": "gpuscope.loadtest.capture_cli",
     "guard": "gpuscope.guard.cli",
