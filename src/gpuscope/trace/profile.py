@@ -146,7 +146,7 @@ class Profile:
 
     def pprof_message(self) -> Any:
         try:
-            from ._pprof import profile_pb2 as pb
+            from ._pprof.profile_pb2 import Profile as Message
         except Exception as e:  # ImportError, or protobuf's VersionError for a runtime older than the gencode
             raise NoProtobuf(f"Writing pprof needs protobuf 7.35.1 or newer ({type(e).__name__}): "
                              "pip install 'gpuscope[profile]', or ask for speedscope or json.") from None
@@ -159,7 +159,7 @@ class Profile:
                 i = strings[text] = len(strings)
             return i
 
-        out = pb.Profile()
+        out = Message()
         for kind, unit in SAMPLE_TYPES:
             out.sample_type.add(type=s(kind), unit=s(unit))
         out.default_sample_type = s(SAMPLE_TYPES[0][0])
