@@ -62,6 +62,13 @@
                                     # the agent runs in a pod; a path asks that socket, always; "off" never asks
     pod_resources_interval = "10s"  # how often the kubelet is asked (a new pod's process asks at once)
     pod_resources_timeout = "2s"    # the deadline of one request; the sampler never waits for it
+
+    [profiling]
+    publish_bootstrap = true    # the tracing bootstrap in DATA_DIR/bootstrap: PYTHONPATH=<it> opts a program in
+    on_verdict = true           # a window when a GPU's verdict turns launch-, sync-, host- or input-bound
+    every = "30m"               # a window of every opted-in process this often; "off": never
+    duration = "2s"             # each window the agent starts (1s..30s); the process's budget has the last word
+    check_interval = "5s"       # how often the verdicts are looked at (a flip is asked for within this)
 """
 
 from __future__ import annotations
@@ -215,6 +222,15 @@ class KubernetesSection:
 
 
 @dataclass
+class ProfilingSection:
+    publish_bootstrap: bool = True
+    on_verdict: bool = True
+    every: float = 1800.0  # seconds; 0: off
+    duration: float = 2.0
+    check_interval: float = 5.0
+
+
+@dataclass
 class Config:
     agent: AgentSection = field(default_factory=AgentSection)
     sampler: SamplerSection = field(default_factory=SamplerSection)
@@ -224,6 +240,7 @@ class Config:
     remote_write: RemoteWriteSection = field(default_factory=RemoteWriteSection)
     alerts: AlertsSection = field(default_factory=AlertsSection)
     kubernetes: KubernetesSection = field(default_factory=KubernetesSection)
+    profiling: ProfilingSection = field(default_factory=ProfilingSection)
     source: str = "defaults"
 
     @property
@@ -239,7 +256,9 @@ _DURATIONS = {("agent", "header_timeout"), ("agent", "body_timeout"), ("agent", 
               ("sampler", "interval"), ("sampler", "gpm_window"), ("sampler", "slow"), ("store", "flush_interval"),
               ("store", "raw"), ("store", "rollup_1s"), ("store", "rollup_1m"), ("store", "rollup_1h"),
               ("remote_write", "interval"), ("alerts", "evaluation_interval"),
-              ("kubernetes", "pod_resources_interval"), ("kubernetes", "pod_resources_timeout")}
+              ("kubernetes", "pod_resources_interval"), ("kubernetes", "pod_resources_timeout"),
+              ("profiling", "duration"), ("profiling", "check_interval")}
+_OFF_DURATIONS = {("profiling", "every")}  # a duration, or "off" (0)
 _SIZES = {("store", "max_size")}
 _CHOICES = {("agent", "log_format"): ("text", "json"),
             ("agent", "log_level"): ("debug", "info", "warning", "error"),
@@ -250,6 +269,13 @@ _CHOICES = {("agent", "log_format"): ("text", "json"),
 def _coerce(section: str, key: str, value: Any, default: Any, where: str) -> Any:
     if (section, key) in _DURATIONS:
         return parse_duration(value, where)
+    if (section, key) in _OFF_DURATIONS:
+        if value == "off" or value is False:
+            return 0.0
+        try:
+            return parse_duration(value, where)
+        except ConfigError:
+            raise ConfigError(f"{where} must be a duration such as \"30m\", or \"off\", not {shown(value)}.") from None
     if (section, key) in _SIZES:
         return parse_size(value, where)
     if isinstance(default, bool):
@@ -352,6 +378,14 @@ def validate(cfg: Config) -> None:
     if k.pod_resources_timeout > 60 or k.pod_resources_interval < 0.5:
         raise ConfigError(f"{src}[kubernetes] pod_resources_timeout must be at most 60s and pod_resources_interval "
                           "at least 500ms.")
+    pr = cfg.profiling
+    if not 1.0 <= pr.duration <= 30.0:
+        raise ConfigError(f"{src}[profiling] duration must be between 1s and 30s, not {pr.duration:g} s.")
+    if not 1.0 <= pr.check_interval <= 60.0:
+        raise ConfigError(f"{src}[profiling] check_interval must be between 1s and 60s, not {pr.check_interval:g} s.")
+    if 0 < pr.every < 60.0:
+        raise ConfigError(f"{src}[profiling] every must be at least 1m (or \"off\"), not {pr.every:g} s: the "
+                          "process's budget would refuse most of the windows anyway.")
     url = cfg.remote_write.url
     if url and not _is_http_url(url):
         raise ConfigError(f"{src}[remote_write] url must be an http:// or https:// URL, not {url!r}.")

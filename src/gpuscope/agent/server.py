@@ -93,6 +93,8 @@ class Api:
                 "/api/v1/trace": "POST {\"duration\": \"5s\", \"pids\": [..]} (token): ask the processes started "
                                  "with gpuscope trace --on-demand to trace",
                 "/api/v1/traces": "the traces they wrote or refused; /api/v1/traces/ID/kernels: kernel statistics",
+                "/api/v1/autotrace": "the windows the agent started itself (verdict flips, the schedule), their "
+                                     "outcome, verdicts and findings; how a program opts in",
                 "/api/v1/profile": "GPU time by launching stack of the traces that ended ?since=1h (&job=J), "
                                    "?format=pprof|speedscope|json",
                 "/ui/": "the web dashboard",
@@ -289,6 +291,7 @@ def make_app(agent: AgentFace, max_request_bytes: int = 65536, *, streams_per_cl
     Host names; the token beyond loopback and for changes) and its JSON errors."""
     from ..web.api import add_ui_routes
     from ..web.local import AgentBackend
+    from .autotrace import register as register_autotrace
     from .events_api import register as register_events
     from .profile_api import register as register_profiles
     from .trace_api import register as register_traces
@@ -302,5 +305,6 @@ def make_app(agent: AgentFace, max_request_bytes: int = 65536, *, streams_per_cl
     register_traces(app, agent)
     register_events(app, agent)
     register_profiles(app, agent)
+    register_autotrace(app, agent)
     add_ui_routes(app, AgentBackend(agent), streams_per_client=streams_per_client, stream_stall_s=stream_stall_s)
     return app

@@ -50,6 +50,7 @@ _ID = re.compile(r"[0-9a-f]{16}")
 MAX_START_AHEAD_S = 30.0
 # A protocol file is a few hundred bytes; anything bigger is not one of ours (and is not read whole).
 MAX_FILE_BYTES = 64 << 10
+MAX_TRIGGER_CHARS = 200
 
 
 def _write_json(path: str, doc: dict[str, Any]) -> None:
@@ -109,14 +110,17 @@ def _listing(req_dir: str, prefix: str) -> list[str]:
 
 # -- the agent's side -------------------------------------------------------------------------------
 def write_request(req_dir: str, duration_s: float, pids: list[int] | str, host: str | None = None,
-                  start_unix: float | None = None) -> dict[str, Any]:
+                  start_unix: float | None = None, trigger: str | None = None) -> dict[str, Any]:
     """Write a request for `pids` (or "all") to trace `duration_s` seconds, from `start_unix` (this host's
-    clock; None: at once); returns it, with its new id."""
+    clock; None: at once); returns it, with its new id. `trigger` says why (the agent's own windows: the
+    verdict that flipped, or the schedule); the process copies it into its answer."""
     os.makedirs(req_dir, exist_ok=True)
     req = {"id": secrets.token_hex(8), "duration_s": float(duration_s), "pids": pids,
            "host": host or socket.gethostname(), "created_unix": time.time()}
     if start_unix is not None:
         req["start_unix"] = float(start_unix)
+    if trigger:
+        req["trigger"] = str(trigger)[:MAX_TRIGGER_CHARS]
     _write_json(os.path.join(req_dir, f"req.{req['id']}.json"), req)
     return req
 

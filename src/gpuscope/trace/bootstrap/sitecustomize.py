@@ -24,6 +24,16 @@ process in the request directory, looks there once a second (one stat()) for a r
 its pid or to all, and traces for as long as asked within its duty budget (../ondemand.py, loaded by
 path, holds the protocol and the budget; GPUSCOPE_TRACE_MAX_DUTY, default 0.01).
 
+Opted in with one variable (PYTHONPATH=<the agent's DATA_DIR>/bootstrap, in a pod spec or a Slurm script):
+the agent publishes a copy of this file there (agent/autotrace.py says how and why), beside agent.json
+and the two modules it loads by path (_gpuscope_trace/). Loaded from such a directory, with no
+GPUSCOPE_TRACE_DIR set, it takes requests as --on-demand does, from ../trace-requests into ../traces
+(its own directory's siblings), and names itself with the agent's host name (plus its PID namespace
+when that is not the agent's: a container's pids are its own). Only if every one of those files and
+directories is safe: owned by root or this user, writable by no one else (a world-writable
+request or trace directory must be sticky, as /tmp is); else one line on stderr, the directory comes
+off sys.path (nothing planted there can be imported) and the program runs untraced.
+
 Backends (GPUSCOPE_TRACE_BACKEND=auto|torch|cupti, `gpuscope trace --backend`): in auto a program that
 imports cupy, numba.cuda, jax or cuda-python, and not torch, is traced through CUPTI instead
 (../cupti_backend.py, loaded by path; it needs NVIDIA's cupti-python in the program's environment):
@@ -63,6 +73,7 @@ import select
 import shutil
 import signal
 import socket
+import stat
 import sys
 import tempfile
 import threading
@@ -219,13 +230,15 @@ def _flush_stderr():
 class _Tracer:
     """The per-process state: windows, the profiler thread, the exit flush."""
 
-    def __init__(self, out_dir):
+    def __init__(self, out_dir, requests_dir=None, protocol_host=None, pid_ns=None):
         self.out_dir = out_dir
+        self.protocol_host = protocol_host  # the name requests address this process by (default: the host name)
+        self.pid_ns = pid_ns
         self.delay_s = _number("GPUSCOPE_TRACE_DELAY_S", 5)
         self.duration_s = _number("GPUSCOPE_TRACE_DURATION_S", 10)
         self.every_s = _number("GPUSCOPE_TRACE_EVERY_S", 0)
         self.with_stack = os.environ.get("GPUSCOPE_TRACE_STACK", "1") == "1"
-        self.requests_dir = os.environ.get("GPUSCOPE_TRACE_ON_DEMAND", "")
+        self.requests_dir = requests_dir or os.environ.get("GPUSCOPE_TRACE_ON_DEMAND", "")
         self.backend_mode = os.environ.get("GPUSCOPE_TRACE_BACKEND", "auto")
         self.api_all = os.environ.get("GPUSCOPE_TRACE_API", "rules") == "all"
         self.backend = None  # "torch" or "cupti" once one has started
@@ -403,7 +416,7 @@ class _Tracer:
                 self._stop_and_write(prof, window, started, all_threads)
             finally:
                 cost_s = time.monotonic() - began
-                budget.spend(began, cost_s)
+                budget.spend(began, cost_s, duration_s=self.duration_s)
             self._charge(cost_s, budget)
             if self.every_s <= 0 or self.exiting.is_set():
                 return
@@ -429,11 +442,12 @@ class _Tracer:
 
     def _on_demand(self):
         od = _ondemand()
-        host, since = socket.gethostname(), time.time()
+        host, since = self.protocol_host or socket.gethostname(), time.time()
         budget = od.Budget(_number("GPUSCOPE_TRACE_MAX_DUTY", od.DEFAULT_MAX_DUTY))
         watcher = od.Watcher(self.requests_dir)
         me = {"host": host, "pid": self.pid, "rank": self._rank(), "since_unix": since,
-              "trace_dir": self.out_dir, "max_duty": budget.max_duty, "next_allowed_unix": None}
+              "trace_dir": self.out_dir, "max_duty": budget.max_duty, "next_allowed_unix": None,
+              "pid_ns": self.pid_ns, "horizon_s": budget.horizon_s, "spent_s": 0.0, "windows": []}
         od.register(self.requests_dir, me)
         try:
             while not self.exiting.wait(1.0):
@@ -445,7 +459,10 @@ class _Tracer:
                     except Exception as e:  # this request failed; the next one may not
                         od.mark_done(self.requests_dir, req["id"], host, self.pid, status="failed",
                                      reason=f"{type(e).__name__}: {e}", duration_s=req["duration_s"])
-                    od.register(self.requests_dir, dict(me, next_allowed_unix=budget.next_allowed_unix()))
+                    # what this process spent, in its own words: the agent reads it to stop asking
+                    od.register(self.requests_dir, dict(me, next_allowed_unix=budget.next_allowed_unix(),
+                                                        spent_s=round(budget.spent_s(), 3),
+                                                        windows=budget.windows_unix()))
                     if self.exiting.is_set():
                         return
         finally:
@@ -454,6 +471,8 @@ class _Tracer:
     def _answer(self, od, req, budget, host):
         """One request: refused (and why), or traced and written, with its answer beside it."""
         answer = {"duration_s": req["duration_s"], "rank": self._rank()}
+        if isinstance(req.get("trigger"), str):  # why the agent asked (its own windows), for the listing
+            answer["trigger"] = req["trigger"][:200]
         if req.get("start_unix") is not None:
             answer["start_unix"] = req["start_unix"]
         why = budget.refuse(req["duration_s"])
@@ -476,7 +495,7 @@ class _Tracer:
             meta = self._stop_and_write(prof, 0, started, all_threads, suffix="." + req["id"])
         finally:  # charged its whole measured cost, also when the export failed
             cost_s = time.monotonic() - began
-            budget.spend(began, cost_s)
+            budget.spend(began, cost_s, duration_s=req["duration_s"])
         self._charge(cost_s, budget)
         answer["cost_s"] = round(cost_s, 3)
         kept = ("file", "profiler_start_unix_ns", "profiler_stop_unix_ns", "cpu_ops_all_threads", "with_stack")
@@ -617,7 +636,7 @@ def _load_private(filename, name):
     package's __init__ (numpy and more) inside the traced program, which may not even have it."""
     if name in sys.modules:
         return sys.modules[name]
-    path = os.path.join(os.path.dirname(_HERE), filename)
+    path = os.path.join(_PRIVATE_DIR, filename)
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -707,11 +726,82 @@ class _Finder:
         pass
 
 
+# Beside this file in a directory the agent published (agent/autotrace.py): the modules it loads by path
+# live in _gpuscope_trace/ there; in the package, one directory up (gpuscope/trace/).
+_PUBLISHED = os.path.isfile(os.path.join(_HERE, "agent.json"))
+_PRIVATE_DIR = os.path.join(_HERE, "_gpuscope_trace") if _PUBLISHED else os.path.dirname(_HERE)
+_INSTALLED = "_gpuscope_trace_installed"  # in sys.modules once one copy of this bootstrap took the process
+
+
+def _unsafe(path, directory, trusted):
+    """Why `path` could let someone else put code or requests in this program, or "" when it cannot."""
+    try:
+        st = os.lstat(path)
+    except OSError as e:
+        return f"{path} cannot be read ({e.strerror})"
+    if stat.S_ISLNK(st.st_mode) or stat.S_ISDIR(st.st_mode) != directory or not (directory or stat.S_ISREG(st.st_mode)):
+        return f"{path} is not a plain {'directory' if directory else 'file'}"
+    if st.st_uid not in trusted:
+        return f"{path} belongs to uid {st.st_uid}, neither root nor this user"
+    if st.st_mode & 0o022 and not (directory and st.st_mode & stat.S_ISVTX and st.st_mode & 0o002):
+        return f"{path} is writable by others (mode {stat.S_IMODE(st.st_mode):04o})"
+    return ""
+
+
+def _published():
+    """(requests dir, traces dir, protocol host, pid namespace) for a bootstrap the agent published, None
+    when this is not one; raises ValueError with why when it is one that is not safe to use."""
+    if not _PUBLISHED:
+        return None
+    trusted = {0, os.getuid()}
+    base = os.path.dirname(_HERE)
+    requests_dir, traces_dir = os.path.join(base, "trace-requests"), os.path.join(base, "traces")
+    files = [os.path.join(_HERE, n) for n in ("sitecustomize.py", "agent.json")]
+    files += [os.path.join(_PRIVATE_DIR, n) for n in ("ondemand.py", "cupti_backend.py")]
+    for path, directory in [(_HERE, True), (_PRIVATE_DIR, True)] + [(f, False) for f in files]:
+        why = _unsafe(path, directory, trusted)
+        if why:
+            raise ValueError(why)
+    for path in (requests_dir, traces_dir):  # shared with other users' programs: sticky when world-writable
+        try:
+            st = os.lstat(path)
+        except OSError as e:
+            raise ValueError(f"{path} cannot be read ({e.strerror})") from None
+        if not stat.S_ISDIR(st.st_mode) or (st.st_mode & 0o002 and not st.st_mode & stat.S_ISVTX) \
+                or (st.st_uid not in trusted and st.st_mode & 0o020):
+            raise ValueError(f"{path} is not a directory only its owner can change (sticky when world-writable)")
+    with open(os.path.join(_HERE, "agent.json")) as f:
+        agent = json.loads(f.read(1 << 16))
+    host = agent.get("host") if isinstance(agent, dict) else None
+    if not isinstance(host, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}", host):
+        raise ValueError(f"{os.path.join(_HERE, 'agent.json')} names no host")
+    try:
+        pid_ns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        pid_ns = None
+    if pid_ns is not None and pid_ns != agent.get("pid_ns"):
+        host = f"{host}+pidns{pid_ns}"  # the agent maps this namespace's pids to its own (autotrace.py)
+    return requests_dir, traces_dir, host, pid_ns
+
+
 def _install():
-    out_dir = os.environ.get(_ENV)
-    if not out_dir:
+    if _INSTALLED in sys.modules:  # `gpuscope trace` put its own copy first, and it chained to this one
         return
-    tracer = _Tracer(out_dir)
+    out_dir = os.environ.get(_ENV)
+    requests_dir = host = pid_ns = None
+    if not out_dir:
+        try:
+            found = _published()
+        except Exception as e:  # noqa: BLE001 - unsafe or unreadable: never trace, never import from here
+            sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+            sys.stderr.write(f"gpuscope: not profiling process {os.getpid()}: {e}; the program goes on.\n")
+            sys.stderr.flush()
+            return
+        if found is None:
+            return
+        requests_dir, out_dir, host, pid_ns = found
+    sys.modules[_INSTALLED] = sys  # any module object: a marker
+    tracer = _Tracer(out_dir, requests_dir=requests_dir, protocol_host=host, pid_ns=pid_ns)
     names = tracer.watched()
     for name in names:
         if name in sys.modules:
