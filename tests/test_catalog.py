@@ -17,7 +17,7 @@ from gpuscope.sources import gpm
 from gpuscope.sources.gpm import GPM_METRICS
 
 ALL = list(CATALOG.values())
-SOURCES = {"nvml", "gpm", "events", "processes", "host", "sampler", "kubelet"}
+SOURCES = {"nvml", "gpm", "events", "processes", "host", "sampler", "kubelet", "cudaprobe"}
 # unit -> the suffix the name must carry (before `_total` for counters)
 UNIT_SUFFIX = {
     "bytes": "_bytes",

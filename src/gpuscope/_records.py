@@ -149,6 +149,18 @@ class ProcessRecord:
     # The GPU frameworks it loaded (gpuscope._frameworks: torch, jax, cupy, ...), read once when it was first
     # seen; () when not known. In the API's and recordings' records, never a label of a series.
     frameworks: tuple[str, ...] = ()
+    # Its CUDA driver API calls since the eBPF probes first saw it (sources.cudaprobe), counters; None where
+    # the probes are off or it made no probed call. Copy bytes by direction; 'other' is cuMemcpy(Async),
+    # whose direction the driver infers from unified addresses. Sync seconds sum over its threads.
+    cuda_launches: float | None = None
+    cuda_graph_launches: float | None = None
+    cuda_copies: float | None = None
+    cuda_h2d_bytes: float | None = None
+    cuda_d2h_bytes: float | None = None
+    cuda_d2d_bytes: float | None = None
+    cuda_other_copy_bytes: float | None = None
+    cuda_syncs: float | None = None
+    cuda_sync_seconds: float | None = None
 
 
 @dataclass(slots=True)

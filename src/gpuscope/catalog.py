@@ -246,6 +246,33 @@ _METRICS = [
     Metric("process_threads_busy", "", G, "processes", Cost.SLOW,
            "Threads of the process using half a core or more: a runtime that dispatches from several threads "
            "(JAX/XLA, TensorFlow) is busy with none of them saturated.", "", labels=("pid", "process", "user")),
+    # ---- per process, CUDA driver API calls counted by eBPF uprobes on libcuda (sources.cudaprobe) ----
+    Metric("process_cuda_launches_total", "", C, "cudaprobe", Cost.SLOW,
+           "Kernel launches through the CUDA driver API (cuLaunchKernel, cuLaunchKernelEx, cooperative), "
+           "counted by eBPF probes on libcuda since they first saw the process.", "",
+           labels=("pid", "process", "user"), needs="bpf"),
+    Metric("process_cuda_graph_launches_total", "", C, "cudaprobe", Cost.SLOW,
+           "CUDA graph launches (cuGraphLaunch); each runs many kernels the launch count does not see.", "",
+           labels=("pid", "process", "user"), needs="bpf"),
+    Metric("process_cuda_copies_total", "", C, "cudaprobe", Cost.SLOW,
+           "Copies through the driver API (cuMemcpy*, synchronous and async, 1D and 2D), all directions.", "",
+           labels=("pid", "process", "user"), needs="bpf"),
+    Metric("process_cuda_h2d_bytes_total", "bytes", C, "cudaprobe", Cost.SLOW,
+           "Bytes the process asked to copy host to device (cuMemcpyHtoD*, 2D copies from host memory).", "",
+           labels=("pid", "process", "user"), needs="bpf"),
+    Metric("process_cuda_d2h_bytes_total", "bytes", C, "cudaprobe", Cost.SLOW,
+           "Bytes the process asked to copy device to host.", "", labels=("pid", "process", "user"), needs="bpf"),
+    Metric("process_cuda_d2d_bytes_total", "bytes", C, "cudaprobe", Cost.SLOW,
+           "Bytes copied device to device and peer to peer.", "", labels=("pid", "process", "user"), needs="bpf"),
+    Metric("process_cuda_other_copy_bytes_total", "bytes", C, "cudaprobe", Cost.SLOW,
+           "Bytes of cuMemcpy / cuMemcpyAsync, whose direction the driver infers from unified addresses.", "",
+           labels=("pid", "process", "user"), needs="bpf"),
+    Metric("process_cuda_syncs_total", "", C, "cudaprobe", Cost.SLOW,
+           "Synchronisations (cuStreamSynchronize, cuCtxSynchronize, cuEventSynchronize) that returned.", "",
+           labels=("pid", "process", "user"), needs="bpf"),
+    Metric("process_cuda_sync_seconds_total", "seconds", C, "cudaprobe", Cost.SLOW,
+           "Time the process's threads spent inside those synchronisations, summed over threads: its rate is "
+           "the share of a thread waiting on the GPU.", "", labels=("pid", "process", "user"), needs="bpf"),
     # ---- host ----
     Metric("host_cpu_ratio", "ratio", G, "host", Cost.SLOW, "Host CPU busy, all cores (0..1).", "",
            otel="system.cpu.utilization"),
@@ -287,6 +314,15 @@ PROCESS_SERIES: tuple[tuple[str, str], ...] = (
     ("rss_bytes", "process_resident_memory_bytes"),
     ("threads", "process_threads"),
     ("threads_busy", "process_threads_busy"),
+    ("cuda_launches", "process_cuda_launches_total"),
+    ("cuda_graph_launches", "process_cuda_graph_launches_total"),
+    ("cuda_copies", "process_cuda_copies_total"),
+    ("cuda_h2d_bytes", "process_cuda_h2d_bytes_total"),
+    ("cuda_d2h_bytes", "process_cuda_d2h_bytes_total"),
+    ("cuda_d2d_bytes", "process_cuda_d2d_bytes_total"),
+    ("cuda_other_copy_bytes", "process_cuda_other_copy_bytes_total"),
+    ("cuda_syncs", "process_cuda_syncs_total"),
+    ("cuda_sync_seconds", "process_cuda_sync_seconds_total"),
 )
 
 #: PodRecord attribute -> the series it is exported as (labels gpu, namespace, pod, container).

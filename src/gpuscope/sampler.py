@@ -70,6 +70,9 @@ class SamplerConfig:
     collect_host: bool = True
     cmdline: str = "redacted"  # what process records show of a command line: redacted | name-only | hidden
     events: bool = True
+    # eBPF probes on libcuda counting each process's launches, copies and syncs (sources.cudaprobe): None is on
+    # where the real driver is read (not the simulated node, not an injected NVML) and the kernel allows it.
+    cuda_probe: bool | None = None
 
     @classmethod
     def for_interval(cls, interval: float, **kw: Any) -> SamplerConfig:
@@ -163,6 +166,10 @@ class Sampler:
         self._group_sources: dict[str, DeviceSource] = {}
         self._proc_source: Any = None
         self._event_source: EventSource | None = None
+        self._cuda_probe: Any = None
+        #: Whether the CUDA driver probes run, or why not (doctor shows it).
+        self.cuda_probe_capability = Capability(False, "not opened")
+        self._real_nvml = nvml is None and simulate is None
         self._errors_logged: set[str] = set()
         self.cpu_seconds = 0.0
         self.ticks = 0
@@ -190,6 +197,8 @@ class Sampler:
             self._proc_source = ProcessSource(self.nvml, self._host_reader, cmdline=self.config.cmdline)
             if self._pod_join is not None:
                 self._proc_source.attribute = self._pod_join.attribute
+        if self.config.collect_processes and self._cuda_probe is None:
+            self._open_cuda_probe()
         if self.config.collect_host and self._host_source is None:
             from .sources.host import HostSource
 
@@ -199,6 +208,21 @@ class Sampler:
             self._event_source = EventSource(self.nvml, self.devices)
             self._event_source.start()
         self._opened = True
+
+    def _open_cuda_probe(self) -> None:
+        want = self.config.cuda_probe
+        from .sources.cudaprobe import CudaProbe
+
+        probe = CudaProbe(enabled=False if want is False or (want is None and not self._real_nvml) else None)
+        try:
+            self.cuda_probe_capability = probe.open()
+        except Exception as e:  # noqa: BLE001 - the probes are a bonus; sampling goes on without them
+            self.cuda_probe_capability = Capability(False, f"the probes failed to start: {e}")
+            self._log_once("cuda probes", e)
+        if self.cuda_probe_capability.supported:
+            self._cuda_probe = probe
+        elif want is None and not self._real_nvml:
+            self.cuda_probe_capability = Capability(False, "off on the simulated node and with an injected NVML")
 
     def start(self) -> Sampler:
         """Open and sample in a background thread until stop()."""
@@ -226,6 +250,9 @@ class Sampler:
             self._event_source = None
         if self._opened:
             with self._lock:
+                if self._cuda_probe is not None:
+                    self._cuda_probe.close()
+                    self._cuda_probe = None
                 if self._gpm_source is not None:
                     self._gpm_source.close(self.devices)
                 self.nvml.shutdown()
@@ -349,6 +376,8 @@ class Sampler:
                 try:
                     self._processes = self._proc_source.collect(self.devices, events, util_due)
                     self._pods = self._proc_source.pods
+                    if self._cuda_probe is not None:  # one read of the probes' counters per processes tick
+                        self._cuda_probe.annotate(self._processes)
                 except Exception as e:  # noqa: BLE001 - never stop sampling
                     self._log_once("processes", e)
                 cpu["processes"] = cpu.get("processes", 0.0) + time.thread_time() - c
