@@ -15,6 +15,12 @@ ops too); one that imports cupy, numba.cuda, jax or cuda-python and not torch is
 with NVIDIA's cupti-python (trace/cupti_backend.py, docs/trace-cupti.md): GPU kernels, copies, memsets
 and syncs, plus the runtime/driver calls the rules read with their Python lines; `--api all` records
 every runtime and driver call, at a cost of several times the run time of a launch-bound loop.
+A CMD that is a native program (an ELF executable, not a Python interpreter), or any CMD with
+`--backend inject`, is traced by gpuscope's CUDA injection library instead (trace/inject/: built at
+first use with the C compiler against NVIDIA's CUPTI wheel, loaded by the driver through
+CUDA_INJECTION64_PATH): the same windows, records and budget, written as raw lines that become the same
+Kineto-compatible traces once CMD has exited. Where it cannot work (no driver, no compiler, no CUPTI,
+another injection library already set) one sentence says why and CMD runs untraced.
 
 The program's stdout and stderr are its own: what the profiler's C++ prints while it starts, stops and
 exports (Kineto's "External init callback must run in same thread as registerClient", CUPTI warnings)
@@ -52,7 +58,7 @@ HELP = ("run a CUDA program unchanged (PyTorch, CuPy, Numba, JAX, cuda-python) a
         "and syncs (gpuscope trace -- CMD)")
 NO_TRACE = ("no trace: no process of the program imported torch, cupy, numba.cuda, jax or cuda-python "
             "(the Python CUDA libraries gpuscope trace knows).")
-BACKENDS = ("auto", "torch", "cupti")
+BACKENDS = ("auto", "torch", "cupti", "inject")
 # Why a process wrote no trace, by the status its bootstrap left (bootstrap/sitecustomize.py).
 _WHY = {"exited_before_window": "it exited before its window began (lower --delay)",
         "profiler_failed": "the {backend} could not start ({error})",
@@ -66,10 +72,19 @@ _WHY = {"exited_before_window": "it exited before its window began (lower --dela
 
 def environment(out_dir: str, delay_s: float, duration_s: float, every_s: float, stack: bool,
                 run_id: str, base: dict[str, str] | None = None, requests_dir: str | None = None,
-                backend: str = "auto", api: str = "rules", max_duty: float | None = None) -> dict[str, str]:
-    """CMD's environment: ours plus the bootstrap first on PYTHONPATH and the tracing settings."""
+                backend: str = "auto", api: str = "rules", max_duty: float | None = None,
+                inject_library: str | None = None) -> dict[str, str]:
+    """CMD's environment: ours plus the bootstrap first on PYTHONPATH and the tracing settings; with
+    `inject_library`, the injection hook too. One CUPTI subscriber per process: with --backend inject the
+    library traces every process and the bootstrap is left out; in auto, the library leaves the processes
+    that run Python to the bootstrap (GPUSCOPE_TRACE_INJECT_SKIP_PYTHON)."""
     env = dict(os.environ if base is None else base)
-    env["PYTHONPATH"] = os.pathsep.join([BOOTSTRAP_DIR] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    if inject_library:
+        env["CUDA_INJECTION64_PATH"] = inject_library
+        if backend != "inject":
+            env["GPUSCOPE_TRACE_INJECT_SKIP_PYTHON"] = "1"
+    if backend != "inject":
+        env["PYTHONPATH"] = os.pathsep.join([BOOTSTRAP_DIR] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.update({"GPUSCOPE_TRACE_DIR": os.path.abspath(out_dir), "GPUSCOPE_TRACE_DELAY_S": repr(delay_s),
                 "GPUSCOPE_TRACE_DURATION_S": repr(duration_s), "GPUSCOPE_TRACE_EVERY_S": repr(every_s),
                 "GPUSCOPE_TRACE_STACK": "1" if stack else "0", "GPUSCOPE_TRACE_RUN": run_id,
@@ -105,6 +120,9 @@ def trace(cmd: list[str], *, out_dir: str = "gpuscope-traces", delay_s: float = 
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
         raise RunError(f"Cannot create the trace directory {out_dir}: {e.strerror or e}.", 2) from None
+    inject_library, untraced = _injection(cmd, backend, requests_dir)
+    if untraced:
+        print(f"gpuscope trace: {untraced}", file=sys.stderr)
     run_id = uuid.uuid4().hex
     sampler = kept = None
     if samples:
@@ -118,7 +136,9 @@ def trace(cmd: list[str], *, out_dir: str = "gpuscope-traces", delay_s: float = 
     started = time.time()
     try:
         child = forward.child = start(cmd, environment(out_dir, delay_s, duration_s, every_s, stack, run_id,
-                                       requests_dir=requests_dir, backend=backend, api=api, max_duty=max_duty))
+                                       requests_dir=requests_dir, backend=backend, api=api, max_duty=max_duty,
+                                       inject_library=inject_library)
+                                 if not (untraced and backend == "inject") else dict(os.environ))
         if forward.interrupts:
             child.send_signal(signal.SIGINT)
         if sampler is not None:
@@ -140,14 +160,42 @@ def trace(cmd: list[str], *, out_dir: str = "gpuscope-traces", delay_s: float = 
         if sampler is not None:
             sampler.stop()
     code = exit_code(child.returncode)
+    problems = []
+    if inject_library and not untraced:
+        from .._redact import redact_cmdline
+        from .inject.convert import convert_run
+
+        problems = convert_run(out_dir, run_id, argv=[redact_cmdline(cmd)])
     report = collect(out_dir, run_id)
-    report.update({"exit_code": code, "duration_s": time.time() - started, "out_dir": out_dir})
+    report.update({"exit_code": code, "duration_s": time.time() - started, "out_dir": out_dir,
+                   "backend": "inject" if inject_library else backend, "untraced": untraced,
+                   "problems": problems})
     if kept:
         for t in report["traces"]:
             path = t["path"].replace(".pt.trace.json.gz", ".perfetto.json.gz")
             t["counter_events"] = with_counters(t["path"], kept, path)
             t["perfetto"] = path
     return code, report
+
+
+def _injection(cmd: list[str], backend: str, requests_dir: str | None) -> tuple[str | None, str]:
+    """(the injection library for CMD, or None: the Python bootstrap traces it; why CMD runs untraced, or "")."""
+    from . import inject
+
+    if backend != "inject" and not (backend == "auto" and inject.is_native(cmd[0])):
+        return None, ""
+    if requests_dir:
+        raise RunError("--on-demand is not available for programs traced by injection yet (native programs, "
+                       "--backend inject); trace them with --delay/--duration or --every.", 2)
+    held = os.environ.get("CUDA_INJECTION64_PATH")
+    if held:
+        return "", (f"CUDA_INJECTION64_PATH is already set ({held}: another profiler's injection), so "
+                    f"{os.path.basename(cmd[0])} runs untraced by gpuscope.")
+    try:
+        inject.driver()
+        return inject.build(), ""
+    except inject.InjectUnavailable as e:
+        return "", f"{os.path.basename(cmd[0])} runs untraced: {str(e).rstrip('.')}."
 
 
 def collect(out_dir: str, run_id: str) -> dict[str, Any]:
@@ -193,7 +241,14 @@ def render(report: dict[str, Any], verbose: bool = False) -> str:
             lines.append(f"  pid {p.get('pid')}: {p['torch_after_cupti']}.")
         if p.get("profiler_log"):
             lines.extend(_profiler_log(report["out_dir"], p, verbose))
-    if not report["processes"]:
+    for problem in report.get("problems") or ():
+        lines.append(f"  {problem}")
+    if report.get("untraced"):
+        pass  # said once, before CMD started
+    elif not report["processes"] and report.get("backend") == "inject":
+        lines.append("  no trace: no process of the program initialised CUDA (cuInit), so the driver never loaded "
+                     "gpuscope's injection library.")
+    elif not report["processes"]:
         lines.append(f"  {NO_TRACE}")
     return "\n".join(lines)
 
@@ -319,8 +374,10 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--no-stack", action="store_true", help="leave out Python stacks (smaller, cheaper traces)")
     p.add_argument("--backend", choices=BACKENDS, default="auto",
                    help="auto (default): the PyTorch profiler in processes that import torch, CUPTI (needs "
-                        "cupti-python) in those that import cupy, numba.cuda, jax or cuda-python and not torch; "
-                        "torch or cupti: only that one (cupti also traces torch programs, without CPU ops)")
+                        "cupti-python) in those that import cupy, numba.cuda, jax or cuda-python and not torch, "
+                        "gpuscope's CUDA injection library when CMD is a native program (C++, any ELF executable "
+                        "that is not Python); torch, cupti or inject: only that one (cupti also traces torch "
+                        "programs, without CPU ops; inject traces every process of CMD that initialises CUDA)")
     p.add_argument("--api", choices=("rules", "all"), default="rules",
                    help="CUPTI backend: record only the runtime/driver calls the rules read (memcpy, memset, "
                         "synchronize, malloc/free; default), or all of them, kernel launches included: about "
