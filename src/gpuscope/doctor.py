@@ -58,12 +58,27 @@ def examine(sampler: Sampler, seconds: float = 1.2) -> dict[str, Any]:
         "gpus": gpus,
         "events": [{"kind": e.kind, "gpu": e.gpu, "message": e.message} for e in sampler.events_history],
         "nvml_calls": sampler.overhead()["nvml_calls"],
+        "cuda_probes": _probes_word(sampler),
     }
 
 
 def _gpm_word(c: dict[str, Capability]) -> dict[str, Any]:
     cap = c.get("gpu_sm_active_ratio")
     return {"supported": bool(cap and cap.supported), "reason": cap.reason if cap and not cap.supported else ""}
+
+
+def _probes_word(sampler: Sampler) -> dict[str, Any]:
+    """Whether the eBPF probes on libcuda (sources.cudaprobe) run here, on how many driver libraries, or why not."""
+    cap = sampler.cuda_probe_capability
+    if not cap.supported and not cap.reason.startswith("off (GPUSCOPE_CUDAPROBE"):
+        # The sampler leaves them off on the simulated node: whether this machine's kernel takes them is still
+        # the question, so load them once, attached to nothing.
+        from .sources.cudaprobe import CudaProbe
+
+        probe = CudaProbe(libraries=())
+        cap = probe.open()
+        probe.close()
+    return {"supported": cap.supported, "reason": cap.reason, "libraries": sampler.cuda_probe_libraries}
 
 
 def _dist_version(name: str) -> str:
@@ -110,6 +125,15 @@ def render(report: dict[str, Any]) -> str:
         lines.append("")
         lines.append("events while examining:")
         lines.extend(f"  {e['kind']} GPU {e['gpu']}: {e['message']}" for e in report["events"][:20])
+    if report.get("tracing"):
+        lines.append("")
+        lines.extend(tracing_lines(report["tracing"]))
+    probes = report.get("cuda_probes")
+    if probes:
+        lines.append("")
+        lines.append("CUDA driver probes (eBPF: launches, copies, syncs per process, no restart): "
+                     + (f"yes — on {probes['libraries']} libcuda file(s) now, more as GPU processes start"
+                        if probes["supported"] else f"no — {probes['reason']}"))
     calls = [c for c in report["nvml_calls"] if c["count"]]
     if calls:
         lines.append("")
@@ -117,6 +141,16 @@ def render(report: dict[str, Any]) -> str:
         for c in calls[:12]:
             lines.append(f"  {c['call']:<42} {c['median_us']:9.1f} {c['max_us']:9.1f}  x{c['count']}")
     return "\n".join(lines)
+
+
+def tracing_lines(tracing: dict[str, Any]) -> list[str]:
+    """One line per way of tracing that needs this machine's help (the injection library for native programs)."""
+    inj = tracing.get("injection")
+    if not inj:
+        return []
+    if inj.get("works"):
+        return [f"trace injection (native CUDA programs): yes — {inj.get('library')} (CUPTI: {inj.get('cupti')})"]
+    return [f"trace injection (native CUDA programs): no — {inj.get('reason')}"]
 
 
 def run(simulate: str | None = None, gpus: int | None = None, seconds: float = 1.2) -> dict[str, Any]:

@@ -20,6 +20,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
+def _tracing() -> dict:
+    """Whether `gpuscope trace` can trace native CUDA programs here (the injection library), and why not."""
+    from ..trace.inject import availability
+
+    try:
+        return {"injection": availability()}
+    except Exception as e:  # noqa: BLE001 - a check that breaks must not hide the rest of the report
+        return {"injection": {"works": False, "reason": f"the check failed: {type(e).__name__}: {e}"}}
+
+
 def run(args: argparse.Namespace) -> int:
     from .. import doctor
 
@@ -27,12 +37,15 @@ def run(args: argparse.Namespace) -> int:
     try:
         report = doctor.run(args.simulate, args.gpus)
     except NvmlUnavailable as e:
+        tracing = _tracing()
         if not args.json:
+            print("\n".join(doctor.tracing_lines(tracing)))
             raise
         # A script asked: the answer stays JSON, with the reason, and the exit code still says "not here".
-        print(json.dumps({"available": False, "reason": str(e), "simulated": None, "gpus": []}, indent=2))
+        print(json.dumps({"available": False, "reason": str(e), "simulated": None, "gpus": [], "tracing": tracing},
+                         indent=2))
         return e.exit_code
-    report = {"available": True, **report}
+    report = {"available": True, **report, "tracing": _tracing()}
     if args.json:
         print(json.dumps(report, indent=2, default=str))
     else:
