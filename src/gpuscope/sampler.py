@@ -209,6 +209,11 @@ class Sampler:
             self._event_source.start()
         self._opened = True
 
+    @property
+    def cuda_probe_libraries(self) -> int:
+        """How many libcuda files the CUDA driver probes are on now (0 where they are off)."""
+        return self._cuda_probe.libraries_probed if self._cuda_probe is not None else 0
+
     def _open_cuda_probe(self) -> None:
         want = self.config.cuda_probe
         from .sources.cudaprobe import CudaProbe

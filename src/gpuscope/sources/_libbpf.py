@@ -66,7 +66,8 @@ def load_libbpf() -> ctypes.CDLL:
                 buf = ctypes.create_string_buffer(8192)
                 vsnprintf(buf, 8192, fmt, ap)
                 if level <= 1:  # warnings and info; debug output is dropped
-                    _messages.append(buf.value.decode("utf-8", "replace").strip())
+                    text = buf.value.decode("utf-8", "replace").strip()
+                    _messages.append(text[len("libbpf: "):] if text.startswith("libbpf: ") else text)
                     del _messages[:-8]
             except Exception:  # noqa: BLE001 - a callback from C must never raise
                 pass
@@ -100,8 +101,7 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 def _why(what: str, err: int) -> str:
     """One sentence for errno `err` of `what`, with libbpf's last message where it said something."""
-    hint = {errno.EPERM: "no permission: BPF needs root, or CAP_BPF with CAP_PERFMON (and "
-                         "kernel.unprivileged_bpf_disabled does not help a normal user)",
+    hint = {errno.EPERM: "no permission: BPF needs root, or CAP_BPF with CAP_PERFMON",
             errno.EACCES: "no permission (the kernel refused the program or the file)",
             errno.ENOENT: "not found",
             errno.EINVAL: "the kernel rejected it (too old, or without uprobes or BPF cookies)",
