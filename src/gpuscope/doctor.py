@@ -125,6 +125,9 @@ def render(report: dict[str, Any]) -> str:
         lines.append("")
         lines.append("events while examining:")
         lines.extend(f"  {e['kind']} GPU {e['gpu']}: {e['message']}" for e in report["events"][:20])
+    if report.get("tracing"):
+        lines.append("")
+        lines.extend(tracing_lines(report["tracing"]))
     probes = report.get("cuda_probes")
     if probes:
         lines.append("")
@@ -139,6 +142,16 @@ def render(report: dict[str, Any]) -> str:
         for c in calls[:12]:
             lines.append(f"  {c['call']:<42} {c['median_us']:9.1f} {c['max_us']:9.1f}  x{c['count']}")
     return "\n".join(lines)
+
+
+def tracing_lines(tracing: dict[str, Any]) -> list[str]:
+    """One line per way of tracing that needs this machine's help (the injection library for native programs)."""
+    inj = tracing.get("injection")
+    if not inj:
+        return []
+    if inj.get("works"):
+        return [f"trace injection (native CUDA programs): yes — {inj.get('library')} (CUPTI: {inj.get('cupti')})"]
+    return [f"trace injection (native CUDA programs): no — {inj.get('reason')}"]
 
 
 def run(simulate: str | None = None, gpus: int | None = None, seconds: float = 1.2) -> dict[str, Any]:
