@@ -195,6 +195,7 @@ DATA_DIR_VERBS = {
     "export": ["export", "--out", "{tmp}/out.csv"],
     "diagnose": ["diagnose", "--since", "1h"],
     "top": ["top", "--once", "--url", "http://127.0.0.1:1"],
+    "profile": ["profile", "--agents", "http://127.0.0.1:1", "--out", "{tmp}/out.pb.gz"],
 }
 
 

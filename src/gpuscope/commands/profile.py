@@ -87,6 +87,9 @@ def run(args: argparse.Namespace) -> int:
     if len(agents) > MAX_AGENTS:
         raise UsageError(f"{len(agents)} agents is more than the {MAX_AGENTS} one merge asks.")
     token = find_token(args.token, args.data_dir)
+    if token is not None and not (token.isprintable() and token.isascii()):
+        raise UsageError("The token holds a line break or another character that cannot go in an HTTP header; "
+                         "check --token, $GPUSCOPE_TOKEN or the token file.")
     params = {"since": f"{since_s:g}s", "format": "json", **({"job": args.job} if args.job else {})}
 
     profiles, missing = [], []
@@ -120,7 +123,7 @@ def fetch(url: str, params: dict[str, str], token: str | None, timeout: float) -
 
     full = url + "/api/v1/profile?" + urllib.parse.urlencode(params)
     headers = {"Accept": "application/json", "User-Agent": "gpuscope"}
-    if token and token.isprintable() and token.isascii():
+    if token:
         headers["Authorization"] = f"Bearer {token}"
     try:
         with urllib.request.urlopen(urllib.request.Request(full, headers=headers), timeout=timeout) as r:
