@@ -303,3 +303,27 @@ def test_planted_files_are_skipped_and_orphans_dropped(fleet):
     for p in (planted, hostile, traces / "evil.pt.trace.json.gz", traces / "y.pt.trace.json.gz.profile.json",
               traces / drop, traces / (drop + ".profile.json")):
         p.unlink()
+
+
+def test_beyond_loopback_the_agents_token_is_sent(tmp_path):
+    """Bound beyond loopback the agent wants its token for reads too; the verb reads it as `top` does
+    (--token, $GPUSCOPE_TOKEN, the token file in --data-dir)."""
+    a = AgentProc(tmp_path, "--simulate", "healthy", "--gpus", "1", "--bind", "0.0.0.0")
+    rank = sleeper(SLURM_JOB_ID="77")
+    try:
+        a.wait_ready()
+        name = drop_trace(a.data / "traces", "sync_heavy.pt.trace.json.gz", rank.pid)
+        wait_for(lambda: (a.data / "traces" / (name + ".profile.json")).exists())
+        url = f"http://127.0.0.1:{a.port}"
+        r = profile_cli("--agents", url, "--data-dir", str(a.data), "--out", str(tmp_path / "t.pb.gz"))
+        assert r.returncode == 0 and "1 window(s)" in r.stdout, r.stderr
+        empty = tmp_path / "elsewhere"
+        empty.mkdir()
+        r = profile_cli("--agents", url, "--data-dir", str(empty), "--out", str(tmp_path / "u.pb.gz"))
+        assert r.returncode == 1 and f"the agent at {url} answered HTTP 401" in r.stderr, r.stderr
+        r = profile_cli("--agents", url, "--token", "a\nb", "--out", str(tmp_path / "u.pb.gz"))
+        assert r.returncode == 2 and "The token holds a line break" in r.stderr
+    finally:
+        a.stop()
+        rank.kill()
+        rank.wait()
