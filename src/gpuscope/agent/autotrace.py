@@ -359,7 +359,9 @@ class AutoTrace:
         answers: dict[str, list[dict[str, Any]]] = {}
         for d in od.list_traces(self.requests_dir)[:2000]:
             answers.setdefault(str(d.get("id")), []).append(d)
-        live = {(d.get("host"), d.get("pid")) for d in _registrations(self.requests_dir)}
+        # a process killed before its exit hook leaves its registration: a pid of this namespace is checked
+        live = {(d.get("host"), d.get("pid")) for d in _registrations(self.requests_dir)
+                if d.get("host") != self.host or (od._valid_pid(d.get("pid")) and od._alive(d["pid"]))}
         for e in pending:
             got = answers.get(e["id"], [])
             e["answers"] = [{k: d.get(k) for k in ("pid", "status", "reason", "file", "cost_s")} for d in got]
