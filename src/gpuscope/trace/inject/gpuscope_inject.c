@@ -287,15 +287,17 @@ static void CUPTIAPI on_callback(void *userdata, CUpti_CallbackDomain domain, CU
         }
         return;
     }
-    if (!g.window_open || (domain != CUPTI_CB_DOMAIN_RUNTIME_API && domain != CUPTI_CB_DOMAIN_DRIVER_API)
-        || cbid >= MAX_CBID)
-        return;
+    if ((domain != CUPTI_CB_DOMAIN_RUNTIME_API && domain != CUPTI_CB_DOMAIN_DRIVER_API) || cbid >= MAX_CBID) return;
     const CUpti_CallbackData *cb = (const CUpti_CallbackData *)data;
     int d = domain_index(domain);
     if (cb->callbackSite == CUPTI_API_ENTER) {
+        if (!g.window_open) return;
         int launch = g.launch_ids[d][cbid] && !g.api_all;
         if (launch && !take_launch(d)) return;
-        if (t_depth >= OPEN_DEPTH) return;
+        if (t_depth >= OPEN_DEPTH) {  /* an exit never seen (a call that never returned): forget the oldest */
+            memmove(&t_open[0], &t_open[1], (OPEN_DEPTH - 1) * sizeof(open_call));
+            t_depth--;
+        }
         open_call *o = &t_open[t_depth++];
         o->corr = cb->correlationId;
         o->cbid = cbid;
@@ -306,6 +308,7 @@ static void CUPTIAPI on_callback(void *userdata, CUpti_CallbackDomain domain, CU
         cuptiGetTimestamp(&o->t0);  /* after the stack: its cost is not the call's */
         return;
     }
+    if (!t_depth) return;  /* entered before the window, or not recorded */
     uint64_t t1 = 0;
     cuptiGetTimestamp(&t1);
     for (int i = t_depth - 1; i >= 0; i--) {
@@ -743,6 +746,10 @@ GS_EXPORT int InitializeInjection(void) {
     }
     cuptiActivityEnable(CUPTI_ACTIVITY_KIND_DEVICE);  /* one record per GPU, kept for every window */
     classify_ids();
+    if (g.with_stack) {  /* backtrace() loads libgcc_s at its first call: here, not inside a CUDA call */
+        void *warm[2];
+        backtrace(warm, 2);
+    }
     g.on = 1;
     pthread_attr_t attr;
     pthread_attr_init(&attr);
