@@ -209,3 +209,12 @@ def test_a_normal_user_gets_one_sentence_and_the_sampler_runs_on():
     lines = [line for line in r.stderr.splitlines() if line.startswith("gpuscope.cudaprobe")]
     assert len(lines) == 1 and "CUDA driver probes (eBPF) are off" in lines[0], r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_no_libbpf_is_one_sentence():
+    code = ("from gpuscope.sources.cudaprobe import CudaProbe\n"
+            "print(CudaProbe(enabled=True, libraries=()).open().reason)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "GPUSCOPE_LIBBPF": "/nonexistent/libbpf.so.1"})
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert r.stdout.startswith("libbpf is not installed (") and "GPUSCOPE_LIBBPF" in r.stdout, r.stdout

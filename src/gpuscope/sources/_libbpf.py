@@ -13,7 +13,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
-import glob
 import os
 import threading
 from collections.abc import Iterator
@@ -48,7 +47,8 @@ def load_libbpf() -> ctypes.CDLL:
         path = os.environ.get("GPUSCOPE_LIBBPF") or ""
         try:
             if path:
-                for elf in sorted(glob.glob(os.path.join(os.path.dirname(path), "libelf*.so*"))):
+                elf = os.path.join(os.path.dirname(path), "libelf.so.1")
+                if os.path.exists(elf):
                     ctypes.CDLL(elf, mode=ctypes.RTLD_GLOBAL)
                 lib = ctypes.CDLL(path, use_errno=True)
             else:
