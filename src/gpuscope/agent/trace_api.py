@@ -1,4 +1,5 @@
-"""Traces on demand through the agent: POST /api/v1/trace, GET /api/v1/traces, GET /api/v1/traces/<id>/kernels.
+"""Traces on demand through the agent: POST /api/v1/trace, GET /api/v1/traces, GET /api/v1/traces/<id>/kernels,
+GET /api/v1/traces/<id>/file?pid=N (the trace itself, to the token holder), GET /api/v1/clock.
 
 The agent never runs anything a request names: it writes a request file into DATA_DIR/trace-requests
 and the processes that opted in (`gpuscope trace --on-demand -- CMD`) decide, under their own duty
@@ -13,6 +14,13 @@ the rest as kernel="other"):
 Retention: the newest KEEP_TRACES trace files, at most KEEP_TRACES_BYTES of them, and the newest
 KEEP_ANSWERS answers stay; older ones are deleted after each pass (nothing else ever deletes them).
 
+For a trace of a whole job across nodes (`gpuscope trace fleet`, trace/fleet.py) a request may name
+`"job"` (the workload label: slurm/<id>, torchrun/<run id>, k8s/<namespace>/<owner>) instead of pids, and
+`"start_unix"` (this agent's clock, at most od.MAX_START_AHEAD_S ahead): every agent's processes then start
+at one moment. Its answer, and GET /api/v1/clock, carry this agent's clock when the request came in and
+when the answer left (`received_unix_ns`, `answered_unix_ns`): with the caller's own send and receive
+times that measures the agent's clock offset, as NTP does.
+
 `gpu` is the CUDA device index inside the process mapped through its CUDA_VISIBLE_DEVICES when that
 lists indices; it matches the agent's NVML index unless CUDA orders the devices differently.
 """
@@ -20,6 +28,7 @@ lists indices; it matches the agent's NVML index unless CUDA orders the devices 
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import logging
 import os
@@ -28,10 +37,13 @@ import socket
 import stat
 import tempfile
 import threading
+import time
 from typing import Any
 
 from aiohttp import web
 
+from .._cgroup import MAX_WORKLOAD_CHARS, read_attribution, workload_of
+from ..http.auth import authorized
 from ..http.responses import BadRequest, error_response, json_response
 from ..timeparse import TimeError, parse_duration
 from ..trace import ondemand as od
@@ -49,6 +61,14 @@ KEEP_ANSWERS = 2000        # done markers kept in DATA_DIR/trace-requests
 TRACE_SUFFIX = ".pt.trace.json.gz"
 NO_ONE = "no process opted in: start it with gpuscope trace --on-demand -- ..."
 _ID = re.compile(r"[0-9a-f]{16}")
+#: GET /api/v1/traces/<id>/file serves trace files (gzip, as written) up to this size; a bigger one is a 413
+#: that names it, to be copied from the node by hand.
+SERVE_MAX_BYTES = 256 << 20
+_CHUNK_BYTES = 1 << 20
+#: Tests only, and only on a simulated node (--simulate): this agent's clock reads this many ns off the real
+#: one, as another host's might, in everything it says about time (its clock, start_unix, the traces it
+#: serves), so that a test on one host can check that `gpuscope trace fleet` measures and removes it.
+TEST_CLOCK_SHIFT_ENV = "GPUSCOPE_TEST_CLOCK_SHIFT_NS"
 
 
 
@@ -127,6 +147,11 @@ class Traces:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._failed: set[str] = set()
+        self.clock_shift_ns = _test_clock_shift(agent)
+
+    def now_ns(self) -> int:
+        """This agent's clock, unix ns (the real one but for the tests' shift)."""
+        return time.time_ns() + self.clock_shift_ns
 
     # -- the ingest thread -------------------------------------------------------------------------
     async def start(self, _app: web.Application) -> None:
@@ -208,6 +233,7 @@ class Traces:
 
     # -- HTTP --------------------------------------------------------------------------------------
     async def request_trace(self, request: web.Request) -> web.Response:
+        received_ns = self.now_ns()
         body = await request.read()
         try:
             doc = json.loads(body) if body.strip() else {}
@@ -215,20 +241,91 @@ class Traces:
             return error_response(400, 'The body must be JSON such as {"duration": "5s", "pids": [1234]}.')
         try:
             duration_s, pids = _parse_request(doc)
+            job, start_unix = _parse_fleet_fields(doc, received_ns / 1e9)
         except (BadRequest, TimeError) as e:
             return error_response(400, str(e))
-        live = await asyncio.get_running_loop().run_in_executor(None, od.opted_in, self.requests_dir, self.host)
+        loop = asyncio.get_running_loop()
+        live = await loop.run_in_executor(None, od.opted_in, self.requests_dir, self.host)
+        if job is not None:
+            jobs = await loop.run_in_executor(None, _jobs_of, [p["pid"] for p in live])
+            mine = [p for p in live if jobs.get(p["pid"]) == job]
+            if not mine:
+                held = sorted({j for j in jobs.values() if j})
+                return error_response(404, f"No process of job {job!r} opted in on this node"
+                                           + (f" (the jobs here: {', '.join(held)})." if held else "."))
+            pids = sorted(p["pid"] for p in mine)
         targets = live if pids == "all" else [p for p in live if p["pid"] in pids]
         if not live:
             return error_response(409, NO_ONE)
         if not targets:
             return error_response(409, f"none of the pids {pids} opted in; these did: {sorted(p['pid'] for p in live)}.")
         od.expire_requests(self.requests_dir)
-        req = od.write_request(self.requests_dir, duration_s, pids, host=self.host)
-        log.info("trace requested: %g s from %s", duration_s, pids, extra={"f_event": "trace_request"})
-        return json_response({"id": req["id"], "duration_s": duration_s, "processes": [
-            {k: p.get(k) for k in ("pid", "host", "rank", "max_duty", "next_allowed_unix")} for p in targets]},
-            status=202)
+        # the processes wait on the real clock: a test's shift comes off here
+        real_start = None if start_unix is None else start_unix - self.clock_shift_ns / 1e9
+        req = od.write_request(self.requests_dir, duration_s, pids, host=self.host, start_unix=real_start)
+        log.info("trace requested: %g s from %s%s", duration_s, pids, "" if job is None else f" (job {job})",
+                 extra={"f_event": "trace_request"})
+        answer: dict[str, Any] = {"id": req["id"], "duration_s": duration_s, "processes": [
+            {k: p.get(k) for k in ("pid", "host", "rank", "max_duty", "next_allowed_unix")} for p in targets]}
+        if job is not None:
+            answer["job"] = job
+        if start_unix is not None:
+            answer["start_unix"] = start_unix
+        answer["clock"] = {"received_unix_ns": received_ns, "answered_unix_ns": self.now_ns()}
+        return json_response(answer, status=202)
+
+    async def clock(self, request: web.Request) -> web.Response:
+        """This agent's clock, at the request's arrival and at the answer (for the caller's offset)."""
+        received_ns = self.now_ns()
+        return json_response({"host": self.host, "received_unix_ns": received_ns, "answered_unix_ns": self.now_ns()})
+
+    async def file(self, request: web.Request) -> web.StreamResponse:
+        """One process's trace of one request, gzip as written, to the token holder only (a trace holds the
+        program's Python stacks and kernel names)."""
+        if not (self.agent.token and authorized(request, self.agent.token)):
+            return error_response(401, "A trace file is served only to the token holder: send 'Authorization: "
+                                       "Bearer <token>' (the token is in the file 'token' in the agent's data "
+                                       "directory).")
+        trace_id, pid = request.match_info["id"], request.query.get("pid", "")
+        if not _ID.fullmatch(trace_id):
+            return error_response(404, f"No trace with id {trace_id[:40]!r}; see /api/v1/traces.")
+        if not (pid.isascii() and pid.isdigit()) or not 0 < int(pid) < 2**31:
+            return error_response(400, "pid must be the process id whose trace is asked for, such as ?pid=1234.")
+        found = [d for d in od.list_traces(self.requests_dir) if d.get("id") == trace_id and d.get("pid") == int(pid)]
+        if not found:
+            return error_response(404, f"Process {pid} has not answered request {trace_id}; see /api/v1/traces.")
+        done = found[0]
+        name = os.path.basename(done["file"]) if isinstance(done.get("file"), str) else ""
+        if done.get("status") != "written" or not name.endswith(TRACE_SUFFIX):
+            why = done.get("reason") or done.get("status")
+            return error_response(404, f"Process {pid} wrote no trace for request {trace_id} ({str(why)[:200]}).")
+        fd = _open_regular(os.path.join(self.traces_dir, name))
+        if fd is None:
+            return error_response(404, f"The trace {name} of process {pid} is gone (retention) or not a regular file.")
+        try:
+            size = os.fstat(fd).st_size
+            if size > SERVE_MAX_BYTES:
+                return error_response(413, f"The trace {name} is {size / 2**20:.0f} MiB, over the "
+                                           f"{SERVE_MAX_BYTES / 2**20:.0f} MiB this agent serves; copy it from the "
+                                           "node's traces directory.")
+            if self.clock_shift_ns:
+                body = await asyncio.get_running_loop().run_in_executor(None, _shifted, fd, self.clock_shift_ns)
+                return web.Response(body=body, content_type="application/gzip", headers={"Cache-Control": "no-store"})
+            resp = web.StreamResponse(headers={"Content-Type": "application/gzip", "Content-Length": str(size),
+                                               "Cache-Control": "no-store",
+                                               "Content-Disposition": f'attachment; filename="{name}"'})
+            await resp.prepare(request)
+            left = size
+            while left > 0:  # what was there at fstat: a file that grows meanwhile is cut, not streamed forever
+                chunk = await asyncio.get_running_loop().run_in_executor(None, os.read, fd, min(left, _CHUNK_BYTES))
+                if not chunk:
+                    break
+                await resp.write(chunk)
+                left -= len(chunk)
+            await resp.write_eof()
+            return resp
+        finally:
+            os.close(fd)
 
     async def list_(self, request: web.Request) -> web.Response:
         def run() -> list[dict[str, Any]]:
@@ -312,9 +409,10 @@ def _write_new(path: str, text: str) -> None:
 def _parse_request(doc: Any) -> tuple[float, list[int] | str]:
     if not isinstance(doc, dict):
         raise BadRequest('The body must be a JSON object such as {"duration": "5s"}.')
-    unknown = sorted(set(doc) - {"duration", "pids"})
+    unknown = sorted(set(doc) - {"duration", "pids", "job", "start_unix"})
     if unknown:
-        raise BadRequest(f"Unknown field(s) {', '.join(unknown)}: a request has duration and pids.")
+        raise BadRequest(f"Unknown field(s) {', '.join(unknown)[:200]}: a request has duration, pids, job "
+                         "and start_unix.")
     raw = doc.get("duration", "5s")
     if isinstance(raw, bool) or not isinstance(raw, str | int | float):
         raise BadRequest(f"duration must be a duration such as \"5s\", not {raw!r}.")
@@ -331,11 +429,89 @@ def _parse_request(doc: Any) -> tuple[float, list[int] | str]:
     return duration_s, sorted(set(pids))
 
 
+def _parse_fleet_fields(doc: dict[str, Any], now_unix: float) -> tuple[str | None, float | None]:
+    """The job selector and the window's start (this agent's clock), both optional."""
+    job = doc.get("job")
+    if job is not None:
+        if doc.get("pids") is not None:
+            raise BadRequest("Name either pids or a job, not both.")
+        if (not isinstance(job, str) or not job or len(job) > MAX_WORKLOAD_CHARS or not job.isprintable()
+                or job != job.strip()):
+            raise BadRequest(f"job must be a workload such as \"slurm/4242\" or \"torchrun/RUN_ID\" (at most "
+                             f"{MAX_WORKLOAD_CHARS} printable characters).")
+    start = doc.get("start_unix")
+    if start is None:
+        return job, None
+    if isinstance(start, bool) or not isinstance(start, int | float) or start != start or abs(start) == float("inf"):
+        raise BadRequest("start_unix must be a time in unix seconds, such as 1767225600.5.")
+    ahead = float(start) - now_unix
+    if ahead < 0:
+        raise BadRequest(f"start_unix is {-ahead:.3f} s in the past by this agent's clock.")
+    if ahead > od.MAX_START_AHEAD_S:
+        raise BadRequest(f"start_unix is {ahead:.1f} s ahead by this agent's clock, more than the "
+                         f"{od.MAX_START_AHEAD_S:g} s a window may be asked in advance.")
+    return job, float(start)
+
+
+def _jobs_of(pids: list[int]) -> dict[int, str]:
+    """Each process's workload (the job it is one rank of), '' for none: its cgroup and environment."""
+    out = {}
+    for pid in pids:
+        a = read_attribution(pid)
+        out[pid] = workload_of(a.slurm_job, a.torchrun_run, a.namespace, a.pod)
+    return out
+
+
+def _open_regular(path: str) -> int | None:
+    """A read-only descriptor of a regular file (never through a symlink, never a FIFO), or None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return None
+
+
+def _test_clock_shift(agent: Any) -> int:
+    """TEST_CLOCK_SHIFT_ENV's ns on a simulated node, else 0 (a real node's clock is never shifted)."""
+    raw = os.environ.get(TEST_CLOCK_SHIFT_ENV, "")
+    if not raw or not getattr(getattr(agent, "sampler", None), "simulated", None):
+        return 0
+    try:
+        shift = int(raw)
+    except ValueError:
+        log.warning("%s=%r is not a whole number of ns; the clock is not shifted", TEST_CLOCK_SHIFT_ENV, raw[:40])
+        return 0
+    log.warning("TEST ONLY: this simulated agent's clock reads %+d ns off the real one (%s)", shift,
+                TEST_CLOCK_SHIFT_ENV)
+    return shift
+
+
+def _shifted(fd: int, shift_ns: int) -> bytes:
+    """The trace at `fd` as if recorded on a clock `shift_ns` ahead (tests only: TEST_CLOCK_SHIFT_ENV)."""
+    with os.fdopen(os.dup(fd), "rb") as f:
+        doc = json.loads(gzip.decompress(f.read(SERVE_MAX_BYTES + 1)))
+    doc["baseTimeNanoseconds"] = int(doc.get("baseTimeNanoseconds") or 0) + shift_ns
+    facts = doc.get("gpuscope")
+    if isinstance(facts, dict):
+        for key in ("profiler_start_unix_ns", "profiler_stop_unix_ns"):
+            if isinstance(facts.get(key), int):
+                facts[key] += shift_ns
+    return gzip.compress(json.dumps(doc).encode(), compresslevel=3)
+
+
 def register(app: web.Application, agent: AgentFace) -> None:
     """The trace routes on the agent's app, and the ingest thread for its lifetime."""
     traces = Traces(agent)
     app.router.add_post("/api/v1/trace", traces.request_trace)
     app.router.add_get("/api/v1/traces", traces.list_)
     app.router.add_get("/api/v1/traces/{id}/kernels", traces.kernels)
+    app.router.add_get("/api/v1/traces/{id}/file", traces.file)
+    app.router.add_get("/api/v1/clock", traces.clock)
     app.on_startup.append(traces.start)
     app.on_cleanup.append(traces.stop)

@@ -11,7 +11,7 @@ from ..errors import UsageError
 # `gpuscope trace ACTION`: each action is a module with HELP, add_arguments(parser) and run(args) -> int;
 # a new action is one line here.
 ACTIONS = {"analyze": "gpuscope.trace.cli_analyze", "run": "gpuscope.trace.run", "merge": "gpuscope.trace.merge",
-           "flame": "gpuscope.trace.cli_flame"}
+           "flame": "gpuscope.trace.cli_flame", "fleet": "gpuscope.trace.fleet"}
 
 HELP = 'trace CUDA programs unchanged (PyTorch, CuPy, Numba, JAX) and analyse the traces'
 DESCRIPTION = 'Traces of what a program did on the CPU and the GPUs, and why the GPUs waited.'

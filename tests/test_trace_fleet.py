@@ -1,0 +1,412 @@
+"""One trace of a job across nodes (`gpuscope trace fleet`): four real agents on loopback, each with a real
+program opted in on demand (fake torch, as in test_trace_ondemand.py), found through a real Prometheus
+scraping them; one agent's clock reads 250 ms ahead (the test-only GPUSCOPE_TEST_CLOCK_SHIFT_NS of a
+simulated node), as another host's might. Checked on what was recorded: each trace's own window start
+(its file on the node) against the common start asked for, and the collectives the fake programs ran at
+one true moment, in the merged file."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from servers import PrometheusServer, free_port
+from test_agent import env, http
+from test_trace_run import FAKE_TORCH, PROG
+
+from gpuscope.agent.trace_api import TEST_CLOCK_SHIFT_ENV
+from gpuscope.trace import fleet
+
+SHIFT_NS = 250_000_000        # agent 3's clock, ahead of the real one
+LATE_US = 3000.0              # rank 2 reaches every collective 3 ms after the others
+JOB = "torchrun/fleet42"
+TOKEN = "fleet-test-token-0123456789abcdef"
+NCCL = "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevComm*, unsigned long, ncclWork*)"
+
+# The fake profiler: a compute kernel and an all-reduce on every 100 ms tick of the real clock inside the
+# window, so the ranks' collectives happen at one true moment (rank 2's FAKE_LATE_US after it).
+PROFILER = '''
+import json, os, secrets, time
+
+class ProfilerActivity:
+    CPU = "CPU"
+    CUDA = "CUDA"
+
+class _ExperimentalConfig:
+    def __init__(self, profile_all_threads=False):
+        self.profile_all_threads = profile_all_threads
+
+class profile:
+    def __init__(self, **kwargs):
+        pass
+
+    def start(self):
+        self.t0 = time.time_ns()
+        if os.environ.get("FAKE_STARTED"):  # the test kills it mid-window, once the window began
+            open(os.environ["FAKE_STARTED"], "w").close()
+
+    def stop(self):
+        self.t1 = time.time_ns()
+
+    def export_chrome_trace(self, path):
+        late = float(os.environ.get("FAKE_LATE_US", "0"))
+        extra = float(os.environ.get("FAKE_EXTRA_US", "0"))  # more compute before each collective
+        base = self.t0 // 10**9 * 10**9
+        pid = os.getpid()
+        us = lambda ns: (ns - base) / 1000.0
+        events = [{"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": "python"}}]
+        tick, k = -(-self.t0 // 10**8) * 10**8, 0
+        while tick + 2 * 10**7 < self.t1:
+            c = 2 * k
+            events += [
+                {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": pid, "tid": pid,
+                 "ts": us(tick) - 60000, "dur": 5.0, "args": {"correlation": c}},
+                {"ph": "X", "cat": "kernel", "name": "gemm", "pid": 0, "tid": 7, "ts": us(tick) - 50000 - extra,
+                 "dur": 50000 + extra + late, "args": {"correlation": c, "device": 0, "stream": 7}},
+                {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": pid, "tid": pid,
+                 "ts": us(tick) - 59000, "dur": 5.0, "args": {"correlation": c + 1}},
+                {"ph": "X", "cat": "kernel", "name": NCCL, "pid": 0, "tid": 7, "ts": us(tick) + late,
+                 "dur": 10000 - late, "args": {"correlation": c + 1, "device": 0, "stream": 7}}]
+            tick, k = tick + 10**8, k + 1
+        if os.environ.get("FAKE_TRACE") == "big":
+            events += [{"ph": "X", "cat": "cpu_op", "name": secrets.token_hex(64), "pid": pid, "tid": pid,
+                        "ts": us(self.t0), "dur": 1.0} for _ in range(3000)]
+        with open(path, "w") as f:
+            if os.environ.get("FAKE_TRACE") == "broken":  # cut off inside its events
+                f.write('{"schemaVersion": 1, "traceEvents": [{"ph": "X", "name": "a", "ts": 1}')
+                f.write(chr(125))
+                return
+            json.dump({"schemaVersion": 1, "baseTimeNanoseconds": base, "traceEvents": events}, f)
+'''.replace("NCCL", repr(NCCL))
+
+
+class Agent:
+    def __init__(self, root: Path, i: int, shift_ns: int = 0) -> None:
+        self.port = free_port()
+        self.data = root / f"agent{i}"
+        self.data.mkdir()
+        (self.data / "token").write_text(TOKEN + "\n")
+        os.chmod(self.data / "token", 0o600)
+        e = env()
+        if shift_ns:
+            e[TEST_CLOCK_SHIFT_ENV] = str(shift_ns)
+        self.log = open(root / f"agent{i}.log", "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gpuscope.cli", "agent", "--port", str(self.port), "--data-dir", str(self.data),
+             "--interval", "200ms", "--simulate", "healthy", "--gpus", "1", "--simulate-workload", "fleet42"],
+            env=e, stdout=self.log, stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self) -> None:
+        end = time.monotonic() + 60
+        while time.monotonic() < end:
+            assert self.proc.poll() is None, Path(self.log.name).read_text()
+            try:
+                if http(self.port, "/api/v1/clock")[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError("agent did not come up")
+
+    def get(self, path: str, token: bool = True) -> tuple[int, dict]:
+        code, body = http(self.port, path, TOKEN if token else None)
+        return code, json.loads(body)
+
+    def post(self, body: object, token: bool = True) -> tuple[int, dict]:
+        code, out = http(self.port, "/api/v1/trace", TOKEN if token else None, method="POST",
+                         data=json.dumps(body).encode())
+        return code, json.loads(out)
+
+    def opted_in(self) -> list[int]:
+        return sorted(p["pid"] for p in self.get("/api/v1/traces")[1]["opted_in"])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+class Prog:
+    """A program opted in on demand under one agent: `gpuscope trace --on-demand -- python prog.py`."""
+
+    def __init__(self, fake: Path, agent: Agent, **environ: str) -> None:
+        e = {k: v for k, v in env().items() if k not in ("RANK", "LOCAL_RANK", "SLURM_JOB_ID", "SLURM_JOBID",
+                                                        "TORCHELASTIC_RUN_ID")}
+        e["PYTHONPATH"] = f"{fake}{os.pathsep}{e['PYTHONPATH']}"
+        e.update(PROG_SLEEP="600", **environ)
+        self.agent = agent
+        self.proc = subprocess.Popen([sys.executable, "-m", "gpuscope.cli", "trace", "--on-demand", "--agent-dir",
+                                      str(agent.data), "--", sys.executable, str(fake / "prog.py"), "plain"],
+                                     env=e, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.pid = 0  # the traced interpreter's pid, once it opted in
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _opt_in(progs: list[Prog]) -> None:
+    """Wait until every program registered with its agent; learn its traced pid."""
+    end = time.monotonic() + 60
+    while time.monotonic() < end:
+        for p in progs:
+            if not p.pid:
+                children = [int(x) for x in Path(f"/proc/{p.proc.pid}/task/{p.proc.pid}/children").read_text().split()] \
+                    if p.proc.poll() is None else []
+                p.pid = next((c for c in children if c in p.agent.opted_in()), 0)
+        if all(p.pid for p in progs):
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"not opted in: {[p.proc.args for p in progs if not p.pid]}")
+
+
+@pytest.fixture(scope="module")
+def fake(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fake_fleet")
+    (root / "torch").mkdir()
+    for name, text in FAKE_TORCH.items():
+        (root / "torch" / name).write_text(PROFILER if name == "profiler.py" else text)
+    (root / "prog.py").write_text(PROG)
+    return root
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory, fake):
+    """Four agents (the last one's clock 250 ms ahead), a job of four ranks on them, a Prometheus scraping them."""
+    root = tmp_path_factory.mktemp("fleet")
+    agents = [Agent(root, i, SHIFT_NS if i == 3 else 0) for i in range(4)]
+    progs: list[Prog] = []
+    prom = None
+    try:
+        for a in agents:
+            a.wait_ready()
+        progs = [Prog(fake, a, RANK=str(i), TORCHELASTIC_RUN_ID="fleet42", FAKE_LATE_US=str(LATE_US if i == 2 else 0),
+                      FAKE_EXTRA_US="10000" if i == 2 else "0")
+                 for i, a in enumerate(agents)]
+        _opt_in(progs)
+        prom = PrometheusServer(root, [f"127.0.0.1:{a.port}" for a in agents])
+        prom.wait_for('count(group by (instance) ({workload="torchrun/fleet42"}))',
+                      lambda r: bool(r) and r[0]["value"][1] == "4", timeout=60)
+        yield agents, progs, prom, root
+    finally:
+        for p in progs:
+            p.stop()
+        if prom is not None:
+            prom.stop()
+        for a in agents:
+            a.stop()
+
+
+def _true_start_ns(agent: Agent, request_id: str, pid: int) -> int:
+    """The window's start as the process recorded it on the real clock: its file on the node."""
+    [f] = (agent.data / "traces").glob(f"*.{pid}.*{request_id}.pt.trace.json.gz")
+    return json.loads(gzip.decompress(f.read_bytes()))["gpuscope"]["profiler_start_unix_ns"]
+
+
+def test_four_ranks_under_four_agents_merge_on_one_clock(nodes, tmp_path):
+    agents, progs, prom, _ = nodes
+    out = tmp_path / "job.pt.trace.json.gz"
+    e = dict(env(), GPUSCOPE_TOKEN=TOKEN)
+    p = subprocess.run([sys.executable, "-m", "gpuscope.cli", "trace", "fleet", "--job", JOB, "--prometheus",
+                        prom.url, "--duration", "2s", "--out", str(out), "--json"],
+                       capture_output=True, text=True, env=e, timeout=120)
+    assert p.returncode == 0, p.stderr + p.stdout
+    s = json.loads(p.stdout)
+    print(json.dumps({"agents": s["agents"], "ranks": s["ranks"]}, indent=1))  # the figures, with -s
+    assert s["missing"] == [] and s["without_job"] == []
+    assert sorted(r["rank"] for r in s["ranks"]) == [0, 1, 2, 3]
+    by_url = {a["url"]: a for a in s["agents"]}
+    # the shift was measured: agent 3 reads 250 ms ahead, the others none, each within its own bound
+    for a in agents:
+        got = by_url[a.url]
+        assert abs(got["offset_ns"] - (SHIFT_NS if a is agents[3] else 0)) <= max(got["offset_error_ns"], 10**5) + 10**5
+    # the skew after correction, against the common (real) clock: what each process recorded as its start,
+    # against where the merge put it
+    for r in s["ranks"]:
+        a = next(x for x in agents if x.url == r["url"])
+        request_id = by_url[a.url]["request_id"]
+        true_error_ns = _true_start_ns(a, request_id, r["pid"]) - s["start_unix_ns"]
+        # within 1 ms, or within the bound this run measured for its agent's offset (half the least round
+        # trip's delay, which a loaded machine can stretch past 2 ms)
+        bound_ns = max(1_000_000, by_url[a.url]["offset_error_ns"])
+        assert abs(r["start_error_ns"] - true_error_ns) <= bound_ns, (r, true_error_ns, by_url[a.url])
+        assert true_error_ns >= -1_000_000  # never before the start asked (processes wait for it)
+        assert true_error_ns < 1_000_000_000  # they saw the request before the start: no poll second lost
+    merged = json.loads(gzip.decompress(out.read_bytes()))
+    names = {e["args"]["name"] for e in merged["traceEvents"] if e.get("name") == "process_name"}
+    assert {n.split()[1] for n in names} == {"0", "1", "2", "3"}
+    # the all-reduces happened at one true moment on ranks 0, 1, 3 (rank 2: 3 ms later): in the merged file
+    starts: dict[int, list[float]] = {}
+    for ev in merged["traceEvents"]:
+        if ev.get("name") == NCCL:
+            starts.setdefault(ev["pid"] // 10**7 - 1, []).append(ev["ts"])
+    n = min(len(v) for v in starts.values())
+    bound_us = max(1000.0, max(a["offset_error_ns"] for a in s["agents"]) / 1000)
+    assert sorted(starts) == [0, 1, 2, 3] and n >= 10
+    for k in range(n):
+        on_time = [sorted(starts[r])[k] for r in (0, 1, 3)]
+        assert max(on_time) - min(on_time) <= 2 * bound_us, on_time  # µs: two ranks' errors may add
+        assert abs(sorted(starts[2])[k] - on_time[0] - LATE_US) <= 2 * bound_us
+    arr = s["arrivals"]
+    assert arr["slowest_rank"] == 2 and arr["collectives"] >= 10
+    assert abs(arr["spread_p50_ns"] - LATE_US * 1000) <= 2 * bound_us * 1000
+    assert [x["rank"] for x in s["stragglers"]] == [2]  # its compute is the longer
+    assert {o["rank"] for o in s["communication"]} == {0, 1, 2, 3}
+
+
+def test_without_the_correction_the_shifted_node_would_be_250_ms_off(nodes):
+    """The check above can fail: the same analysis on the raw stamps names the shifted rank, not rank 2."""
+    from gpuscope.trace.collectives import arrivals
+    from gpuscope.trace.kineto import load
+
+    agents, progs, _, _ = nodes
+    traces = []
+    for i, a in enumerate(agents):
+        [f] = (a.data / "traces").glob(f"*.{progs[i].pid}.*.pt.trace.json.gz")
+        t = load(f)
+        t.rank = i
+        traces.append(t)
+    shifted = arrivals(traces, [SHIFT_NS if i == 3 else 0 for i in range(4)])
+    assert shifted is not None and shifted.slowest_rank == 3 and shifted.spread_p50_ns > 200e6
+
+
+def test_bad_parts_are_named_and_the_rest_merged(nodes, fake, tmp_path, monkeypatch):
+    agents, _, _, root = nodes
+    job = "slurm/777"
+    ok = Prog(fake, agents[0], RANK="0", SLURM_JOB_ID="777")
+    cut = Prog(fake, agents[0], RANK="1", SLURM_JOB_ID="777", FAKE_STARTED=str(tmp_path / "cut.started"))
+    killed = Prog(fake, agents[1], RANK="2", SLURM_JOB_ID="777", FAKE_STARTED=str(tmp_path / "killed.started"))
+    big = Prog(fake, agents[1], RANK="3", SLURM_JOB_ID="777", FAKE_TRACE="big")
+    broken = Prog(fake, agents[2], RANK="4", SLURM_JOB_ID="777", FAKE_TRACE="broken")
+    progs = [ok, cut, killed, big, broken]
+    try:
+        _opt_in(progs)
+        dead = f"http://127.0.0.1:{free_port()}"
+        monkeypatch.setattr(fleet, "MAX_TRACE_BYTES", 40_000)  # the big one's is ~400 kB, the others' < 5 kB
+        result: dict = {}
+
+        def go():
+            try:
+                result["s"] = fleet.trace_fleet([a.url for a in agents] + [dead], job, 2.0, 2.0, TOKEN,
+                                                str(tmp_path), 10.0, str(tmp_path / "bad.pt.trace.json.gz"))
+            except Exception as e:  # noqa: BLE001 - reported below
+                result["e"] = e
+
+        t = threading.Thread(target=go)
+        t.start()
+        for name, victim, sig in (("cut", cut, signal.SIGTERM), ("killed", killed, signal.SIGKILL)):
+            _wait_for_file(tmp_path / f"{name}.started")
+            os.kill(victim.pid, sig)  # mid-window: SIGTERM ends it early and writes; SIGKILL leaves nothing
+        t.join(120)
+        assert "e" not in result, result
+        s = result["s"]
+    finally:
+        for p in progs:
+            p.stop()
+    assert s["exit_code"] == fleet.EXIT_PARTIAL
+    assert sorted(r["rank"] for r in s["ranks"]) == [0, 1]
+    [note] = [r["note"] for r in s["ranks"] if r["note"]]
+    assert f"Process {cut.pid}" in note and "ended its window after" in note
+    missing = s["missing"]
+    assert len(missing) == 4, missing
+    assert any(dead in m and "cannot be reached" in m for m in missing)
+    assert any(f"Process {killed.pid}" in m and "exited before it wrote its trace" in m for m in missing)
+    assert any(f"process {big.pid}" in m and "over the" in m for m in missing)
+    assert any(f"process {broken.pid}" in m and "not usable: it is not valid JSON" in m for m in missing)
+    assert len(s["without_job"]) == 1 and agents[3].url in s["without_job"][0]
+    for line in missing + s["without_job"]:
+        assert line.endswith(".") and "Traceback" not in line
+    assert (tmp_path / "bad.pt.trace.json.gz").exists()
+
+
+def _wait_for_file(path: Path) -> None:
+    end = time.monotonic() + 60
+    while not path.exists():
+        assert time.monotonic() < end, f"{path} never appeared"
+        time.sleep(0.02)
+
+
+def test_a_job_nobody_holds_ends_in_one_sentence(nodes, tmp_path):
+    agents, _, _, _ = nodes
+    e = dict(env(), GPUSCOPE_TOKEN=TOKEN)
+    p = subprocess.run([sys.executable, "-m", "gpuscope.cli", "trace", "fleet", "--job", "slurm/none-here",
+                        "--agents", *[a.url for a in agents], "--out", str(tmp_path / "x.json.gz")],
+                       capture_output=True, text=True, env=e, timeout=60)
+    assert p.returncode == 1 and "Traceback" not in p.stderr
+    assert "No trace of job 'slurm/none-here' was merged" in p.stderr and "No process of job" in p.stderr
+    assert not (tmp_path / "x.json.gz").exists()
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--agents", "ftp://x"], "must be http://"),
+    (["--agents", "http://127.0.0.1:1/metrics"], "base URL"),
+    (["--agents", "http://127.0.0.1:1", "--duration", "40s"], "between 1 s and 30 s"),
+    (["--agents", "http://127.0.0.1:1", "--start-in", "0s"], "--start-in must be"),
+    (["--agents", "http://127.0.0.1:1", "--out", "/nonexistent/x.gz"], "not an existing directory"),
+    ([], "One of the arguments --agents --prometheus is required"),
+])
+def test_bad_flags(argv, words):
+    p = subprocess.run([sys.executable, "-m", "gpuscope.cli", "trace", "fleet", "--job", "slurm/1", *argv],
+                       capture_output=True, text=True, env=env(), timeout=60)
+    assert p.returncode == 2 and words in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_the_agent_checks_fleet_requests(nodes):
+    agents, progs, _, _ = nodes
+    a = agents[0]
+    now = time.time()
+    for body, code, words in [
+        ({"job": "torchrun/fleet42", "pids": [1]}, 400, "either pids or a job"),
+        ({"job": ""}, 400, "job must be a workload"),
+        ({"job": "x" * 200}, 400, "job must be a workload"),
+        ({"job": JOB, "start_unix": now - 5}, 400, "in the past"),
+        ({"job": JOB, "start_unix": now + 3600}, 400, "more than the 30 s"),
+        ({"job": JOB, "start_unix": "soon"}, 400, "start_unix must be"),
+        ({"job": JOB, "start_unix": True}, 400, "start_unix must be"),
+        ({"job": "slurm/nobody"}, 404, "No process of job 'slurm/nobody' opted in on this node"),
+    ]:
+        got, out = a.post(body)
+        assert got == code and words in out["error"], (body, out)
+    assert a.post({"job": JOB}, token=False)[0] == 401
+    code, clock = a.get("/api/v1/clock", token=False)
+    assert code == 200 and clock["received_unix_ns"] <= clock["answered_unix_ns"]
+    assert abs(clock["received_unix_ns"] - time.time_ns()) < 60 * 10**9
+    code, shifted = agents[3].get("/api/v1/clock")
+    assert shifted["received_unix_ns"] - time.time_ns() > SHIFT_NS - 10 * 10**9  # its test shift shows
+
+
+def test_the_trace_file_is_served_only_to_the_token_holder(nodes):
+    agents, progs, _, _ = nodes
+    a = agents[0]
+    [done] = [t for t in a.get("/api/v1/traces")[1]["traces"] if t["status"] == "written"][:1] or [None]
+    if done is None:
+        pytest.skip("needs the fleet trace of the first test")
+    path = f"/api/v1/traces/{done['id']}/file?pid={done['pid']}"
+    assert http(a.port, path)[0] == 401  # loopback reads are open, trace files are not
+    code, body = http(a.port, path, TOKEN)
+    assert code == 200 and json.loads(gzip.decompress(body))["gpuscope"]["pid"] == done["pid"]
+    for bad, want in [(f"/api/v1/traces/{done['id']}/file?pid=abc", 400),
+                      (f"/api/v1/traces/{done['id']}/file?pid=1", 404),
+                      (f"/api/v1/traces/{done['id']}/file?pid=%C2%B2", 400),
+                      ("/api/v1/traces/..%2F..%2Fetc/file?pid=1", 404),
+                      ("/api/v1/traces/0123456789abcdef/file?pid=1", 404)]:
+        assert http(a.port, bad, TOKEN)[0] == want, bad
