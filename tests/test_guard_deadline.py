@@ -124,7 +124,7 @@ def test_a_request_with_no_answer_by_its_deadline_is_cut_and_answered_504(caplog
     assert out["limit"] < 10  # the limiter took each as a drop (AIMD: x0.5 a drop, floored at min_limit)
     assert out["errors"] == 0  # not an upstream failure: the proxy's own deadline
     lines = [r.getMessage() for r in caplog.records if "deadline_s" in r.getMessage()]
-    assert len(lines) == 1 and "cut, answered 504" in lines[0]  # three cuts, one line per log interval
+    assert len(lines) == 1 and "stopped, answered 504" in lines[0]  # three cuts, one line per log interval
 
 
 def test_a_chunked_answer_streaming_at_the_deadline_ends_cleanly_there():

@@ -26,7 +26,8 @@ admission gives the slot back (`Decision.expired`): a drop for the limiter, no o
 upstream is the limiter's business; a probe that never answers does fail), and its later release does
 nothing. So a request stuck in flight (a hung handler, an answer behind a backlog) never holds the limit
 for ever. Checked on every decision and release, and by a timer while requests wait in the queue; a data
-path that stops the request at its deadline (the proxy does) gives the slot back the same way with `expire`.
+path that stops the request at its deadline (the proxy and both middlewares do, through `_deadline.stop`) gives
+the slot back the same way with `expire`.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ log = logging.getLogger("gpuscope.guard")
 
 _REASONS = ("rate", "tenant_rate", "concurrency", "queue_full", "queue_timeout", "evicted", "gpu_saturated",
             "breaker_open")  # why a decision was shed (Decision.reason)
+DEADLINE_REASONS = ("not_sent", "no_answer", "mid_answer")  # where a request stood when stopped (_deadline.DEADLINES)
 _REFRESH_S = 0.25  # how often the decision path re-checks the GPU signal's staleness
 
 
@@ -155,6 +157,9 @@ class Guard:
         self._next_expiry = math.inf
         self._expiry_timer: asyncio.TimerHandle | None = None
         self.expired_total = [0] * n
+        # requests a data path stopped at their deadline, by where they stood (_deadline.stop), and its log lines
+        self.deadline_total = dict.fromkeys(DEADLINE_REASONS, 0)
+        self._deadline_lines: Any = None  # made by _deadline.stop when first needed
         self._expiry_logged_at = -math.inf
         self._expiry_logged_n = 0
         self._classifier = Classifier(cfg)

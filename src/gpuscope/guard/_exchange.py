@@ -26,6 +26,7 @@ from typing import Any
 import httptools
 
 from ._classify import OVERSIZE, RequestInfo
+from ._deadline import stop
 from ._http import GUARD_HEADER, cache_key, parse_json, refusal, rewrite_model
 from ._upstream import Pool, Up
 from ._wire import CHUNKED, HOP, NONE, Head, Headers, answer, request_head, response_head
@@ -277,43 +278,25 @@ class _Exchange:
 
     def past_deadline(self) -> None:
         """The decision's deadline passed with the request still under way: it is stopped there, as its class's
-        deadline_s says. The slot goes back as at the guard's own expiry (`Guard.expire`: a drop for the
-        limiter), the upstream connection is closed (never reused: its answer is still coming), and the client
-        gets a 503 with Retry-After if the request was never sent (its upstream connection was still being
-        opened), a 504 if it was sent and no byte of the answer has gone to the client, or else the answer's
-        end: the last chunk of a chunked answer (the client's connection stays usable), the close of one that
-        runs to the close; an answer framed by its length can only be cut (a clean end would say it is whole)."""
+        deadline_s says (`_deadline.stop` decides what it is answered, counts and logs it, and gives the slot back
+        through `Guard.expire`: a drop for the limiter). The upstream connection is closed (never reused: its
+        answer is still coming), and the client gets a 503 with Retry-After if the request was never sent (its
+        upstream connection was still being opened), a 504 if it was sent and no byte of the answer has gone to
+        the client, or else the answer's end: the last chunk of a chunked answer (the client's connection stays
+        usable), the close of one that runs to the close; an answer framed by its length can only be cut (a clean
+        end would say it is whole)."""
         self.end_at = INF
         d, self.d = self.d, None
         if d is None or self.done:
             return
         c = self.client
         s = c.server
-        g = s.guard
-        g.expire(d)
-        budget = g.cfg.classes[d.class_index].deadline_s or 0.0
+        st = stop(s.guard, d, sent=self.sent, started=self.started,
+                  what=f"{self.method.decode('latin-1')} {self.path[:200]}", upstream=self.pool_url, lines=s.lines)
         self._drop_upstream()
         self.kept = None  # a cut answer is not one to serve from the cache
-        if not self.sent:
-            reason, what = "not_sent", "answered 503, never sent (no upstream connection in time)"
-        elif not self.started:
-            reason, what = "no_answer", "cut, answered 504"
-        else:
-            reason, what = "mid_answer", "its answer ended there"
-        s.deadlines[reason] += 1
-        if s.lines.allow("deadline"):
-            log.warning("gpuscope guard: %s %s passed its %s class's deadline_s (%g s): %s%s",
-                        self.method.decode("latin-1"), self.path[:200], d.klass, budget, what, s.lines.more("deadline"))
-        if reason == "not_sent":
-            retry = str(max(1, math.ceil(g._concurrency_retry_s())))
-            c._answer(self, 503, {"Content-Type": "application/json", "Retry-After": retry, GUARD_HEADER: "deadline"},
-                      s.error_body(503, f"The request waited its {d.klass} class's deadline_s of {budget:g} s for a "
-                                        f"connection to the upstream {self.pool_url} and was not sent; retry after "
-                                        f"{retry} s."))
-        elif reason == "no_answer":
-            c._answer(self, 504, {"Content-Type": "application/json", GUARD_HEADER: "deadline"},
-                      s.error_body(504, f"The upstream {self.pool_url} did not answer within the {d.klass} class's "
-                                        f"deadline_s of {budget:g} s; the request was stopped there."))
+        if st.status:
+            c._answer(self, st.status, st.headers, st.body())
         elif self.to_client == CHUNKED:
             t = c.transport
             if t is not None:

@@ -2,6 +2,8 @@
 
 Families: gpuscope_guard_admitted_total{class}, gpuscope_guard_queued_total{class},
 gpuscope_guard_shed_total{class,reason}, gpuscope_guard_expired_total{class} (slots taken back at deadline_s),
+gpuscope_guard_proxy_deadline_total{reason} (requests a data path stopped at deadline_s: the proxy or a middleware;
+the name is the proxy's, which counted them first),
 gpuscope_guard_queue_wait_seconds_{sum,count}{class},
 gpuscope_guard_inflight{class}, gpuscope_guard_inflight_max{class} and gpuscope_guard_inflight_all_max (the most in
 flight at once since the start, per class and all together), gpuscope_guard_reserved_slots{class} (the share's slots at the limit in force),
@@ -48,6 +50,9 @@ def render(g: Guard) -> bytes:
     family("gpuscope_guard_expired_total", "counter",
            "Admitted requests whose slot the guard took back at their class's deadline_s, per class.")
     out.extend(f'gpuscope_guard_expired_total{{class="{n}"}} {v}\n' for n, v in zip(names, g.expired_total, strict=True))
+    family("gpuscope_guard_proxy_deadline_total", "counter",
+           "Requests stopped at their class's deadline_s, by what was done.")
+    out.extend(f'gpuscope_guard_proxy_deadline_total{{reason="{k}"}} {v}\n' for k, v in g.deadline_total.items())
     family("gpuscope_guard_queue_wait_seconds", "summary", "Time admitted requests waited in the queue.")
     for n, s, c in zip(names, g.queue_wait_sum_s, g.queue_wait_count, strict=True):
         out.append(f'gpuscope_guard_queue_wait_seconds_sum{{class="{n}"}} {s!r}\n')

@@ -21,17 +21,21 @@ hold off (ASGI gives the middleware no way to abort it; the proxy does abort it)
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from ._classify import OVERSIZE, RequestInfo
 from ._core import Guard
+from ._deadline import Stop, stop
 from ._http import GUARD_HEADER, cache_key, needs_body, parse_json, refusal, rewrite_model
 from ._metrics import CONTENT_TYPE, render
 from ._signals import SignalPoller
 
 __all__ = ["ClientStalled", "GuardMiddleware"]
+
+_INF = math.inf
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -88,8 +92,14 @@ class GuardMiddleware:
         if d.degrade == "model" and body is not None:
             body = rewrite_model(body, d.target)
             receive = _replay(body)
+        left = d.deadline_s - self.guard.now() if d.deadline_s != _INF else _INF
+        if left <= 0 or d.expired:  # resumed from the queue past its deadline (a starved loop): never started
+            st = stop(self.guard, d, sent=False, started=False, what=_what(scope))
+            await _answer(send, st.status, st.headers, st.body())
+            return
         t0 = time.monotonic()
-        state: dict[str, Any] = {"status": 500, "ttft": None, "ctype": "", "chunks": [], "size": 0}
+        state: dict[str, Any] = {"status": 500, "ttft": None, "ctype": "", "chunks": [], "size": 0, "started": False,
+                                 "framed": False, "ended": False}
         keep = d.degrade == "" and self.guard.cfg.breaker.fallback == "cached"
         cache_bytes = self.guard.cfg.breaker.cache_bytes
         stall_s = self.guard.cfg.breaker.client_stall_s
@@ -101,6 +111,18 @@ class GuardMiddleware:
         writer: asyncio.Task | None = None  # the task that writes
         stalled = False
         timer: asyncio.TimerHandle | None = None
+        # the class's deadline_s: one timer per request that has one; past it the app is cancelled (_deadline.stop)
+        task = asyncio.current_task()
+        stopped: Stop | None = None
+        end_timer: asyncio.TimerHandle | None = None
+
+        def past_deadline() -> None:
+            nonlocal stopped
+            if state["ended"]:  # the answer is whole; the app has yet to return
+                return
+            stopped = stop(self.guard, d, sent=True, started=state["started"], what=_what(scope))
+            if task is not None:
+                task.cancel()
 
         def watchdog() -> None:
             nonlocal stalled, timer
@@ -124,6 +146,8 @@ class GuardMiddleware:
                     state["size"] += len(chunk)
                 if stalled:
                     raise ClientStalled("the client stopped reading")
+                if not message.get("more_body", False):
+                    state["ended"] = True
                 since = clock()
                 try:
                     await send(message)
@@ -137,14 +161,23 @@ class GuardMiddleware:
                 return
             if message["type"] == "http.response.start":
                 state["status"] = message["status"]
+                state["started"] = True
                 for k, v in message.get("headers", []):
-                    if k.lower() == b"content-type":
+                    k = k.lower()
+                    if k == b"content-type":
                         state["ctype"] = v.decode("latin-1")
+                    elif k == b"content-length":
+                        state["framed"] = True
             await send(message)
 
+        if left != _INF:
+            end_timer = loop.call_later(left, past_deadline)
         try:
             await self.app(scope, receive, watched_send)
-        except BaseException:
+        except BaseException as e:
+            if stopped is not None and isinstance(e, asyncio.CancelledError):
+                await _end_at_deadline(stopped, state, send, task)
+                return
             if stalled:  # the app gave up on the client: the slot is free
                 self.guard.release(d, 499, time.monotonic() - t0, ttft_s=state["ttft"])
                 return
@@ -153,11 +186,35 @@ class GuardMiddleware:
         finally:
             if timer is not None:
                 timer.cancel()
+            if end_timer is not None:
+                end_timer.cancel()
+        if stopped is not None:  # the app caught the cancel and returned: the answer still ends at the deadline
+            await _end_at_deadline(stopped, state, send, task)
+            return
         # An app that caught ClientStalled and returned: still the client's doing, not a 200 of 30 s
         status = 499 if stalled else state["status"]
         self.guard.release(d, status, time.monotonic() - t0, ttft_s=state["ttft"])
         if keep and state["status"] == 200 and state["size"] <= cache_bytes:
             self.guard.cache_put(key, b"".join(state["chunks"]), state["ctype"] or "application/json")
+
+
+def _what(scope: Scope) -> str:
+    return f"{scope.get('method', 'GET')} {scope.get('path', '/')}"
+
+
+async def _end_at_deadline(st: Stop, state: dict[str, Any], send: Send, task: asyncio.Task | None) -> None:
+    """The app was cancelled at the request's deadline: a 504 if no answer began (never a second head), else the
+    answer ends: cleanly when the server frames it itself (chunked, or to the close for HTTP/1.0); one framed by
+    its Content-Length is left incomplete, which the server ends by closing the connection (uvicorn logs that
+    the app returned without completing its answer): a clean end would say it is whole."""
+    if task is not None and task.cancelling():
+        task.uncancel()
+    if state["ended"]:
+        return
+    if not state["started"]:
+        await _answer(send, st.status or 504, st.headers, st.body())
+    elif not state["framed"]:
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 async def _buffer(receive: Receive, max_bytes: int) -> tuple[bytes | None, Receive]:

@@ -61,6 +61,7 @@ from ..http.limits import Limits
 from ..http.net import format_host
 from ..http.serve import Connections, ListenError, Stats, connection_cap, listen_sentence, raise_fd_limit
 from ._core import Guard
+from ._deadline import DEADLINES
 from ._exchange import Client
 from ._http import needs_body
 from ._metrics import CONTENT_TYPE, render
@@ -81,14 +82,6 @@ ERRORS = {
     "short_body": "the upstream closed the connection before its answer's body was complete (cut)",
     "long_body": "an answer with more bytes than its length, or bytes after it (502, or cut once streaming)",
     "client_stall": "a client read nothing for breaker.client_stall_s while its answer waited (aborted)",
-}
-
-
-#: what gpuscope_guard_proxy_deadline_total{reason} counts: requests stopped at their class's deadline_s
-DEADLINES = {
-    "not_sent": "still waiting for an upstream connection: answered 503 with Retry-After, never sent",
-    "no_answer": "sent, no byte of the answer to the client yet: the upstream connection closed, answered 504",
-    "mid_answer": "its answer streaming: ended there (the last chunk, or the close), the upstream connection closed",
 }
 
 
@@ -123,7 +116,6 @@ class ProxyServer:
         self.lines = RateLimitedLines(limits.log_interval_s)
         self.stats = Stats()
         self.errors = dict.fromkeys(ERRORS, 0)
-        self.deadlines = dict.fromkeys(DEADLINES, 0)
         self.retries = 0
         self.connections = Connections(self.stats)
         self.conns = self.connections.conns  # oldest first
@@ -149,6 +141,11 @@ class ProxyServer:
             p = self._pools[url] = Pool(url, self.loop)
         return p
 
+    @property
+    def deadlines(self) -> dict[str, int]:
+        """Requests stopped at their class's deadline_s, by reason (the guard's count: `_deadline.DEADLINES`)."""
+        return self.guard.deadline_total
+
     def count(self, kind: str) -> None:
         if kind == "retried":
             self.retries += 1
@@ -168,9 +165,6 @@ class ProxyServer:
                "# HELP gpuscope_guard_proxy_errors_total Upstream and client failures the proxy met, by kind.\n"
                "# TYPE gpuscope_guard_proxy_errors_total counter\n"]
         out += (f'gpuscope_guard_proxy_errors_total{{kind="{k}"}} {v}\n' for k, v in self.errors.items())
-        out.append("# HELP gpuscope_guard_proxy_deadline_total Requests stopped at their class's deadline_s, by what "
-                   "was done.\n# TYPE gpuscope_guard_proxy_deadline_total counter\n")
-        out += (f'gpuscope_guard_proxy_deadline_total{{reason="{k}"}} {v}\n' for k, v in self.deadlines.items())
         out.append("# HELP gpuscope_guard_proxy_retries_total Requests sent again on a fresh upstream connection.\n"
                    "# TYPE gpuscope_guard_proxy_retries_total counter\n"
                    f"gpuscope_guard_proxy_retries_total {self.retries}\n")
