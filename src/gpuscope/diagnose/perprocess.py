@@ -115,7 +115,10 @@ def _one(w: Any, p: Any, gpu: Any, gpu_sm: float | None, shares: dict[int, float
         out.append(make(gpu.kind, gpu.severity, gpu.confidence * 0.9,
                         f"{who} does {part}, so the GPU's pattern is its own: {gpu.summary}", ev))
     elif hostside.host_busy(p, th):
-        out.append(_host_side(w, p, ev, who, busy_with, th, make))
+        from . import driverapi  # its driver calls, where the eBPF probes ran, tell launch- from sync-bound
+
+        out.append(driverapi.sharpen(_host_side(w, p, ev, who, busy_with, th, make), getattr(p, "driver", None), th,
+                                     lambda k: advice.fixes(k, fixes_for)))
     elif (p.utilization_ratio or 0.0) < 0.02 and (p.sm_ratio or 0.0) < 0.01:
         held = p.gpu_memory_bytes or 0.0
         held_s = _held_for(p.memory, held, t1)

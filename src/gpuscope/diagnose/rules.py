@@ -136,6 +136,11 @@ def classify(w: Any, th: Thresholds, verdict: Any) -> list[Any]:
     else:
         out.append(_low_sm_verdict(w, th, make, base, sm, util, pcie, mem, busiest, cpu_known, host))
 
+    from . import driverapi  # what the eBPF probes' driver calls say of the process the GPU waits on
+
+    found = driverapi.of_window(w.processes, th)
+    if found is not None and out:
+        driverapi.sharpen(out[0], found[1], th, lambda k: advice.fixes(k, advice.frameworks_of(w.processes)))
     out.extend(_side(w, th, make))
     return out
 

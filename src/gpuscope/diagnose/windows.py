@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._records import Event, PodRef, ProcessRecord, Snapshot, ThreadCpu
+from .driverapi import over as _driver_calls
 from .stacks import HostProfile
 
 #: The series the rules read.
@@ -41,6 +42,7 @@ class ProcessView:
     threads_busy: int | None = None  # threads at half a core or more (_records.THREAD_BUSY_RATIO)
     busy_threads: list[ThreadCpu] = field(default_factory=list)  # the busiest, latest read
     memory: list[tuple[float, float]] = field(default_factory=list)  # (seconds, GPU bytes) over the window
+    driver: Any = None  # its CUDA driver calls over the window (driverapi.DriverCalls), where the eBPF probes ran
 
 
 @dataclass
@@ -134,4 +136,5 @@ def _view(p: ProcessRecord, reads: list[tuple[float, ProcessRecord]]) -> Process
         sm_ratio=_mid([r.sm_ratio for r in recs]), utilization_ratio=_mid([r.utilization_ratio for r in recs]),
         threads_busy=None if busy is None else int(busy + 0.5),
         busy_threads=next((list(r.busy_threads) for r in reversed(recs) if r.busy_threads), []),
-        memory=[(t, r.gpu_memory_bytes) for t, r in reads if r.gpu_memory_bytes is not None])
+        memory=[(t, r.gpu_memory_bytes) for t, r in reads if r.gpu_memory_bytes is not None],
+        driver=_driver_calls(reads))
