@@ -741,6 +741,17 @@
     $("#kernels-note").textContent = "pid " + last.pid + ", " + last.duration_s + " s from " + at +
       (mine.kernels.length > kernels.length ? ", the 20 longest of " + mine.kernels.length : "");
     $("#kernels-box").hidden = false;
+    // the window's own verdicts and findings, and why it was taken when the agent started it (/api/v1/autotrace)
+    const auto = await getJson("/api/v1/autotrace").catch(() => null);
+    const w = auto && (auto.windows || []).find((x) => x.id === last.id && x.pid === last.pid);
+    const line = $("#kernels-verdict");
+    line.hidden = !w;
+    if (w) {
+      const verdicts = (w.verdicts || []).map((v) => "GPU " + v.gpu + " " + v.kind).join(", ");
+      const rules = [...new Set((w.findings || []).map((f) => f.rule))].join(", ");
+      line.textContent = "Verdict of this window: " + (verdicts || "none") + (rules ? "; findings: " + rules : "") +
+        (w.trigger ? "; started by the agent: " + w.trigger : "");
+    }
   }
 
   async function start() {
