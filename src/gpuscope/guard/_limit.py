@@ -40,6 +40,12 @@ over windows are compared. `history` keeps the last 4096 updates (time, limit, b
 AIMD: a drop (rejected upstream, timeout, or latency over `timeout_s`) multiplies the limit by
 `backoff_ratio`; otherwise +1 when at least half the limit is in flight.
 
+With a service queue signal (`signals.queue_metric`, fresh), the service's own count of waiting requests says
+whether there is a queue, not latency: an engine that batches shows latency rising with concurrency before
+anything waits. Then a loaded window grows the limit x rtt_tolerance (at least +1) while nothing waits there and
+the limit is full, holds it while fewer than queue_high wait, and starts no probe; queue_high backs it off as
+below; drops (a tenth of a window) take the latency path.
+
 GPU and queue signal (`GpuSignal`), applied at every signal update, whichever latency controller runs:
 - memory free ratio <= memory_free_low, power/thermal throttling, or service queue >= queue_high:
   overloaded -> limit x backoff_ratio, and no growth until it clears;
@@ -129,7 +135,7 @@ class AdaptiveLimit:
         self._pre = (0.0, 0.0, 0.0)  # (limit, mean in flight, mean latency) of the window that started it
         self.probes = 0
         # (monotonic s, limit, base_s, capacity, event) per update: 'window', 'probe', 'probed', 'probe_aborted',
-        # 'drop', 'signal'
+        # 'drop', 'signal', 'service_queue'
         self.history: deque[tuple[float, float, float, float, str]] = deque(maxlen=4096)
         self._last_signal: GpuSignal | None = None
         self._overloaded = False
@@ -314,6 +320,9 @@ class AdaptiveLimit:
                 self._base_at_s = now
             self._recent.clear()
             return
+        if self._service_queue_fresh(now) and drops < 0.1 * (drops + self._win_n_closed):
+            self._follow_service_queue(inflight_max, now)
+            return
         # the estimates below come from the median of the last three loaded windows' rate (N / R, completions
         # per second with the latency signal) and latency: a window that a stall of this process bunched up or
         # thinned out (a loaded machine) moves nothing on its own
@@ -370,6 +379,27 @@ class AdaptiveLimit:
             new = self.limit * (1 - c.smoothing) + target * c.smoothing
         self.limit = max(c.min_limit, min(c.max_limit, new))
         self.history.append((now, self.limit, self.base_s, self.capacity, "drop" if drops else "window"))
+
+    def _service_queue_fresh(self, now: float) -> bool:
+        sig = self._last_signal
+        return sig is not None and sig.queue_waiting is not None and self.gpu_signal_state(now) == "fresh"
+
+    def _follow_service_queue(self, inflight_max: int, now: float) -> None:
+        """The service says how many wait in it (its queue signal, fresh): that, not latency, says whether there is
+        a queue. An engine that batches (vLLM, TGI) shows latency, and TTFT most, rising with every request it
+        takes into its batch while its throughput rises too: on the example service TTFT went 17 -> 25 -> 57 ->
+        121 -> 211 ms from 1 to 16 in flight with nothing waiting, so Little's law on latency put its capacity
+        at 1.1-1.4 and held the limit at 2 of its 16. So while nothing waits there the limit grows, x rtt_tolerance
+        (at least +1) a window while it is full; while some wait but fewer than queue_high it holds; at queue_high
+        observe_signal backs it off (x backoff_ratio a reading). No probe: the no-load latency is not needed."""
+        c = self.c
+        sig = self._last_signal
+        assert sig is not None and sig.queue_waiting is not None
+        if sig.queue_waiting < 1 and inflight_max >= 0.9 * self.limit and not self._signal_blocks_growth(now):
+            self.limit = max(c.min_limit, min(c.max_limit, max(self.limit + 1.0, c.rtt_tolerance * self.limit)))
+        self._slow_start = False
+        self._recent.clear()
+        self.history.append((now, self.limit, self.base_s, self.capacity, "service_queue"))
 
     def _start_probe(self, n_mean: float, r: float, now: float) -> None:
         """Lower the limit until the upstream holds no queue, to measure its no-load latency."""
