@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from gpuscope import fakenvml
+from gpuscope.export.exposition import render
 from gpuscope.fakenvml import FakeNVML, FakeProcess
 from gpuscope.sampler import Sampler, SamplerConfig
 from gpuscope.sources import cudaprobe
@@ -138,7 +139,8 @@ def test_the_sampler_fills_the_process_records_of_gpu_processes(built, probe):
         assert s.cuda_probe_capability.supported, s.cuda_probe_capability.reason
         did = c.go()
         time.sleep(0.1)  # the processes period is 50 ms
-        rec = next(p for p in s.sample_once().processes if p.pid == c.pid)
+        snap = s.sample_once()
+        rec = next(p for p in snap.processes if p.pid == c.pid)
     finally:
         s.stop()
         c.proc.kill()
@@ -146,6 +148,12 @@ def test_the_sampler_fills_the_process_records_of_gpu_processes(built, probe):
     assert rec.cuda_launches == did["launches"] == 701 and rec.cuda_syncs == 6
     assert (rec.cuda_h2d_bytes, rec.cuda_d2h_bytes, rec.cuda_d2d_bytes, rec.cuda_other_copy_bytes) == COPY_BYTES
     assert rec.cuda_copies == sum(COPIES) and rec.cuda_graph_launches == 2
+    # ... and /metrics carries them as the process's counters
+    text = render(snap).decode()
+    series = {line.rsplit(" ", 1)[0].split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("process_cuda_") and f'pid="{c.pid}"' in line}
+    assert series["process_cuda_launches_total"] == 701 and series["process_cuda_d2h_bytes_total"] == COPY_BYTES[1]
+    assert "# TYPE process_cuda_sync_seconds_total counter" in text
 
 
 def test_the_shipped_object_is_built_from_its_source(tmp_path):

@@ -80,3 +80,48 @@ def test_rates_need_two_probed_reads_a_second_apart_and_counters_that_only_grow(
     assert over([(T0, recs(5.0)[0]), (T0 + 5, recs(0.0)[0])]) is None  # the probes restarted: no rate
     calls = over([(T0, recs(0.0)[0]), (T0 + 4, recs(4.0)[0])])
     assert calls.launches_per_s == pytest.approx(1000) and calls.copy_bytes_per_s == pytest.approx(1e6)
+
+
+def _store(path, end_s: float, launches_per_s: float, sync_share: float) -> None:
+    """Ten minutes at 1 Hz of a GPU waiting on its process's saturated thread, the probes' counters stored as the
+    agent stores them (the process's series)."""
+    import numpy as np
+
+    from gpuscope import Sampler
+    from gpuscope.store import Store
+
+    with Sampler(simulate="healthy", gpus=1) as s, Store(path) as store:
+        store.append(s.sample_once())  # the node's identity
+        t = np.arange(end_s - 600, end_s - 5, 1.0)
+        g, p = {"gpu": "0"}, {"gpu": "0", "pid": "77", "process": "engine"}
+        since = t - t[0]
+        cols = [("gpu_sm_active_ratio", g, np.full(len(t), 0.001)), ("gpu_utilization_ratio", g, np.full(len(t), 0.2)),
+                ("gpu_memory_used_bytes", g, np.full(len(t), 4.0 * 2**30)),
+                ("process_thread_cpu_max_ratio", p, np.full(len(t), 1.0)), ("process_cpu_cores", p, np.full(len(t), 1.0)),
+                ("gpu_process_sm_active_ratio", p, np.full(len(t), 0.0005)),
+                ("gpu_process_utilization_ratio", p, np.full(len(t), 0.2)),
+                ("process_cuda_launches_total", p, 5e5 + launches_per_s * since),
+                ("process_cuda_graph_launches_total", p, np.zeros(len(t))),
+                ("process_cuda_syncs_total", p, 100.0 * since),
+                ("process_cuda_sync_seconds_total", p, sync_share * since),
+                ("process_cuda_h2d_bytes_total", p, 1e6 * since)]
+        store.append_batch([(m, lab) for m, lab, _ in cols], (t * 1e9).astype(np.int64),
+                           np.column_stack([v for _, _, v in cols]))
+        store.flush()
+
+
+@pytest.mark.parametrize(("launches", "sync", "kind"), [(40_000, 0.02, "launch_bound"), (300, 0.6, "sync_bound")])
+def test_a_past_range_from_the_store_reads_the_probes_counters(tmp_path, launches, sync, kind):
+    import time
+
+    from gpuscope.diagnose.history import diagnose_range
+    from gpuscope.store import Store
+
+    now = time.time()
+    _store(tmp_path, now, launches, sync)
+    with Store(tmp_path, readonly=True) as store:
+        r = diagnose_range(store, int((now - 600) * 1e9), int(now * 1e9))
+    kinds = {s.kind for s in r.spans if s.primary and s.gpu == "0"}
+    assert kinds == {kind}, [(s.kind, s.summary) for s in r.spans if s.primary]
+    span = next(s for s in r.spans if s.primary)
+    assert f"{launches:,} launches/s" in span.summary, span.summary

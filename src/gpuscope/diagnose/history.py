@@ -17,6 +17,7 @@ import time
 from bisect import bisect_left
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field, replace
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -24,6 +25,7 @@ import numpy as np
 from ..catalog import CLOCK_EVENT_REASONS
 from ..errors import Unavailable
 from . import SERIES, GpuWindow, ProcessView, Verdict, diagnose
+from .driverapi import over as driver_calls
 from .thresholds import DEFAULT, Thresholds
 
 _REASON_BIT = {name: bit for bit, name in CLOCK_EVENT_REASONS.items()}
@@ -158,6 +160,15 @@ def windows_from_store(store: Any, start_ns: int, end_ns: int, step_s: float | N
 _PROCESS_SERIES = (("gpu_memory_bytes", "gpu_process_memory_used_bytes"), ("cpu_cores", "process_cpu_cores"),
                    ("thread_cpu_max_ratio", "process_thread_cpu_max_ratio"), ("threads_busy", "process_threads_busy"),
                    ("sm_ratio", "gpu_process_sm_active_ratio"), ("utilization_ratio", "gpu_process_utilization_ratio"))
+#: The eBPF probes' counters (ProcessRecord attribute -> series), read as each step's last value: their rates over a
+#: slice are ProcessView.driver (driverapi.over), from its first and last reads.
+_DRIVER_SERIES = (("cuda_launches", "process_cuda_launches_total"),
+                  ("cuda_graph_launches", "process_cuda_graph_launches_total"),
+                  ("cuda_syncs", "process_cuda_syncs_total"), ("cuda_sync_seconds", "process_cuda_sync_seconds_total"),
+                  ("cuda_h2d_bytes", "process_cuda_h2d_bytes_total"), ("cuda_d2h_bytes", "process_cuda_d2h_bytes_total"),
+                  ("cuda_d2d_bytes", "process_cuda_d2d_bytes_total"),
+                  ("cuda_other_copy_bytes", "process_cuda_other_copy_bytes_total"))
+_DRIVER_ATTRS = frozenset(attr for attr, _ in _DRIVER_SERIES)
 
 
 @dataclass
@@ -182,6 +193,8 @@ def _view(ps: _ProcessSeries, a: float, b: float) -> ProcessView | None:
     v = ProcessView(ps.pid, ps.name)
     seen = False
     for attr, (ts, vals) in ps.cols.items():
+        if attr in _DRIVER_ATTRS:
+            continue
         keep = vals[(ts >= a) & (ts < b)]
         if not len(keep):
             continue
@@ -191,7 +204,27 @@ def _view(ps: _ProcessSeries, a: float, b: float) -> ProcessView | None:
         if attr == "gpu_memory_bytes":
             inside = (ts >= a) & (ts < b)
             v.memory = [(float(t), float(x)) for t, x in zip(ts[inside], vals[inside], strict=True)]
+    v.driver = _driver(ps, a, b)
     return v if seen else None
+
+
+def _driver(ps: _ProcessSeries, a: float, b: float) -> Any:
+    """The process's driver call rates over [a, b) from its probe counters' first and last steps there, or None."""
+    cols = ps.cols.get("cuda_launches")
+    if cols is None:
+        return None
+    inside = np.flatnonzero((cols[0] >= a) & (cols[0] < b))
+    if len(inside) < 2:
+        return None
+    ends = []
+    for t in (cols[0][inside[0]], cols[0][inside[-1]]):
+        rec = SimpleNamespace(**dict.fromkeys(_DRIVER_ATTRS))
+        for attr in _DRIVER_ATTRS:
+            ts, vals = ps.cols.get(attr, (None, None))
+            if ts is not None and (hit := np.flatnonzero(ts == t)).size:
+                setattr(rec, attr, float(vals[hit[0]]))
+        ends.append((float(t), rec))
+    return driver_calls(ends)
 
 
 _HEALTHY = "gpu_healthy"
@@ -257,8 +290,10 @@ def _diagnose_window(windows: list[GpuWindow], a_ns: int, b_ns: int, th: Thresho
 def _processes(store: Any, start_ns: int, end_ns: int, step: float) -> dict[str, list[_ProcessSeries]]:
     """Per GPU, the processes seen in the range with their CPU, busy threads, SM share and GPU memory series."""
     found: dict[tuple[str, str], _ProcessSeries] = {}
-    for attr, metric in _PROCESS_SERIES:
-        for r in store.query(metric, start_ns, end_ns, step, agg="mean"):
+    queries = [(attr, metric, "mean") for attr, metric in _PROCESS_SERIES] + [
+        (attr, metric, "last") for attr, metric in _DRIVER_SERIES]
+    for attr, metric, agg in queries:
+        for r in store.query(metric, start_ns, end_ns, step, agg=agg):
             gpu, pid = r.labels.get("gpu", ""), r.labels.get("pid", "")
             if not pid.isdigit():
                 continue
