@@ -80,6 +80,17 @@ def test_a_launch_bound_pytorch_process_gets_a_window_within_30_s_of_the_flip(tm
         regs = json.loads(http(agent.port, "/api/v1/traces")[1])["opted_in"]
         [me] = [p for p in regs if p["pid"] == prog.pid]
         assert me["spent_s"] == answer["cost_s"] and me["next_allowed_unix"] > time.time()
+    except BaseException:  # what the agent and the program said, for the one who reads the failure
+        try:
+            print("autotrace:", json.dumps(json.loads(http(agent.port, "/api/v1/autotrace")[1]))[-4000:])
+        except Exception:  # noqa: BLE001
+            pass
+        if prog is not None and prog.poll() is None:
+            prog.terminate()
+            print("program:", prog.communicate(timeout=60)[1][-3000:])
+        agent.stop()
+        print("agent:", agent.proc.stderr.read()[-3000:])
+        raise
     finally:
         if prog is not None and prog.poll() is None:
             prog.terminate()
