@@ -164,7 +164,9 @@ def test_cpp_program_counts(prog, probe):
 
 
 def _overhead(argv: list[str], probe: CudaProbe, name: str, expected: int) -> None:
+    probe.close()  # detached from every libcuda: the same run without probes
     plain, _ = _run(argv, None)
+    assert probe.open().supported
     probed, got = _run(argv, probe)
     b = probed["before"]
     launches = got.launches - (b.launches if b else 0)
