@@ -289,7 +289,7 @@ def test_without_the_correction_the_shifted_node_would_be_250_ms_off(nodes):
     assert shifted is not None and shifted.slowest_rank == 3 and shifted.spread_p50_ns > 200e6
 
 
-def test_bad_parts_are_named_and_the_rest_merged(nodes, fake, tmp_path, monkeypatch):
+def test_bad_parts_are_named_and_the_rest_merged(nodes, fake, tmp_path, monkeypatch, capsys):
     agents, _, _, root = nodes
     job = "slurm/777"
     ok = Prog(fake, agents[0], RANK="0", SLURM_JOB_ID="777")
@@ -336,6 +336,9 @@ def test_bad_parts_are_named_and_the_rest_merged(nodes, fake, tmp_path, monkeypa
     for line in missing + s["without_job"]:
         assert line.endswith(".") and "Traceback" not in line
     assert (tmp_path / "bad.pt.trace.json.gz").exists()
+    fleet.print_summary(s)
+    printed = capsys.readouterr().out
+    assert "2 rank(s) merged" in printed and printed.count("\nmissing: ") == 4 and "note: Process" in printed
 
 
 def _wait_for_file(path: Path) -> None:
@@ -378,7 +381,7 @@ def test_the_agent_checks_fleet_requests(nodes):
         ({"job": "torchrun/fleet42", "pids": [1]}, 400, "either pids or a job"),
         ({"job": ""}, 400, "job must be a workload"),
         ({"job": "x" * 200}, 400, "job must be a workload"),
-        ({"job": JOB, "start_unix": now - 5}, 400, "in the past"),
+        ({"job": JOB, "start_unix": now - 30}, 400, "in the past"),
         ({"job": JOB, "start_unix": now + 3600}, 400, "more than the 30 s"),
         ({"job": JOB, "start_unix": "soon"}, 400, "start_unix must be"),
         ({"job": JOB, "start_unix": True}, 400, "start_unix must be"),

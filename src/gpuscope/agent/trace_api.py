@@ -69,6 +69,9 @@ _CHUNK_BYTES = 1 << 20
 #: one, as another host's might, in everything it says about time (its clock, start_unix, the traces it
 #: serves), so that a test on one host can check that `gpuscope trace fleet` measures and removes it.
 TEST_CLOCK_SHIFT_ENV = "GPUSCOPE_TEST_CLOCK_SHIFT_NS"
+#: A start_unix that passed at most this long ago (a slow network, a loaded node) starts the window at once;
+#: the caller sees how late in the trace's own start.
+START_LATE_S = 5.0
 
 
 
@@ -328,9 +331,12 @@ class Traces:
             os.close(fd)
 
     async def list_(self, request: web.Request) -> web.Response:
+        only = request.query.get("id") if request is not None else None  # one request's answers (a fleet trace's poll)
+
         def run() -> list[dict[str, Any]]:
             out = []
-            for d in od.list_traces(self.requests_dir)[:200]:
+            answers = od.list_traces(self.requests_dir)
+            for d in (answers if only is None else [d for d in answers if d.get("id") == only])[:200]:
                 kernels = self._kernels(d) if d.get("status") == "written" else None
                 start = od._unix(d.get("profiler_start_unix_ns"))
                 out.append({"id": d.get("id"), "pid": d.get("pid"), "host": d.get("host"), "rank": d.get("rank"),
@@ -445,8 +451,9 @@ def _parse_fleet_fields(doc: dict[str, Any], now_unix: float) -> tuple[str | Non
     if isinstance(start, bool) or not isinstance(start, int | float) or start != start or abs(start) == float("inf"):
         raise BadRequest("start_unix must be a time in unix seconds, such as 1767225600.5.")
     ahead = float(start) - now_unix
-    if ahead < 0:
-        raise BadRequest(f"start_unix is {-ahead:.3f} s in the past by this agent's clock.")
+    if ahead < -START_LATE_S:
+        raise BadRequest(f"start_unix is {-ahead:.3f} s in the past by this agent's clock (more than the "
+                         f"{START_LATE_S:g} s after which a window would start too late to be one moment's).")
     if ahead > od.MAX_START_AHEAD_S:
         raise BadRequest(f"start_unix is {ahead:.1f} s ahead by this agent's clock, more than the "
                          f"{od.MAX_START_AHEAD_S:g} s a window may be asked in advance.")

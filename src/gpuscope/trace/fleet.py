@@ -40,14 +40,17 @@ from ..errors import Unavailable, UsageError
 HELP = "trace every rank of one job across nodes at one moment, on one clock, merged and analysed"
 
 EXIT_PARTIAL = 3
-ROUND_TRIPS = 8                    # clock samples per agent before the request (the request's own is one more)
+# Clock samples per agent before the request (the request's own is one more): enough to set the common start
+# to a few ms; the offsets the merge uses come from these and from the samples taken during the window.
+ROUND_TRIPS = 3
 # Agents whose clocks are measured at once: every answer waits for this one loop, and what it waits is delay
 # (and, unevenly spent, offset error); fewer at once keeps the loop free when each answer comes in.
-CLOCK_CONCURRENCY = 8
+CLOCK_CONCURRENCY = 16
 # While the window runs the caller is idle: it goes on measuring each agent's clock, one round trip every
 # this often, and keeps the least-delay one for the merge (clocks drift microseconds over those seconds, while
 # a loaded machine stretches single round trips to milliseconds).
 REFINE_EVERY_S = 0.25
+REFINE_MAX = 40                    # ... at most this many per agent
 MAX_TRACE_BYTES = 256 << 20        # a pulled trace, compressed (the agent serves at most as much)
 MAX_TRACE_UNPACKED = 1 << 30       # ... and uncompressed: a gzip bomb stops here
 POLL_S = 0.5
@@ -199,31 +202,41 @@ def trace_fleet(urls: list[str], job: str, duration_s: float, start_in_s: float,
     if len(urls) > MAX_AGENTS:
         raise UsageError(f"{len(urls)} agents are more than the {MAX_AGENTS} one fleet trace asks.")
     agents = [Agent(u, redact_url(u)) for u in dict.fromkeys(urls)]
+    phases: dict[str, float] = {}
     began = time.monotonic()
-    ranks, start_ns = asyncio.run(_collect(agents, job, duration_s, start_in_s, token, work_dir, timeout_s))
+    ranks, start_ns = asyncio.run(_collect(agents, job, duration_s, start_in_s, token, work_dir, timeout_s, phases))
     collected_s = time.monotonic() - began
-    return _merge_and_analyse(agents, ranks, job, start_ns, duration_s, out, collected_s)
+    done = _merge_and_analyse(agents, ranks, job, start_ns, duration_s, out, collected_s)
+    phases["merge"] = time.monotonic() - began - collected_s
+    done["phases_s"] = {k: round(v, 3) for k, v in phases.items()}
+    return done
 
 
 async def _collect(agents: list[Agent], job: str, duration_s: float, start_in_s: float, token: str | None,
-                   work_dir: str, timeout_s: float) -> tuple[list[Rank], int]:
+                   work_dir: str, timeout_s: float, phases: dict[str, float]) -> tuple[list[Rank], int]:
     import aiohttp
 
     headers = {"User-Agent": "gpuscope trace fleet", **({"Authorization": f"Bearer {token}"} if token else {})}
     connector = aiohttp.TCPConnector(limit=256, limit_per_host=4)
     async with aiohttp.ClientSession(headers=headers, connector=connector,
                                      timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+        t = time.monotonic()
         gate = asyncio.Semaphore(CLOCK_CONCURRENCY)
         await asyncio.gather(*(_measure(session, a, gate) for a in agents))
         live = [a for a in agents if not a.problem]
+        phases["clocks"] = time.monotonic() - t
         start_ns = time.time_ns() + int(start_in_s * 1e9)
+        t = time.monotonic()
         await asyncio.gather(*(_ask(session, a, job, duration_s, start_ns) for a in live))
+        phases["ask"] = time.monotonic() - t
         asked = [a for a in live if a.request_id]
         end_ns = start_ns + int(duration_s * 1e9)
         await asyncio.gather(*(_refine(session, a, end_ns) for a in asked))
         await asyncio.sleep(max(0.0, (end_ns - time.time_ns()) / 1e9))
-        deadline = time.monotonic() + EXPORT_WAIT_S
+        t = time.monotonic()
+        deadline = t + EXPORT_WAIT_S
         got = await asyncio.gather(*(_pull(session, a, work_dir, deadline) for a in asked))
+        phases["pull"] = time.monotonic() - t  # from the window's end: the processes' export, then the downloads
     return [r for rs in got for r in rs], start_ns
 
 
@@ -273,7 +286,7 @@ async def _measure_one(session: Any, agent: Agent) -> None:
         if agent.clock is None:
             raise AgentProblem("answered /api/v1/clock without its clock readings")
     except AgentProblem as e:
-        agent.problem = f"Agent {agent.shown} {e}."
+        agent.problem = f"Agent {agent.shown} {str(e).rstrip('.')}."
 
 
 async def _refine(session: Any, agent: Agent, until_ns: int) -> None:
@@ -281,7 +294,9 @@ async def _refine(session: Any, agent: Agent, until_ns: int) -> None:
     import random
 
     await asyncio.sleep(random.uniform(0, REFINE_EVERY_S))  # not every agent at the same instant
-    while time.time_ns() + REFINE_EVERY_S * 1e9 < until_ns:
+    for _ in range(REFINE_MAX):
+        if time.time_ns() + REFINE_EVERY_S * 1e9 >= until_ns:
+            return
         t0 = time.time_ns()
         try:
             status, doc = await _call(session, agent, "GET", "/api/v1/clock")
@@ -319,7 +334,7 @@ async def _ask(session: Any, agent: Agent, job: str, duration_s: float, start_ns
         agent.request_id = doc["id"]
         agent.processes = [p for p in doc["processes"] if isinstance(p, dict) and isinstance(p.get("pid"), int)]
     except AgentProblem as e:
-        agent.problem = f"Agent {agent.shown} {e}."
+        agent.problem = f"Agent {agent.shown} {str(e).rstrip('.')}."
 
 
 async def _pull(session: Any, agent: Agent, work_dir: str, deadline: float) -> list[Rank]:
@@ -329,7 +344,7 @@ async def _pull(session: Any, agent: Agent, work_dir: str, deadline: float) -> l
     answers: dict[int, dict[str, Any]] = {}
     try:
         while True:
-            status, doc = await _call(session, agent, "GET", "/api/v1/traces")
+            status, doc = await _call(session, agent, "GET", f"/api/v1/traces?id={agent.request_id}")
             if status != 200:
                 raise AgentProblem(f"answered /api/v1/traces with HTTP {status}: {_said(doc)}")
             for t in doc.get("traces") or []:
@@ -342,7 +357,7 @@ async def _pull(session: Any, agent: Agent, work_dir: str, deadline: float) -> l
             await asyncio.sleep(POLL_S)
     except AgentProblem as e:
         for r in ranks.values():
-            r.problem = f"Agent {agent.shown} {e}; the trace of process {r.pid} was not pulled."
+            r.problem = f"Agent {agent.shown} {str(e).rstrip('.')}; the trace of process {r.pid} was not pulled."
         return list(ranks.values())
     for pid, r in ranks.items():
         t = answers.get(pid)
@@ -491,8 +506,10 @@ def _merge_and_analyse(agents: list[Agent], ranks: list[Rank], job: str, start_n
 
 
 def print_summary(s: dict[str, Any]) -> None:
-    print(f"job {s['job']}: {len(s['ranks'])} rank(s) merged into {s['out']} ({s['events']} events), "
-          f"collected in {s['collected_s']:.1f} s")
+    ph = s.get("phases_s") or {}
+    print(f"job {s['job']}: {len(s['ranks'])} rank(s) merged into {s['out']} ({s['events']} events); clocks "
+          f"{ph.get('clocks', 0):.2f} s, request {ph.get('ask', 0):.2f} s, the window, pull {ph.get('pull', 0):.2f} s, "
+          f"merge {ph.get('merge', 0):.2f} s")
     for a in s["agents"]:
         if a["offset_ns"] is not None and not a["problem"]:
             print(f"  {a['url']} ({a['host']}): clock {a['offset_ns'] / 1e6:+.3f} ms "
