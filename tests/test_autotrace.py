@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -298,3 +299,19 @@ def test_profiling_config_is_checked():
             from_dict({"profiling": table})
     with pytest.raises(ConfigError, match=r"did you mean \[profiling\]"):
         from_dict({"profilng": {}})
+
+
+def test_a_window_s_verdicts_are_cached_once_and_dropped_with_their_trace(tmp_path):
+    fixture = Path(__file__).parent / "fixtures" / "traces" / "sync_heavy.pt.trace.json.gz"
+    a = _auto(tmp_path, [])
+    name = "h.7.0123456789abcdef.pt.trace.json.gz"
+    shutil.copy(fixture, Path(a.traces_dir) / name)
+    od.mark_done(a.requests_dir, "0123456789abcdef", "h", 7, status="written", file=name,
+                 profiler_stop_unix_ns=time.time_ns(), trigger="verdict sync_bound on GPU 0")
+    assert a.ingest() == 1 and a.ingest() == 0
+    [w] = a.windows()
+    assert [v["kind"] for v in w["verdicts"]] == ["sync_bound"] and w["trigger"] == "verdict sync_bound on GPU 0"
+    assert "sync_in_loop" in {f["rule"] for f in w["findings"]}
+    os.unlink(Path(a.traces_dir) / name)  # retention took the trace
+    a.ingest()
+    assert os.listdir(a.traces_dir) == []

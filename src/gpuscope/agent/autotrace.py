@@ -378,8 +378,16 @@ class AutoTrace:
 
     # -- the windows' verdicts ---------------------------------------------------------------------
     def ingest(self) -> int:
-        """Verdicts and findings of every written window not seen yet: cached, and into the store."""
+        """Verdicts and findings of every written window not seen yet: cached, and into the store (and the
+        caches of traces gone to trace_api's retention dropped)."""
         done = 0
+        try:
+            names = set(os.listdir(self.traces_dir))
+        except OSError:
+            names = set()
+        for name in names:
+            if name.endswith(TRACE_SUFFIX + CACHE_SUFFIX) and name.removesuffix(CACHE_SUFFIX) not in names:
+                _unlink(os.path.join(self.traces_dir, name))
         for d in od.list_traces(self.requests_dir)[:SCAN_ANSWERS]:
             file = d.get("file")
             if d.get("status") != "written" or not isinstance(file, str) or file in self._failed:
