@@ -36,7 +36,8 @@ def gpu_ns(name: str) -> tuple[int, int]:
     return int(trace.events["dur_ns"][gpu].sum()), int(gpu.sum())
 
 
-def drop_trace(traces_dir: Path, fixture: str, pid: int, ended_s_ago: float = 1.0, tag: str = "") -> str:
+def drop_trace(traces_dir: Path, fixture: str, pid: int, ended_s_ago: float = 1.0, tag: str = "",
+               owner: int | None = None) -> str:
     """A golden trace written into the agent's traces directory as the bootstrap writes one: the "gpuscope"
     key (host, pid, rank, the profiler's start and stop) added, a temporary name, then one rename."""
     with gzip.open(TRACES / fixture, "rt") as f:
@@ -47,6 +48,8 @@ def drop_trace(traces_dir: Path, fixture: str, pid: int, ended_s_ago: float = 1.
     name = f"{HOST}.{pid}{tag}.{os.urandom(8).hex()}.pt.trace.json.gz"
     tmp = traces_dir / f".tmp-{name}"
     tmp.write_bytes(gzip.compress(json.dumps(doc).encode()))
+    if owner is not None:
+        os.chown(tmp, owner, -1)
     os.replace(tmp, traces_dir / name)
     return name
 
@@ -331,3 +334,20 @@ def test_beyond_loopback_the_agents_token_is_sent(tmp_path):
         a.stop()
         rank.kill()
         rank.wait()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="planting a file of another user needs root")
+def test_a_trace_planted_by_another_user_names_no_job(fleet):
+    """The traces directory may be writable by everyone: a trace whose file is neither root's nor the rank's
+    user's is folded, but charged to no job (it could claim any pid)."""
+    b = fleet["agents"][1]
+    traces = b.data / "traces"
+    name = drop_trace(traces, "sync_heavy.pt.trace.json.gz", fleet["ranks"][2].pid, owner=54321)
+    cache = traces / (name + ".profile.json")
+    try:
+        wait_for(cache.exists)
+        [window] = json.loads(cache.read_text())["windows"]
+        assert window["pid"] == fleet["ranks"][2].pid and window["job"] is None
+    finally:
+        for p in (traces / name, cache):
+            p.unlink(missing_ok=True)

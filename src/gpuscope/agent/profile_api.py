@@ -4,7 +4,8 @@ A thread here folds every trace that lands in DATA_DIR/traces (windows asked for
 trace a process that opted in writes there) once, into GPU time and launches per stack
 (`gpuscope.trace.profile.fold`), cached beside the trace as <file>.profile.json and labelled with this
 node's name, the process's pid and its job (the workload the sampler saw it in: slurm job, torchrun run or
-Kubernetes owner; else read from the live process's cgroup and environment; '' once it has gone). The
+Kubernetes owner; else read from the live process's cgroup and environment; '' once it has gone, and '' when
+the trace's file belongs to neither root nor the process's user: the directory may be writable by everyone). The
 endpoint merges the windows that ended within `since`:
 
     GET /api/v1/profile?since=1h&job=slurm/42&format=pprof|speedscope|json
@@ -109,8 +110,8 @@ class Profiles:
         meta = trace.meta.get("gpuscope")
         meta = meta if isinstance(meta, dict) else {}
         pid = meta.get("pid") if isinstance(meta.get("pid"), int) and not isinstance(meta.get("pid"), bool) else None
-        job = meta.get("job") if isinstance(meta.get("job"), str) else ""
-        if not job and pid is not None and meta.get("host") == self.host:
+        job = ""
+        if pid is not None and meta.get("host") == self.host and _written_by_owner_of(path, pid):
             job = self.job_of(pid)
         return fold(trace, node=self.node, job=job[:256], pid=pid)
 
@@ -184,6 +185,16 @@ class Profiles:
         return web.Response(body=body, content_type="application/octet-stream", headers={
             **headers, "Cache-Control": "no-store",
             "Content-Disposition": f'attachment; filename="gpu-{_safe(self.node)}.pb.gz"'})
+
+
+def _written_by_owner_of(path: str, pid: int) -> bool:
+    """Whether the trace's file belongs to the user running `pid` (or to root): the traces directory may be
+    writable by every user, and a trace one user planted must not charge GPU time to another user's job."""
+    try:
+        owner = os.lstat(path).st_uid
+        return owner == 0 or owner == os.stat(f"/proc/{int(pid)}").st_uid
+    except (OSError, ValueError):
+        return False
 
 
 def _safe(text: str) -> str:
