@@ -231,7 +231,7 @@ def test_the_schedule_asks_on_gpu_processes_and_skips_a_spent_budget(tmp_path):
         assert [r["pids"] for r in asked] == [[kids[0].pid]] and asked[0]["trigger"] == "schedule every 60 s"
         assert [r["pid"] for r in skipped] == [kids[1].pid] and "budget is spent" in skipped[0]["reason"]
         [req] = od.pending_for(req_dir, kids[0].pid, host, since_unix=0)
-        assert req["trigger"] == "schedule every 60 s" and req["duration_s"] == 2.0
+        assert req["trigger"] == "schedule every 60 s" and req["duration_s"] == 1.0
         assert od.pending_for(req_dir, kids[1].pid, host, since_unix=0) == []
     finally:
         for k in kids:
