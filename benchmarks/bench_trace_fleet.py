@@ -238,7 +238,8 @@ def merge_child(files: list[str], out: str, analyses: bool) -> None:
     from gpuscope.trace.merge import merge
 
     done = merge(files, out, clock_offsets_ns=[0] * len(files), ranks=list(range(len(files))))
-    print(json.dumps({"wall_s": time.monotonic() - t, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    print(json.dumps({"wall_s": time.monotonic() - t, "cpu_s": use.ru_utime + use.ru_stime, "peak_rss_mib": use.ru_maxrss / 1024,
                       "events": done["events"], "out_bytes": os.path.getsize(out)}))
 
 
@@ -262,7 +263,8 @@ def merge_bench(ranks: int) -> None:
             if p.returncode != 0:
                 raise SystemExit(p.stderr[-2000:])
             r = json.loads(p.stdout.strip().splitlines()[-1])
-            print(f"  {'load + analyses + merge' if analyses else 'merge alone'}: {r['wall_s']:.1f} s, peak RSS "
+            print(f"  {'load + analyses + merge' if analyses else 'merge alone'}: {r['wall_s']:.1f} s "
+                  f"({r['cpu_s']:.1f} s of CPU, start-up included), peak RSS "
                   f"{r['peak_rss_mib']:.0f} MiB, {r['events']} events, {r['out_bytes'] / 2**20:.1f} MiB out")
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -413,3 +413,82 @@ def test_the_trace_file_is_served_only_to_the_token_holder(nodes):
                       ("/api/v1/traces/..%2F..%2Fetc/file?pid=1", 404),
                       ("/api/v1/traces/0123456789abcdef/file?pid=1", 404)]:
         assert http(a.port, bad, TOKEN)[0] == want, bad
+
+
+# -- the agent's file endpoint, in process: planted files, the size cap ---------------------------------
+def _serve_traces(tmp_path, monkeypatch, **face):
+    """A real loopback server with the agent's trace routes over `tmp_path/data` (no sampler, no store)."""
+    import types
+
+    from aiohttp import web
+
+    from gpuscope.agent import trace_api
+
+    data = tmp_path / "data"
+    (data / "traces").mkdir(parents=True)
+    (data / "trace-requests").mkdir()
+    agent = types.SimpleNamespace(cfg=types.SimpleNamespace(data_path=data), store=None, token=TOKEN, **face)
+
+    def app():
+        made = web.Application()
+        trace_api.register(made, agent)
+        return made
+
+    return app, data
+
+
+def _fetch(app, paths):
+    import asyncio
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    async def go():
+        async with TestClient(TestServer(app(), host="127.0.0.1")) as c:
+            out = []
+            for p in paths:
+                r = await c.get(p, headers={"Authorization": f"Bearer {TOKEN}"})
+                out.append((r.status, await r.read()))
+            return out
+
+    return asyncio.run(go())
+
+
+def test_the_file_endpoint_serves_only_regular_trace_files_under_its_cap(tmp_path, monkeypatch):
+    from gpuscope.agent import trace_api
+    from gpuscope.trace import ondemand as od
+
+    monkeypatch.setenv(TEST_CLOCK_SHIFT_ENV, "5000000000")  # ignored: this node is not simulated
+    app, data = _serve_traces(tmp_path, monkeypatch, sampler=None)
+    req = str(data / "trace-requests")
+    real = data / "traces" / "h.7.0123456789abcdef.pt.trace.json.gz"
+    real.write_bytes(gzip.compress(json.dumps({"traceEvents": [], "baseTimeNanoseconds": 5}).encode()))
+    os.symlink("/etc/passwd", data / "traces" / "h.8.0123456789abcdef.pt.trace.json.gz")
+    for pid, file in [(7, real.name), (8, "h.8.0123456789abcdef.pt.trace.json.gz"), (9, "../../../etc/passwd"),
+                      (10, "../traces/" + real.name)]:
+        od.mark_done(req, "0123456789abcdef", "h", pid, status="written", file=file)
+    od.mark_done(req, "0123456789abcdef", "h", 11, status="refused", reason="over the duty budget")
+    got = _fetch(app, [f"/api/v1/traces/0123456789abcdef/file?pid={p}" for p in (7, 8, 9, 10, 11)])
+    assert got[0][0] == 200 and json.loads(gzip.decompress(got[0][1]))["baseTimeNanoseconds"] == 5  # unshifted
+    assert [code for code, _ in got[1:]] == [404, 404, 200, 404]  # the symlink, a path out, basename only
+    assert b"not a regular file" in got[1][1] and b"over the duty budget" in got[4][1]
+    monkeypatch.setattr(trace_api, "SERVE_MAX_BYTES", 10)
+    [(code, body)] = _fetch(app, ["/api/v1/traces/0123456789abcdef/file?pid=7"])
+    assert code == 413 and b"copy it from the node" in body
+
+
+def test_a_simulated_nodes_test_shift_moves_the_served_trace(tmp_path, monkeypatch):
+    import types
+
+    from gpuscope.trace import ondemand as od
+
+    monkeypatch.setenv(TEST_CLOCK_SHIFT_ENV, "7")
+    app, data = _serve_traces(tmp_path, monkeypatch, sampler=types.SimpleNamespace(simulated="healthy"))
+    f = data / "traces" / "h.7.0123456789abcdef.pt.trace.json.gz"
+    f.write_bytes(gzip.compress(json.dumps({"traceEvents": [], "baseTimeNanoseconds": 5, "gpuscope": {
+        "profiler_start_unix_ns": 100, "profiler_stop_unix_ns": 200}}).encode()))
+    od.mark_done(str(data / "trace-requests"), "0123456789abcdef", "h", 7, status="written", file=f.name)
+    [(code, body), (_, clock)] = _fetch(app, ["/api/v1/traces/0123456789abcdef/file?pid=7", "/api/v1/clock"])
+    doc = json.loads(gzip.decompress(body))
+    assert code == 200 and doc["baseTimeNanoseconds"] == 12
+    assert (doc["gpuscope"]["profiler_start_unix_ns"], doc["gpuscope"]["profiler_stop_unix_ns"]) == (107, 207)
+    assert json.loads(clock)["received_unix_ns"] > 0
