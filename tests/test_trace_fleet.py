@@ -366,6 +366,8 @@ def test_a_job_nobody_holds_ends_in_one_sentence(nodes, tmp_path):
     (["--agents", "http://127.0.0.1:1", "--start-in", "0s"], "--start-in must be"),
     (["--agents", "http://127.0.0.1:1", "--out", "/nonexistent/x.gz"], "not an existing directory"),
     ([], "One of the arguments --agents --prometheus is required"),
+    (["--prometheus", "prometheus:9090"], "--prometheus must be the http://"),
+    (["--agents", "http://127.0.0.1:1", "--job", "two\nlines"], "--job must be a workload"),
 ])
 def test_bad_flags(argv, words):
     p = subprocess.run([sys.executable, "-m", "gpuscope.cli", "trace", "fleet", "--job", "slurm/1", *argv],
@@ -492,3 +494,11 @@ def test_a_simulated_nodes_test_shift_moves_the_served_trace(tmp_path, monkeypat
     assert code == 200 and doc["baseTimeNanoseconds"] == 12
     assert (doc["gpuscope"]["profiler_start_unix_ns"], doc["gpuscope"]["profiler_stop_unix_ns"]) == (107, 207)
     assert json.loads(clock)["received_unix_ns"] > 0
+
+
+def test_prometheus_that_knows_no_such_job_or_does_not_answer(nodes):
+    _, _, prom, _ = nodes
+    for where, words in [(prom.url, "No target of the server at"), (f"http://127.0.0.1:{free_port()}", "cannot be reached")]:
+        p = subprocess.run([sys.executable, "-m", "gpuscope.cli", "trace", "fleet", "--job", "slurm/absent",
+                            "--prometheus", where], capture_output=True, text=True, env=env(), timeout=60)
+        assert p.returncode == 1 and words in p.stderr and "Traceback" not in p.stderr, p.stderr

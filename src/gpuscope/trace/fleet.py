@@ -139,6 +139,9 @@ def run(args: argparse.Namespace) -> int:
     token = find_token(args.token, None)
     if token is not None and not token.isprintable():
         raise UsageError("The token holds a line break or another character that cannot go in an HTTP header.")
+    if args.prometheus and not args.prometheus.startswith(("http://", "https://")):
+        raise UsageError(f"--prometheus must be the http:// or https:// URL of a Prometheus-compatible server, not "
+                         f"{args.prometheus!r}.")
     urls = [agent_url(u) for u in args.agents] if args.agents else agents_from_prometheus(args.prometheus, job)
     with tempfile.TemporaryDirectory(prefix="gpuscope-fleet-") as tmp:
         result = trace_fleet(urls, job, duration_s, start_in_s, token, args.keep or tmp, timeout_s, args.out)
