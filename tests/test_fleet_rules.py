@@ -1,8 +1,9 @@
 """`gpuscope fleet rules`: the recording rules pass `promtool check rules`, and `promtool test rules` with input
 series and expected samples: allocation on and off Kubernetes, idle while allocated, a GPU shared by two users,
-and a gap in scraping (a series stops: it is absent once its last sample is older than 1.5 scrape steps, where
-a bare selector would carry the last value for the 5-minute lookback). The rules and the report's subqueries
-are built from the same per-step expressions.
+a gap in scraping (a series stops: it is absent once its last sample is older than 1.5 scrape steps, where
+a bare selector would carry the last value for the 5-minute lookback), and an energy counter whose label set
+ends and recurs (each spell gets its own growth, never what the counter grew while it was away). The rules
+and the report's subqueries are built from the same per-tile expressions.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,7 @@ import yaml
 from servers import need_binary
 
 from gpuscope.fleet import RECORDED, rules_yaml
-from gpuscope.fleet._queries import STEP, Window, group_labels, step_expr, subquery_expr
+from gpuscope.fleet._queries import STEP, Tile, Window, group_labels, step_expr, subquery_expr
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,9 +40,10 @@ INPUT = [
     # node-k GPU 0: a pod holds it and it is idle (allocated_idle); GPU 1: nobody holds it (unallocated).
     (f"gpu_info{{{gpu('node-k', '0', namespace='nb', pod='lab')}}}", N),
     (f"gpu_sm_active_ratio{{{gpu('node-k', '0', namespace='nb', pod='lab')}}}", "0x40"),
-    (f"gpu_allocation_state{{{gpu('node-k', '0', state='allocated_idle')}}}", N),
-    (f"gpu_allocation_state{{{gpu('node-k', '0', state='unallocated')}}}", "0x40"),
-    (f"gpu_allocation_state{{{gpu('node-k', '0', state='in_use_by_pod')}}}", "0x40"),
+    # (a held GPU's own series carry its pod's labels, the state series too)
+    (f"gpu_allocation_state{{{gpu('node-k', '0', namespace='nb', pod='lab', state='allocated_idle')}}}", N),
+    (f"gpu_allocation_state{{{gpu('node-k', '0', namespace='nb', pod='lab', state='unallocated')}}}", "0x40"),
+    (f"gpu_allocation_state{{{gpu('node-k', '0', namespace='nb', pod='lab', state='in_use_by_pod')}}}", "0x40"),
     (f"gpu_info{{{gpu('node-k', '1')}}}", N),
     (f"gpu_sm_active_ratio{{{gpu('node-k', '1')}}}", "0x40"),
     (f"gpu_allocation_state{{{gpu('node-k', '1', state='unallocated')}}}", N),
@@ -63,6 +66,10 @@ INPUT = [
     (f"gpu_info{{{gpu('node-g', '0')}}}", "1x8 _x15 1x16"),
     (f"gpu_sm_active_ratio{{{gpu('node-g', '0')}}}", "0x8 _x15 0x16"),
     (f"gpu_process_memory_used_bytes{{{gpu('node-g', '0', pid='31', user='carol')}}}", "1e9x8 _x15 1e9x16"),
+    # node-c GPU 0's energy counter, +150 J a scrape: free until 2m, a pod's from 2m15s to 4m, free again
+    # from 4m15s (the free label set recurs; the counter ran on meanwhile).
+    (f"gpu_energy_joules_total{{{gpu('node-c', '0')}}}", "0+150x8 _x8 2550+150x23"),
+    (f"gpu_energy_joules_total{{{gpu('node-c', '0', namespace='ns', pod='x')}}}", "_x9 1350+150x7 _x24"),
 ]
 
 
@@ -87,11 +94,13 @@ def expected_at_4m() -> list[dict[str, object]]:
             sample(RECORDED["observed"], 1, **k("node-k", "0", namespace="nb", pod="lab")),
             sample(RECORDED["observed"], 1, **k("node-k", "1")),
             *(sample(RECORDED["observed"], 1, **k("node-p", g)) for g in "012")]},
+        # samples in the interval before 4m (one scrape) while held; node-k GPU 1's state says nobody
         {"expr": alloc, "eval_time": "4m", "exp_samples": [
-            sample(alloc, 1, **k("node-k", "0", namespace="nb", pod="lab")),
+            sample(alloc, 1, **k("node-k", "0", namespace="nb", pod="lab")), sample(alloc, 0, **k("node-k", "1")),
             sample(alloc, 1, **k("node-p", "0")), sample(alloc, 1, **k("node-p", "2"))]},
         {"expr": idle, "eval_time": "4m", "exp_samples": [
-            sample(idle, 1, **k("node-k", "0", namespace="nb", pod="lab")), sample(idle, 1, **k("node-p", "2"))]},
+            sample(idle, 1, **k("node-k", "0", namespace="nb", pod="lab")), sample(idle, 0, **k("node-k", "1")),
+            sample(idle, 0, **k("node-p", "0")), sample(idle, 1, **k("node-p", "2"))]},
         {"expr": share, "eval_time": "4m", "exp_samples": [
             sample(share, 1, **k("node-p", "0", user="alice")), sample(share, 0.5, **k("node-p", "2", user="alice")),
             sample(share, 0.5, **k("node-p", "2", user="bob"))]},
@@ -124,6 +133,14 @@ def _tests_file(tmp_path: Path) -> Path:
         # is observed at the 9 up to 2m, at 2m15s (its last sample still fresh) and at the 17 from 6m on
         {"expr": f'sum_over_time({RECORDED["observed"]}{{hostname="node-g"}}[10m])', "eval_time": "10m",
          "exp_samples": [{"labels": '{gpu="0",hostname="node-g",model="NVIDIA H200"}', "value": 27}]},
+        # the recurring label set: 32 intervals free (8 before the pod, 24 after), 8 the pod's, 150 J each;
+        # increase() over the range gives the free one 6,000: the pod's growth too
+        {"expr": f'sum_over_time({RECORDED["energy"]}{{hostname="node-c"}}[10m])', "eval_time": "10m",
+         "exp_samples": [{"labels": '{gpu="0",hostname="node-c",model="NVIDIA H200"}', "value": 4800},
+                         {"labels": '{gpu="0",hostname="node-c",model="NVIDIA H200",namespace="ns",pod="x"}',
+                          "value": 1200}]},
+        {"expr": 'increase(gpu_energy_joules_total{hostname="node-c",pod=""}[10m])', "eval_time": "10m",
+         "exp_samples": [{"labels": '{gpu="0",hostname="node-c",model="NVIDIA H200"}', "value": 6000}]},
     ]
     doc = {"rule_files": [str(rules)], "evaluation_interval": "15s",
            "tests": [{"interval": "15s", "input_series": [{"series": s, "values": v} for s, v in INPUT],
@@ -163,8 +180,10 @@ def test_rules_and_subqueries_share_their_definitions():
     assert set(rules) == set(RECORDED.values())
     w = Window(range_s=7 * 86400, resolution_s=15.0, fresh_s=22.5, step_s=2520.0)
     for name in STEP:
-        assert rules[RECORDED[name]] == step_expr(name, 22.5)
-        assert step_expr(name, 22.5) in subquery_expr(name, group_labels("namespace"), w)
+        assert rules[RECORDED[name]] == step_expr(name, Tile(15.0, 22.5))
+        # the subquery's tile is the rules' interval; over raw series a counter bridges gaps (bridge_s)
+        assert step_expr(name, replace(w.tile(), bridge_s=0.0)) in subquery_expr(name, group_labels("namespace"),
+                                                                                 replace(w, range_s=15.0))
     assert yaml.safe_load(rules_yaml(30.0, 60.0))["groups"][0]["interval"] == "60s"
 
 

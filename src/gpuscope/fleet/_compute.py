@@ -12,12 +12,12 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .._redact import redact_url
 from ..errors import Unavailable, UsageError
-from ..promql import Client
+from ..promql import Client, label_matcher
 from . import _queries as q
 from ._prices import Prices
 
@@ -28,6 +28,10 @@ STEP_WINDOWS = 16
 #: Subqueries evaluate at most this many steps: a week at 5 minutes. Their cost is steps x series (a
 #: Prometheus evaluates about a million series-steps a second on a core); the recording rules cost none.
 MAX_SUBQUERY_STEPS = 2_000
+#: The counters' subqueries evaluate at most this many tiles (a week at 42 minutes): their cost is per
+#: series (one per GPU label set and reason) and tile, and a tile's growth is split by each label set's own
+#: growth in it, so a longer tile loses nothing where pods change.
+COUNTER_TILES = 240
 #: Sub-steps per plot bucket of the plots' subqueries.
 PLOT_SUBSTEPS = 4
 PLOT_POINTS = 240
@@ -204,14 +208,31 @@ def _iso(t: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
 
 
-def _window(steps: Mapping[str, float], range_s: float, names: set[str]) -> q.Window:
+def _window(steps: Mapping[str, float], range_s: float, end_s: float, names: set[str],
+            max_tiles: int = MAX_SUBQUERY_STEPS) -> q.Window:
+    """The subqueries' tiles: as many as the finest node's scrape steps in the range, at most `max_tiles`,
+    each a whole number of ms, their edges on the range's end (the servers evaluate a subquery at multiples
+    of its resolution: it is asked at the next multiple after the end, its selectors offset back by as much)."""
     fine, coarse = min(steps.values()), max(steps.values())
-    resolution = max(fine, range_s / MAX_SUBQUERY_STEPS)
+    tiles = max(1, min(max_tiles, math.ceil(range_s / fine - 1e-6)))
+    res_ms = max(1, round(range_s * 1000 / tiles))
+    end_ms = round(end_s * 1000)
+    offset_ms = -end_ms % res_ms
+    resolution = res_ms / 1000
     plot_step = max(range_s / PLOT_POINTS, fine)
     k8s, procs = "gpu_allocation_state" in names, "gpu_process_memory_used_bytes" in names
     allocation = "both" if k8s == procs else "kubernetes" if k8s else "processes"
     return q.Window(range_s=range_s, resolution_s=resolution, fresh_s=1.5 * coarse, step_s=plot_step,
-                    plot_resolution_s=max(resolution, plot_step / PLOT_SUBSTEPS), allocation=allocation)
+                    plot_resolution_s=max(resolution, plot_step / PLOT_SUBSTEPS), allocation=allocation,
+                    offset_s=offset_ms / 1000)
+
+
+def _retile(w: q.Window, end_s: float, tiles: int) -> q.Window:
+    """`w` with at most `tiles` tiles (whole ms, their edges on the range's end)."""
+    if w.tiles <= tiles:
+        return w
+    res_ms = max(1, round(w.range_s * 1000 / tiles))
+    return replace(w, resolution_s=res_ms / 1000, offset_s=(-round(end_s * 1000) % res_ms) / 1000)
 
 
 def _instant_plan(by: str, w: q.Window, names: set[str], end_s: float, source: str,
@@ -225,21 +246,42 @@ def _instant_plan(by: str, w: q.Window, names: set[str], end_s: float, source: s
     return plan
 
 
-def _step_plan(by: str, w: q.Window, recorded: bool, end_s: float) -> dict[str, tuple[str, float | None]]:
+#: The per-tile figures every report asks for (--by user: and the users' shares).
+TILED = ("allocated", "idle_allocated", "energy", "throttle")
+USER_TILED = ("user_share", "user_sm_active", "user_idle")
+
+
+def _step_plan(by: str, w: q.Window, recorded: bool, end_s: float, reasons: list[str],
+               ) -> dict[str, tuple[str, float | None]]:
+    """The per-tile figures' queries; throttling one query per reason that moved (`throttle:<reason>`)."""
     labels = q.group_labels(by)
-    wanted = ["allocated", "idle_allocated"] + (["user_share", "user_sm_active", "user_idle"] if by == "user" else [])
+    wanted = TILED + (USER_TILED if by == "user" else ())
     make = q.recorded_expr if recorded else q.subquery_expr
-    return {name: (make(name, ("hostname", "gpu", "model", "user") if name.startswith("user") else labels, w), end_s)
-            for name in wanted}
+    wc = _retile(w, end_s, COUNTER_TILES)
+    plan = {}
+    for name in wanted:
+        if name in USER_TILED:
+            plan[name] = (make(name, ("hostname", "gpu", "model", "user"), w), end_s if recorded else end_s + w.offset_s)
+            continue
+        wn = wc if name in q.COUNTERS else w
+        at = end_s if recorded else end_s + wn.offset_s
+        if name == "throttle":
+            for reason in reasons:
+                plan[f"throttle:{reason}"] = (make(name, (*labels, "reason"), wn, label_matcher("reason", reason)), at)
+        else:
+            plan[name] = (make(name, labels, wn), at)
+    return plan
 
 
 SOURCES = ("auto", "raw", "recorded")
 
 
 def build(client: Client, start_s: float, end_s: float, by: str, prices: Prices,
-          progress: Progress | None = None, source: str = "auto") -> dict[str, Any]:
+          progress: Progress | None = None, source: str = "auto", max_tiles: int = MAX_SUBQUERY_STEPS,
+          ) -> dict[str, Any]:
     """The report (a plain dict, what --json writes) for [start_s, end_s) grouped by `by`. `source`: read the
-    recorded series where they cover the range (auto), never (raw), or insist on them (recorded)."""
+    recorded series where they cover the range (auto), never (raw), or insist on them (recorded);
+    `max_tiles`: the most evaluations of a subquery over raw series."""
     if source not in SOURCES:
         raise UsageError(f"--source must be one of {', '.join(SOURCES)}, not {source!r}.")
     if by not in q.DIMENSIONS:
@@ -247,7 +289,8 @@ def build(client: Client, start_s: float, end_s: float, by: str, prices: Prices,
     if not end_s > start_s:
         raise UsageError("The range is empty: its end must come after its start.")
     t0 = time.monotonic()
-    total = 3 + len(q.INSTANT) + 1 + (5 if by == "user" else 2) + len(q.plot_exprs(q.Window(1, 1, 1, 1), False)) + 1
+    tiled = len(TILED) - 1 + (len(USER_TILED) if by == "user" else 0)
+    total = 3 + len(q.INSTANT) + 1 + tiled + len(q.plot_exprs(q.Window(1, 1, 1, 1), False)) + 1
     if progress:
         progress(0, total, "metric names")
     names = _check_names(client, start_s, end_s)
@@ -257,19 +300,21 @@ def build(client: Client, start_s: float, end_s: float, by: str, prices: Prices,
                           f"and {_iso(end_s)} to tell the scrape step: choose a longer range.")
     if progress:
         progress(2, total, "scrape steps")
-    w = _window(steps, end_s - start_s, names)
+    w = _window(steps, end_s - start_s, end_s, names, max_tiles)
     answers = _run_all(client, _instant_plan(by, w, names, end_s, source), progress, 2, total)
     rule_steps: dict[str, float] = {}
     if "recorded_observed" in answers:
         rule_steps = scrape_steps(client, q.RECORDED["observed"], start_s, end_s)
-    recorded = _recorded_cover(answers, steps, rule_steps)
+    recorded = _recorded_cover(answers, steps, rule_steps) and all(n in names for n in q.RECORDED.values())
     if source == "recorded" and not recorded:
         raise NoFleetData(f"The server at {client.shown} does not hold the recorded series of `gpuscope fleet rules` "
                           f"({q.RECORDED['observed']}, ...) over {_RECORDED_COVERAGE_TEXT} of the range: load the rules "
                           "(rule_files) and wait, or use --source auto.")
     done = 3 + len(answers)
-    answers.update(_run_all(client, _step_plan(by, w, recorded, end_s), progress, done, total))
-    done += 5 if by == "user" else 2
+    reasons = sorted({r for lab, _ in _rows(answers["throttle_reasons"]) if (r := lab.get("reason", ""))})
+    total += len(reasons)
+    answers.update(_run_all(client, _step_plan(by, w, recorded, end_s, reasons), progress, done, total))
+    done += tiled + len(reasons)
     plots = _plots(client, w, recorded, start_s, end_s, steps, rule_steps, progress, done, total)
     stragglers = _stragglers(client, start_s, end_s)
     if progress:
@@ -285,6 +330,7 @@ def build(client: Client, start_s: float, end_s: float, by: str, prices: Prices,
         "scrape_step_s": dict(sorted(steps.items())),
         "metrics_not_found": [m for m in q.OPTIONAL_METRICS if m not in names],
         "subquery_resolution_s": None if recorded else w.resolution_s,
+        "subquery_offset_s": None if recorded else w.offset_s,
         "rule_interval_s": dict(sorted(rule_steps.items())) if recorded else None,
         "plots": plots, "stragglers": stragglers, "queries": client.requests,
         "query_seconds": round(time.monotonic() - t0, 3),
@@ -330,12 +376,10 @@ def _plots(client: Client, w: q.Window, recorded: bool, start_s: float, end_s: f
     out: dict[str, Any] = {"t_s": [round(x - start_s, 3) for x in t]}
 
     def one(name: str, expr: str) -> list[float | None]:
-        joined = name in ("allocated", "idle_allocated")  # step-sums of the recorded series or of a subquery
-        per_step = steps if not joined else rule_steps if recorded else None
-        sums: list[float | None] = [None] * len(t)
+        sums: list[float | None] = [None] * len(t)  # every plot's sums are samples: times the node's step
         for r in client.query_range(expr, first, end_s, w.step_s):
             host = r.get("metric", {}).get("hostname", "")
-            s = (w.plot_resolution_s or w.resolution_s) if per_step is None else per_step.get(host)
+            s = steps.get(host)
             if s is None:
                 continue
             for ts, v in r.get("values") or []:
@@ -367,9 +411,7 @@ def _gpu_rows(answers: Mapping[str, list[dict[str, Any]]], by: str, steps: Mappi
             rows[key] = (lab.get("model", ""), Figures(gpus={_gpu(lab)}))
         return rows[key][1]
 
-    def secs(lab: Mapping[str, str], v: float, per: Mapping[str, float] | None = None) -> float:
-        if per is None:  # a subquery's step-sum
-            return v * w.resolution_s
+    def secs(lab: Mapping[str, str], v: float, per: Mapping[str, float]) -> float:
         return v * per.get(lab.get("hostname", ""), 0.0)
 
     for lab, v in _rows(answers["observed"]):
@@ -378,13 +420,13 @@ def _gpu_rows(answers: Mapping[str, list[dict[str, Any]]], by: str, steps: Mappi
         row(lab).used_s += secs(lab, v, steps)
     for lab, v in _rows(answers["outside_kubernetes"]):
         row(lab).outside_kubernetes_s += secs(lab, v, steps)
-    for lab, v in _rows(answers["allocated"]):
-        row(lab).allocated_s += secs(lab, v, rule_steps)
+    for lab, v in _rows(answers["allocated"]):  # samples, raw or recorded
+        row(lab).allocated_s += secs(lab, v, steps)
     for lab, v in _rows(answers["idle_allocated"]):
-        row(lab).idle_s += secs(lab, v, rule_steps)
+        row(lab).idle_s += secs(lab, v, steps)
     for lab, v in _rows(answers["energy"]):
         row(lab).energy_j += max(0.0, v)
-    for lab, v in _rows(answers["throttle"]):
+    for lab, v in (r for name in answers if name.startswith("throttle:") for r in _rows(answers[name])):
         f = row(lab)
         reason = lab.get("reason", "")
         f.throttle_s[reason] = f.throttle_s.get(reason, 0.0) + max(0.0, v)

@@ -1,22 +1,28 @@
 """Every PromQL expression the fleet report sends, and the recording rules built from the same definitions.
 
 The report never pulls raw points. Each figure is one instant query at the range's end whose window is the
-whole range (`count_over_time(gpu_info[7d])`, `increase(gpu_energy_joules_total[7d])`, ...), aggregated on
+whole range (`count_over_time(gpu_info[7d])`, `sum_over_time(gpu_sm_active_ratio[7d])`, ...), aggregated on
 the server by the labels of one GPU and of the group (`sum by (hostname, gpu, model, namespace) (...)`), so
 the answer is a row per GPU and group whatever the range. Figures that join two series at each scrape (a
-GPU idle *while* allocated; a user's share of a GPU) are subqueries over per-step expressions (`STEP`): the
-same expressions the recording rules record, so a server that runs `gpuscope fleet rules` answers them from
-the recorded series with a plain `sum_over_time` instead.
+GPU idle *while* allocated; a user's share of a GPU) and the counters (energy, throttling) are per-tile
+expressions (`STEP`) summed over the range by a subquery whose resolution is the tile: the same expressions
+the recording rules record, so a server that runs `gpuscope fleet rules` answers them from the recorded
+series with a plain `sum_over_time` instead.
 
-Per-step expressions read each series through `last_over_time(m[fresh])`, where `fresh` is 1.5 scrape steps:
-a sample counts at an instant only when it is at most that old. A gap in scraping is then a gap in every
-figure (never the last value carried over the server's 5-minute lookback, never a zero).
+A tile is the window (t - tile, t] before an evaluation. Its figures count the *samples* in it (allocated
+samples, idle samples), so a pod shorter than a tile counts its own samples, never a whole tile; or they
+split the GPU's counter growth across it (its last sample at t minus its last at t - tile, whatever labels
+the samples carried) among the GPU's label sets in the tile by each one's own growth there, so a label set
+that ends and recurs (a free GPU between pods, a StatefulSet's pod name) never counts the growth while it
+was away. Presence at an instant is read through `last_over_time(m[fresh])`, `fresh` being 1.5 scrape
+steps: a gap in scraping is then a gap in every figure (never the last value carried over the server's
+5-minute lookback, never a zero).
 
-    >>> print(step_expr("observed", 22.5))
+    >>> print(step_expr("observed", Tile(15, 22.5)))
     last_over_time(gpu_info[22500ms])
     >>> w = Window(range_s=7 * 86400, resolution_s=15, fresh_s=22.5, step_s=2520)
-    >>> print(instant_expr("energy", group_labels("namespace"), w))
-    sum by (hostname, gpu, model, namespace) (increase(gpu_energy_joules_total[604799999ms]))
+    >>> print(instant_expr("used", group_labels("namespace"), w))
+    sum by (hostname, gpu, model, namespace) (sum_over_time(gpu_sm_active_ratio[604799999ms]))
 """
 
 from __future__ import annotations
@@ -26,8 +32,9 @@ from dataclasses import dataclass
 from ..diagnose.thresholds import DEFAULT as THRESHOLDS
 from ..promql import duration, quote, regex_alternation
 
-__all__ = ["DIMENSIONS", "INSTANT", "RECORDED", "REQUIRED_METRICS", "STEP", "Window", "group_labels",
-           "instant_expr", "plot_exprs", "stamps_expr", "recorded_expr", "rules_yaml", "step_expr", "steps_expr", "subquery_expr"]
+__all__ = ["DIMENSIONS", "INSTANT", "KEY", "RECORDED", "REQUIRED_METRICS", "STEP", "Tile", "Window",
+           "group_labels", "instant_expr", "plot_exprs", "stamps_expr", "recorded_expr", "rules_yaml", "step_expr",
+           "steps_expr", "subquery_expr"]
 
 #: --by: the labels that name a group. A GPU's own series carry all of them but `user`, which only the
 #: per-process series carry (a GPU's time goes to its processes' users, split evenly among them).
@@ -37,6 +44,8 @@ DIMENSIONS: dict[str, tuple[str, ...]] = {
 }
 #: What names one GPU in the fleet (gpu_verdict carries no more than these).
 GPU = ("hostname", "gpu")
+#: The labels a per-tile series keeps: one GPU's and every label a group (but user) is named by.
+KEY = ("hostname", "gpu", "model", "namespace", "pod", "workload")
 ALLOCATED_STATES = ("allocated_idle", "in_use_by_pod", "in_use_outside_kubernetes")
 SM_IDLE = THRESHOLDS.sm_idle
 #: Without these nothing can be reported; the rest only fill their own columns.
@@ -45,23 +54,50 @@ OPTIONAL_METRICS = ("gpu_energy_joules_total", "gpu_throttle_seconds_total", "gp
                     "gpu_memory_total_bytes", "gpu_verdict", "gpu_allocation_state", "gpu_process_memory_used_bytes",
                     "gpu_power_watts")
 VERDICT_WINDOW = "2m"
-#: The recorded series (`gpuscope fleet rules`) and the per-step expression each one records.
+#: The recorded series (`gpuscope fleet rules`) and the per-tile expression each one records.
 RECORDED = {
     "observed": "gpuscope:gpu_observed:bool",
-    "allocated": "gpuscope:gpu_allocated:bool",
-    "idle_allocated": "gpuscope:gpu_idle_allocated:bool",
+    "allocated": "gpuscope:gpu_allocated:samples",
+    "idle_allocated": "gpuscope:gpu_idle_allocated:samples",
+    "energy": "gpuscope:gpu_energy_joules:increase",
+    "throttle": "gpuscope:gpu_throttle_seconds:increase",
     "user_share": "gpuscope:gpu_user_share:ratio",
     "user_sm_active": "gpuscope:gpu_user_sm_active:ratio",
     "user_idle": "gpuscope:gpu_user_idle_allocated:ratio",
 }
+#: What each per-tile series' step-sum is: samples (times the node's scrape step make seconds), the
+#: counter's own unit (joules, seconds), or instants (times the tile make seconds).
+UNIT = {"observed": "instants", "allocated": "samples", "idle_allocated": "samples", "energy": "counter",
+        "throttle": "counter", "user_share": "instants", "user_sm_active": "instants", "user_idle": "instants"}
+#: The counters split by tile, and the labels they carry beside one GPU's.
+COUNTERS = {"energy": ("gpu_energy_joules_total", ()), "throttle": ("gpu_throttle_seconds_total", ("reason",))}
+#: A label set's weight per sample beside its growth: where no label set of a GPU grew in a tile, the
+#: samples alone split it (and a tile of one sample, at the scrape step, is whole).
+_PER_SAMPLE = "1e-6"
+
+
+@dataclass(frozen=True)
+class Tile:
+    """One evaluation's window: its length (the subquery's resolution, or the rules' interval), the freshness
+    window of a sample (1.5 scrape steps), an offset that puts the tiles' edges on the range's end (the
+    servers evaluate subqueries at multiples of their resolution), and which series can tell who holds a GPU
+    ("both" where unknown, as in the recording rules; "kubernetes" or "processes" where the other is not
+    there at all); and how far back a counter's last sample before the tile is looked for (at least `fresh`:
+    a longer look bridges a gap in scraping, whose growth then goes to the label sets of the tile after it)."""
+
+    window_s: float
+    fresh_s: float
+    offset_s: float = 0.0
+    allocation: str = "both"
+    bridge_s: float = 0.0
 
 
 @dataclass(frozen=True)
 class Window:
-    """The range (seconds, ending at the query's time), the subqueries' resolution, the freshness window of
-    a sample (1.5 scrape steps), the step of the plots' range queries and the resolution of their
-    subqueries; `allocation` says which series can tell who holds a GPU in this range ("both" where unknown,
-    as in the recording rules; "kubernetes" or "processes" where the other is not there at all)."""
+    """The range (seconds, ending at the query's time), the subqueries' resolution (their tile), the freshness
+    window of a sample (1.5 scrape steps), the step of the plots' range queries and the resolution of their
+    subqueries, the offset of the subqueries' tiles (they are asked at the range's end + offset, a multiple
+    of the resolution) and the allocation series the range holds (Tile.allocation)."""
 
     range_s: float
     resolution_s: float
@@ -69,6 +105,7 @@ class Window:
     step_s: float
     plot_resolution_s: float | None = None
     allocation: str = "both"
+    offset_s: float = 0.0
 
     @property
     def window(self) -> str:
@@ -76,6 +113,14 @@ class Window:
         scrape before the first of an N-step range) is not counted where a server's windows are closed at
         both ends (Prometheus 2)."""
         return duration(self.range_s - 0.001)
+
+    @property
+    def tiles(self) -> int:
+        return max(1, round(self.range_s / self.resolution_s))
+
+    def tile(self, resolution_s: float | None = None, offset: bool = True) -> Tile:
+        return Tile(resolution_s or self.resolution_s, self.fresh_s, self.offset_s if offset else 0.0,
+                    self.allocation, self.range_s)
 
 
 def group_labels(by: str) -> tuple[str, ...]:
@@ -88,68 +133,134 @@ def _by(labels: tuple[str, ...]) -> str:
     return ", ".join(labels)
 
 
-def _fresh(metric: str, fresh_s: float, matchers: str = "") -> str:
-    return f"last_over_time({metric}{{{matchers}}}[{duration(fresh_s)}])" if matchers else \
-        f"last_over_time({metric}[{duration(fresh_s)}])"
+def _range(metric: str, window_s: float, offset_s: float = 0.0, matchers: str = "") -> str:
+    sel = f"{metric}{{{matchers}}}" if matchers else metric
+    off = f" offset {duration(offset_s)}" if offset_s >= 0.0005 else ""
+    return f"{sel}[{duration(window_s)}]{off}"
 
 
-def allocated_expr(fresh_s: float, allocation: str = "both") -> str:
-    """1 for each GPU (hostname, gpu) that someone holds now: on Kubernetes, a pod (allocated_idle,
-    in_use_by_pod) or a process outside Kubernetes (in_use_outside_kubernetes); elsewhere (no
-    gpu_allocation_state for the GPU), any process on it. `allocation`: "kubernetes" or "processes" drops
-    the part whose series the range does not hold at all (the same answer, cheaper)."""
+def _fresh(metric: str, t: Tile, matchers: str = "", back_s: float = 0.0, look_s: float = 0.0) -> str:
+    return f"last_over_time({_range(metric, max(t.fresh_s, look_s), t.offset_s + back_s, matchers)})"
+
+
+def _in_tile(fn: str, metric: str, t: Tile, matchers: str = "") -> str:
+    """`fn` over the tile's samples: 1 ms short, so a sample on an edge is in one tile only."""
+    return f"{fn}({_range(metric, t.window_s - 0.001, t.offset_s, matchers)})"
+
+
+def allocated_expr(t: Tile) -> str:
+    """Per GPU label set (KEY), its samples in the tile while someone held the GPU: on Kubernetes (the GPU has
+    gpu_allocation_state), the samples in a state that holds it (allocated_idle, in_use_by_pod,
+    in_use_outside_kubernetes); elsewhere, its samples while a process of its workload ran (no more than the
+    process's own samples)."""
+    key = _by(KEY)
     states = f'state=~"{regex_alternation(ALLOCATED_STATES)}"'
-    k8s = f"max by (hostname, gpu) ({_fresh('gpu_allocation_state', fresh_s, states)}) == 1"
-    procs = f"group by (hostname, gpu) ({_fresh('gpu_process_memory_used_bytes', fresh_s)})"
-    if allocation == "kubernetes":
+    k8s = f"sum by ({key}) ({_in_tile('sum_over_time', 'gpu_allocation_state', t, states)})"
+    n = f"sum by ({key}) ({_in_tile('count_over_time', 'gpu_info', t)})"
+    p = f"max by (hostname, gpu, workload) ({_in_tile('count_over_time', 'gpu_process_memory_used_bytes', t)})"
+    procs = f"({n} - clamp_min({n} - on (hostname, gpu, workload) group_left () {p}, 0))"
+    if t.allocation == "kubernetes":
         return f"({k8s})"
-    if allocation == "processes":
-        return f"({procs})"
-    return f"(({k8s}) or on (hostname, gpu) ({procs} unless on (hostname, gpu) {_fresh('gpu_allocation_state', fresh_s)}))"
+    if t.allocation == "processes":
+        return procs
+    has_state = f"group by (hostname, gpu) ({_in_tile('count_over_time', 'gpu_allocation_state', t)})"
+    return f"({k8s} or on (hostname, gpu) ({procs} unless on (hostname, gpu) {has_state}))"
 
 
-def _idle_expr(fresh_s: float, allocation: str = "both") -> str:
-    sm = _fresh("gpu_sm_active_ratio", fresh_s)
-    return f"((({sm} < bool {SM_IDLE:g}) == 1) and on (hostname, gpu) {allocated_expr(fresh_s, allocation)})"
+def _idle_share(t: Tile) -> str:
+    """Per KEY, the share of its SM-activity samples in the tile under the idle threshold: 1 when all are, 0
+    when none is, and between, the share at the low end if the samples took two values ((max - mean) /
+    (max - min): exact for a GPU that bursts between idle and busy)."""
+    key, th = _by(KEY), f"{SM_IDLE:g}"
+
+    def agg(fn: str) -> str:
+        return f"{fn} by ({key}) ({_in_tile(fn + '_over_time', 'gpu_sm_active_ratio', t)})"
+
+    mx, mn, av = agg("max"), agg("min"), agg("avg")
+    return (f"(({mx} < bool {th}) + ({mx} >= bool {th}) * ({mn} < bool {th}) * ({mx} - {av})"
+            f" / clamp_min({mx} - {mn}, 1e-9))")
 
 
-def _user_share(fresh_s: float) -> str:
-    procs = f"count by (hostname, gpu, model, user) ({_fresh('gpu_process_memory_used_bytes', fresh_s, 'pid!=' + quote('other'))})"
+def counter_expr(name: str, t: Tile, matchers: str = "") -> str:
+    """Per KEY (and reason), the counter's growth in the tile: the GPU's growth (its last sample in the tile
+    minus its last before, over all its label sets, looked for up to `bridge_s` back across a gap; after a
+    reset, its value) split among its label sets in the tile by their own growth there. A label set's own
+    growth: its last sample minus its own sample just before the tile where it ran on from the previous
+    one, else minus its first, with one step more at its mean rate (the step up to its first sample)."""
+    metric, extra = COUNTERS[name]
+    ident = _by(("hostname", "gpu", *extra))
+    look = max(t.fresh_s, t.window_s - 0.001)
+    a = f"max by ({ident}) ({_fresh(metric, t, matchers, look_s=look)})"
+    b = f"max by ({ident}) ({_fresh(metric, t, matchers, back_s=t.window_s, look_s=look)})"
+    if t.bridge_s > look:
+        b = (f"({b} or on ({ident}) max by ({ident}) "
+             f"({_fresh(metric, t, matchers, back_s=t.window_s, look_s=t.bridge_s)}))")
+    d = f"({a} - {b})"
+    growth = f"(({d} >= 0) or ({a} and ({d} < 0)))"  # reset: counted from 0
+    inside = _range(metric, t.window_s - 0.001, t.offset_s, matchers)
+    reach = _range(metric, t.window_s - 0.001 + t.fresh_s, t.offset_s, matchers)
+    n = f"count_over_time({inside})"
+    began = f"(count_over_time({reach}) == bool {n})"
+    mine = (f"(max_over_time({inside}) - min_over_time({reach}) + {began} * (max_over_time({inside}) - "
+            f"min_over_time({inside})) / clamp_min({n} - 1, 1) + {_PER_SAMPLE} * {n})")
+    w = f"sum by ({_by((*KEY, *extra))}) ({mine})"
+    return f"({w} / on ({ident}) group_left () sum by ({ident}) ({w}) * on ({ident}) group_left () {growth})"
+
+
+def _user_share(t: Tile) -> str:
+    procs = (f"count by (hostname, gpu, model, user) "
+             f"({_fresh('gpu_process_memory_used_bytes', t, 'pid!=' + quote('other'))})")
     return f"(({procs} > bool 0) / on (hostname, gpu) group_left () count by (hostname, gpu) ({procs}))"
 
 
-def step_expr(name: str, fresh_s: float, allocation: str = "both") -> str:
-    """The per-step expression `name` (a key of STEP): a series per GPU (or per GPU and user) whose value,
-    summed over the steps of a range and multiplied by the step, is seconds."""
+def _idle_now(t: Tile) -> str:
+    """1 per GPU held and idle at the instant (what --by user splits among the GPU's users)."""
+    sm = _fresh("gpu_sm_active_ratio", t)
+    states = f'state=~"{regex_alternation(ALLOCATED_STATES)}"'
+    k8s = f"max by (hostname, gpu) ({_fresh('gpu_allocation_state', t, states)}) == 1"
+    procs = f"group by (hostname, gpu) ({_fresh('gpu_process_memory_used_bytes', t)})"
+    held = (f"(({k8s}) or on (hostname, gpu) ({procs} unless on (hostname, gpu) "
+            f"{_fresh('gpu_allocation_state', t)}))")
+    return f"max by (hostname, gpu) ((({sm} < bool {SM_IDLE:g}) == 1) and on (hostname, gpu) {held})"
+
+
+def step_expr(name: str, t: Tile, matchers: str = "") -> str:
+    """The per-tile expression `name` (a key of STEP): a series per GPU label set (KEY), or per GPU and user,
+    whose step-sum over a range is samples, the counter's unit, or instants (UNIT)."""
     if name == "observed":  # gpu_info is 1 while the GPU is scraped
-        return _fresh("gpu_info", fresh_s)
+        return _fresh("gpu_info", t)
     if name == "allocated":
-        return f"({_fresh('gpu_info', fresh_s)} and on (hostname, gpu) {allocated_expr(fresh_s, allocation)})"
+        return allocated_expr(t)
     if name == "idle_allocated":
-        return _idle_expr(fresh_s, allocation)
+        return f"({allocated_expr(t)} * on ({_by(KEY)}) {_idle_share(t)})"
+    if name in COUNTERS:
+        return counter_expr(name, t, matchers)
     if name == "user_share":
-        return _user_share(fresh_s)
+        return _user_share(t)
     if name == "user_sm_active":
-        sm = f"max by (hostname, gpu) ({_fresh('gpu_sm_active_ratio', fresh_s)})"
-        return f"({_user_share(fresh_s)} * on (hostname, gpu) group_left () {sm})"
+        sm = f"max by (hostname, gpu) ({_fresh('gpu_sm_active_ratio', t)})"
+        return f"({_user_share(t)} * on (hostname, gpu) group_left () {sm})"
     if name == "user_idle":
-        idle = f"max by (hostname, gpu) ({_idle_expr(fresh_s, allocation)})"
-        return f"({_user_share(fresh_s)} * on (hostname, gpu) group_left () {idle})"
+        return f"({_user_share(t)} * on (hostname, gpu) group_left () {_idle_now(t)})"
     raise KeyError(name)
 
 
 STEP = tuple(RECORDED)
 
 
-def subquery_expr(name: str, labels: tuple[str, ...], w: Window) -> str:
-    """Step-sum of `name` over the range, by `labels` (raw series: a subquery at the resolution)."""
-    return (f"sum by ({_by(labels)}) (sum_over_time({step_expr(name, w.fresh_s, w.allocation)}"
-            f"[{w.window}:{duration(w.resolution_s)}]))")
+def subquery_expr(name: str, labels: tuple[str, ...], w: Window, matchers: str = "") -> str:
+    """Step-sum of `name` over the range, by `labels` (raw series: a subquery, one evaluation per tile; ask it
+    at the range's end + w.offset_s); `matchers` narrow a counter's series (one reason: a server's cost of
+    joining series grows faster than their number)."""
+    span = w.tiles * w.resolution_s
+    return (f"sum by ({_by(labels)}) (sum_over_time({step_expr(name, w.tile(), matchers)}"
+            f"[{duration(span - 0.001)}:{duration(w.resolution_s)}]))")
 
 
-def recorded_expr(name: str, labels: tuple[str, ...], w: Window) -> str:
+def recorded_expr(name: str, labels: tuple[str, ...], w: Window, matchers: str = "") -> str:
     """Step-sum of `name` over the range, by `labels`, from its recorded series (no subquery)."""
-    return f"sum by ({_by(labels)}) (sum_over_time({RECORDED[name]}[{w.window}]))"
+    sel = f"{RECORDED[name]}{{{matchers}}}" if matchers else RECORDED[name]
+    return f"sum by ({_by(labels)}) (sum_over_time({sel}[{w.window}]))"
 
 
 #: The instant queries at the range's end, each over the whole range: name -> (template, extra labels).
@@ -159,12 +270,12 @@ INSTANT: dict[str, tuple[str, tuple[str, ...]]] = {
     "used": ("sum by ({by}) (sum_over_time(gpu_sm_active_ratio[{R}]))", ()),
     "outside_kubernetes": ('sum by ({by}) (sum_over_time(gpu_allocation_state{{state="in_use_outside_kubernetes"}}'
                            "[{R}]))", ()),
-    "energy": ("sum by ({by}) (increase(gpu_energy_joules_total[{R}]))", ()),
-    "throttle": ("sum by ({by}, reason) (increase(gpu_throttle_seconds_total[{R}]))", ("reason",)),
     "memory_used": ("max by ({by}) (max_over_time(gpu_memory_used_bytes[{R}]))", ()),
     "memory_total": ("max by ({by}) (max_over_time(gpu_memory_total_bytes[{R}]))", ()),
     "verdicts": ('sum by (hostname, gpu, kind) (count_over_time(gpu_verdict{{window="' + VERDICT_WINDOW
                  + '"}}[{R}]))', ("kind",)),
+    # the clock-event reasons whose counters moved at all: only those are split by tile
+    "throttle_reasons": ("group by (reason) (changes(gpu_throttle_seconds_total[{R}]) > 0)", ("reason",)),
 }
 
 
@@ -174,9 +285,10 @@ def instant_expr(name: str, labels: tuple[str, ...], w: Window) -> str:
 
 
 def steps_expr(metric: str, window_s: float) -> str:
-    """Samples per host in each window: the densest of its GPUs' series (a series split by a pod's label
-    change counts less in the window it changes in; another GPU's does not)."""
-    return f"max by (hostname) (count_over_time({metric}[{duration(window_s - 0.001)}]))"
+    """Samples per host in each window: its GPUs' samples, each GPU's summed over its label sets (a GPU whose
+    pod changes in the window has its samples in two series; on a node whose GPUs change pods together no
+    single series is whole), the densest GPU's."""
+    return f"max by (hostname) (sum by (hostname, gpu) (count_over_time({metric}[{duration(window_s - 0.001)}])))"
 
 
 def stamps_expr(metric: str) -> str:
@@ -193,9 +305,11 @@ def plot_exprs(w: Window, recorded: bool) -> dict[str, str]:
         alloc = f"sum by (hostname) (sum_over_time({RECORDED['allocated']}[{step}]))"
         idle = f"sum by (hostname) (sum_over_time({RECORDED['idle_allocated']}[{step}]))"
     else:
-        sub = f"[{step}:{duration(w.plot_resolution_s or w.resolution_s)}]"
-        alloc = f"sum by (hostname) (sum_over_time({step_expr('allocated', w.fresh_s, w.allocation)}{sub}))"
-        idle = f"sum by (hostname) (sum_over_time({step_expr('idle_allocated', w.fresh_s, w.allocation)}{sub}))"
+        res = w.plot_resolution_s or w.resolution_s
+        sub = f"[{step}:{duration(res)}]"
+        t = w.tile(res, offset=False)
+        alloc = f"sum by (hostname) (sum_over_time({step_expr('allocated', t)}{sub}))"
+        idle = f"sum by (hostname) (sum_over_time({step_expr('idle_allocated', t)}{sub}))"
     return {
         "observed": f"sum by (hostname) (count_over_time(gpu_info[{step}]))",
         "used": f"sum by (hostname) (sum_over_time(gpu_sm_active_ratio[{step}]))",
@@ -208,17 +322,18 @@ def plot_exprs(w: Window, recorded: bool) -> dict[str, str]:
 def rules_yaml(scrape_interval_s: float, interval_s: float | None = None) -> str:
     """The recording rules as a Prometheus rule file (YAML; every expression a double-quoted string).
     `scrape_interval_s` sets the freshness window (1.5 of it); the group is evaluated every `interval_s`
-    (default: the scrape interval)."""
+    (default: the scrape interval), which is also each evaluation's tile."""
     import json
 
     fresh = 1.5 * scrape_interval_s
     every = interval_s or scrape_interval_s
-    lines = ["# gpuscope fleet recording rules (gpuscope fleet rules): per-step series that `gpuscope fleet report`",
-             "# reads instead of subqueries over the raw ones. Each is a series per GPU (or per GPU and user) whose",
-             "# value summed over a range and multiplied by the evaluation interval is seconds. docs/FLEET.md.",
+    lines = ["# gpuscope fleet recording rules (gpuscope fleet rules): per-tile series that `gpuscope fleet report`",
+             "# reads instead of subqueries over the raw ones. Each is a series per GPU label set (or per GPU and",
+             "# user) holding, per evaluation, the samples or the counter growth of the interval before it, or a",
+             "# value at the instant. docs/FLEET.md.",
              f"# Made for a scrape interval of {scrape_interval_s:g} s: a sample counts while at most "
-             f"{fresh:g} s old.",
+             f"{fresh:g} s old; evaluated every {every:g} s (the rules' tile).",
              "groups:", "  - name: gpuscope-fleet", f"    interval: {duration(every)}", "    rules:"]
     for name in STEP:
-        lines += [f"      - record: {RECORDED[name]}", f"        expr: {json.dumps(step_expr(name, fresh))}"]
+        lines += [f"      - record: {RECORDED[name]}", f"        expr: {json.dumps(step_expr(name, Tile(every, fresh)))}"]
     return "\n".join(lines) + "\n"
