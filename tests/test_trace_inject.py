@@ -210,37 +210,44 @@ def test_native_stacks_leave_out_cupti_driver_and_the_static_runtime():
               6: (EXE, 0, "main", 0), 7: ("/lib/x86_64-linux-gnu/libc.so.6", 0, "__libc_start_main", 0)}
     symbols = convert.Symbols(addr2line="")
     symbols.resolve(frames, frames)
+    assert symbols[5] == [(EXE, "step", 0)]
     assert convert.native_stack([1, 2, 3, 4, 5, 6, 7], frames, symbols, EXE) == [(EXE, 0, "step", 0), (EXE, 0, "main", 0)]
     # Unwinding that stopped in the driver: the program's call, its line unknown, said as such.
     assert convert.native_stack([1, 2], frames, symbols, EXE) == [(EXE, 0, "(native stack not unwound)", 0)]
 
 
-@pytest.mark.skipif(CC is None or shutil.which("addr2line") is None, reason="needs cc and addr2line (binutils)")
-def test_addr2line_gives_the_calling_line(tmp_path):
+@pytest.mark.skipif(CC is None or shutil.which("addr2line") is None or shutil.which("objdump") is None,
+                    reason="needs cc and binutils (addr2line, objdump)")
+@pytest.mark.parametrize("opt", ["-O0", "-O2"])
+def test_addr2line_gives_the_calling_line_and_the_inlined_function(tmp_path, opt):
+    """On the H200 a static step() of the C++ test program was inlined at -O2: the sync's frame must still
+    be step() at the sync's line, with the function it was inlined into as the next frame."""
     src = textwrap.dedent("""\
-        int work(int x) { return x * 3; }
-        int step(int x) {
+        __attribute__((noinline)) int work(int x) { __asm__ volatile(""); return x * 3; }
+        static int step(int x) {
             int y = x + 1;
             return work(y) + 1;
         }
-        int main(int argc, char **argv) { (void)argv; return step(argc); }
+        int main(int argc, char **argv) { (void)argv; return step(argc) + step(argc + 2); }
         """)
     (tmp_path / "p.c").write_text(src)
-    subprocess.run([CC, "-g", "-O0", "-fno-inline", "-o", "p", "p.c"], cwd=tmp_path, check=True)
+    subprocess.run([CC, "-g", opt, "-o", "p", "p.c"], cwd=tmp_path, check=True)
     exe = str(tmp_path / "p")
-    nm = subprocess.run(["nm", exe], capture_output=True, text=True).stdout
-    step = next(int(line.split()[0], 16) for line in nm.splitlines() if line.endswith(" step"))
-    # The return address of step's call of work(): disassemble step and take the instruction after the call.
     dis = subprocess.run(["objdump", "-d", "--no-show-raw-insn", exe], capture_output=True, text=True).stdout
-    body = dis.split(f"{step:016x} <step>:")[1].split("\n\n")[0].splitlines()
-    i = next(n for n, line in enumerate(body) if "call" in line and "<work>" in line)
-    ret = int(body[i + 1].split(":")[0].strip(), 16)
+    # The return address of a call of work(): the instruction after it, in step() or where step() was inlined.
+    lines = dis.splitlines()
+    i = next(n for n, line in enumerate(lines) if "call" in line and "<work>" in line)
+    ret = int(lines[i + 1].split(":")[0].strip(), 16)
     base = 0x5555_0000_0000
     frames = {base + ret: (exe, base, None, 0)}
     symbols = convert.Symbols()
     symbols.resolve(frames, frames)
-    file, func, line = symbols[base + ret]
-    assert (os.path.basename(file), func, line) == ("p.c", "step", 4)
+    chain = symbols[base + ret]
+    assert (os.path.basename(chain[0][0]), chain[0][1], chain[0][2]) == ("p.c", "step", 4), chain
+    if opt == "-O2":
+        assert [f[1] for f in chain] == ["step", "main"], chain
+    stack = convert.native_stack([base + ret], frames, symbols, exe)
+    assert stack[0][2:] == ("step", 4)
 
 
 def test_raw_files_that_are_not_ours_are_a_sentence(tmp_path):

@@ -36,6 +36,7 @@ _SYSTEM_MODULE = re.compile(r"^(libcupti|libcuda\.|libcudart|libgpuscope_inject|
                             r"libpthread|ld-linux|libstdc\+\+|libgcc_s)")
 # The CUDA runtime linked statically into the program (nvcc's default) has its frames in the program's
 # own file: its API entry points and internals are not the line to change either.
+_ADDRESS_LINE = re.compile(r"^0x[0-9a-fA-F]+$")
 _RUNTIME_FUNCTION = re.compile(r"^(cuda[A-Z_]|cu[A-Z]|__cuda|cudart|_GLOBAL__|\?\?$|0x)")
 
 
@@ -77,22 +78,23 @@ def read_raw(path: str) -> dict[str, Any]:
 
 
 class Symbols:
-    """Return addresses -> (file, function, line): addr2line where it is installed (one run per module),
-    else the symbol that dladdr found, else the module and the offset."""
+    """Return addresses -> their frames, innermost first, each (file, function, line): addr2line where it is
+    installed (one run per module; the functions inlined at the address are frames of their own), else the
+    symbol that dladdr found, else the module and the offset."""
 
     def __init__(self, addr2line: str | None = None) -> None:
         self.addr2line = addr2line if addr2line is not None else (shutil.which("addr2line") or "")
-        self._done: dict[int, tuple[str, str, int]] = {}
+        self._done: dict[int, list[tuple[str, str, int]]] = {}
 
     def resolve(self, frames: dict[int, tuple[Any, ...]], wanted: Iterable[int]) -> None:
         by_module: dict[str, list[tuple[int, int]]] = {}
         for addr in set(wanted) - set(self._done):
             module, base, sname, _saddr = frames.get(addr, (None, 0, None, 0))
             if not module:
-                self._done[addr] = ("", f"0x{addr:x}", 0)
+                self._done[addr] = [("", f"0x{addr:x}", 0)]
                 continue
             fallback = sname or f"{os.path.basename(module)}+0x{addr - base:x}"
-            self._done[addr] = (module, fallback, 0)
+            self._done[addr] = [(module, fallback, 0)]
             if _SYSTEM_MODULE.match(os.path.basename(module)):
                 continue
             # A return address is the instruction after the call: the call's own line is one byte before.
@@ -101,24 +103,36 @@ class Symbols:
         if not self.addr2line:
             return
         for module, pairs in by_module.items():
+            # -a starts each address's answer with the address; -i adds a (function, place) pair for each
+            # function inlined there, innermost first (without it the name is the outer function's while
+            # the line is the inlined one's).
             try:
-                done = subprocess.run([self.addr2line, "-f", "-C", "-e", module, *(f"0x{w:x}" for _, w in pairs)],
-                                      capture_output=True, text=True, timeout=60)
+                done = subprocess.run([self.addr2line, "-a", "-i", "-f", "-C", "-e", module,
+                                       *(f"0x{w:x}" for _, w in pairs)], capture_output=True, text=True, timeout=60)
             except (OSError, subprocess.TimeoutExpired):
                 continue
-            lines = done.stdout.splitlines()
-            if done.returncode != 0 or len(lines) != 2 * len(pairs):
+            if done.returncode != 0:
                 continue
-            for i, (addr, _) in enumerate(pairs):
-                func, place = lines[2 * i].strip(), lines[2 * i + 1].strip()
-                file, _, line = place.partition(" (discriminator")[0].rpartition(":")
-                known = self._done[addr]
-                self._done[addr] = (file if file and file != "??" else known[0],
-                                    func if func and func != "??" else known[1],
-                                    int(line) if line.isdigit() else 0)
+            groups: list[list[str]] = []
+            for line in done.stdout.splitlines():
+                if _ADDRESS_LINE.match(line):
+                    groups.append([])
+                elif groups:
+                    groups[-1].append(line.strip())
+            if len(groups) != len(pairs):
+                continue
+            for (addr, _), group in zip(pairs, groups, strict=True):
+                known = self._done[addr][0]
+                chain = []
+                for func, place in zip(group[::2], group[1::2], strict=False):
+                    file, _, line = place.partition(" (discriminator")[0].rpartition(":")
+                    chain.append((file if file and file != "??" else known[0], func if func and func != "??"
+                                  else known[1], int(line) if line.isdigit() else 0))
+                if chain:
+                    self._done[addr] = chain
 
-    def __getitem__(self, addr: int) -> tuple[str, str, int]:
-        return self._done.get(addr, ("", f"0x{addr:x}", 0))
+    def __getitem__(self, addr: int) -> list[tuple[str, str, int]]:
+        return self._done.get(addr, [("", f"0x{addr:x}", 0)])
 
 
 def _elf_type(path: str) -> int:
@@ -139,11 +153,12 @@ def native_stack(addresses: list[int], frames: dict[int, tuple[Any, ...]], symbo
         module = (frames.get(addr) or (None,))[0] or ""
         if _SYSTEM_MODULE.match(os.path.basename(module)):
             continue
-        file, func, line = symbols[addr]
-        if not kept and _RUNTIME_FUNCTION.match(func):
-            continue  # the statically linked runtime under the program's call
-        kept.append((file or module, 0, func, line))
-        if len(kept) == _STACK_DEPTH:
+        for file, func, line in symbols[addr]:
+            if not kept and _RUNTIME_FUNCTION.match(func):
+                continue  # the statically linked runtime under the program's call
+            kept.append((file or module, 0, func, line))
+        if len(kept) >= _STACK_DEPTH:
+            del kept[_STACK_DEPTH:]
             break
     if not kept and addresses and exe:
         # Unwinding stopped inside the driver: the call is the program's, its line unknown.
