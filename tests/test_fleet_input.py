@@ -304,3 +304,66 @@ def test_hostile_label_values_are_escaped_in_every_output(tmp_path, prom_with_gp
     r = json.loads(js.read_text())
     r["groups"][0]["group"] = "=HYPERLINK(\"http://x\")"
     assert [row[0] for row in csv.reader(csv_text(r).splitlines())][1] == "'=HYPERLINK(\"http://x\")"
+
+
+def test_until_takes_a_negative_duration_with_or_without_the_equals_sign():
+    for args in (["--until", "-1h"], ["--until=-1h"], ["--until", "-90m", "--since", "1h"]):
+        # past the arguments: the range is made, and the (closed) server is what fails
+        one_sentence(fleet("report", "--prometheus", f"http://127.0.0.1:{free_port()}", *args), 1, "cannot be reached")
+
+
+class Guarded:
+    """A loopback server that answers the Prometheus API's label values (no metrics) only to requests that
+    carry `want` headers, 401 to the rest; it keeps the headers it saw."""
+
+    def __init__(self, want: dict[str, str]) -> None:
+        seen = self.seen = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                seen.append(dict(self.headers))
+                ok = all(self.headers.get(k) == v for k, v in want.items())
+                body = b'{"status":"success","data":[]}' if ok else b"unauthorized"
+                self.send_response(200 if ok else 401)
+                self.send_header("Content-Type", "application/json" if ok else "text/plain")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True).start()
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_a_server_behind_a_token_or_a_header(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("s3cr3t-t0ken\n")
+    server = Guarded({"Authorization": "Bearer s3cr3t-t0ken", "X-Scope-OrgID": "gpu"})
+    try:
+        base = ["report", "--prometheus", server.url, "--since", "1h"]
+        line = one_sentence(fleet(*base), 1, "HTTP 401")  # without: refused
+        line += one_sentence(fleet(*base, "--prometheus-token-file", str(token)), 1, "HTTP 401")  # one of two
+        # with both it gets through to the API, which holds no gpuscope series
+        line += one_sentence(fleet(*base, "--prometheus-token-file", str(token), "--prometheus-header",
+                                   "X-Scope-OrgID: gpu"), 1, "has no gpu_info")
+        assert server.seen[-1]["Authorization"] == "Bearer s3cr3t-t0ken"
+        assert "s3cr3t" not in line
+
+        from gpuscope.fleet import NoFleetData, report
+
+        with pytest.raises(NoFleetData):
+            report(server.url, 0.0, 3600.0, headers={"Authorization": "Bearer s3cr3t-t0ken", "X-Scope-OrgID": "gpu"})
+    finally:
+        server.stop()
+    one_sentence(fleet(*base, "--prometheus-header", "no colon here"), 2, "--prometheus-header takes 'Name: value'")
+    one_sentence(fleet(*base, "--prometheus-token-file", str(tmp_path / "none")), 2, "--prometheus-token-file",
+                 "cannot be read")
+    (tmp_path / "empty").write_text("\n")
+    one_sentence(fleet(*base, "--prometheus-token-file", str(tmp_path / "empty")), 2, "must hold one token")

@@ -23,11 +23,13 @@ __all__ = ["DEFAULT_PRICES", "DIMENSIONS", "RECORDED", "NoFleetData", "Prices", 
 
 
 def report(url: str, start_s: float, end_s: float, by: str = "namespace", prices: Prices | None = None, *,
-           timeout: float = 120.0, progress: Progress | None = None, source: str = "auto") -> dict[str, Any]:
+           timeout: float = 120.0, progress: Progress | None = None, source: str = "auto",
+           headers: dict[str, str] | None = None) -> dict[str, Any]:
     """The fleet report over [start_s, end_s) from the server at `url`, grouped `by` one of DIMENSIONS;
-    `source`: auto (the recorded series of `fleet rules` where they cover the range), raw or recorded."""
+    `source`: auto (the recorded series of `fleet rules` where they cover the range), raw or recorded;
+    `headers` go with every request (`{"Authorization": "Bearer ..."}` for a server behind a token)."""
     from ..promql import Client
     from ._compute import build
 
-    return build(Client(url, timeout=timeout), start_s, end_s, by, prices or DEFAULT_PRICES, progress=progress,
-                 source=source)
+    return build(Client(url, timeout=timeout, headers=headers), start_s, end_s, by, prices or DEFAULT_PRICES,
+                 progress=progress, source=source)

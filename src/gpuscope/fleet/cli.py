@@ -4,6 +4,7 @@ and the recording rules that make the report cheap over long ranges."""
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from typing import Any
@@ -42,7 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="the range's start: a duration back from --until (7d, 24h, 90m, 3600) or a time (RFC 3339, "
                         "or unix seconds: a number from 10^9 on); default 7d")
     r.add_argument("--until", default="now", metavar="WHEN",
-                   help="the range's end: now (default), --until=-1h (an hour ago), RFC 3339 or unix seconds")
+                   help="the range's end: now (default), -1h (an hour ago; --until -1h or --until=-1h), RFC 3339 or "
+                        "unix seconds")
     r.add_argument("--by", default="namespace", choices=BY_CHOICES, metavar="DIMENSION",
                    help="group by namespace (default), pod, job (the agents' workload label: Slurm job, torchrun "
                         "run, a pod's owner), user (of the GPUs' processes), node or model")
@@ -58,6 +60,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--top", type=int, default=15, metavar="N", help="groups in the text output (default 15)")
     r.add_argument("--timeout", type=float, default=120.0, metavar="SECONDS",
                    help="seconds to wait for each query (default 120)")
+    r.add_argument("--prometheus-token-file", metavar="PATH",
+                   help="a file holding a bearer token the server wants (sent as 'Authorization: Bearer <token>')")
+    r.add_argument("--prometheus-header", action="append", default=[], metavar="'NAME: VALUE'",
+                   help="a header sent with every query (repeatable), e.g. 'X-Scope-OrgID: gpu' for Mimir, or "
+                        "'Authorization: Basic ...'")
+    # `--until -1h`: argparse takes an argument that starts with '-' for an option unless it looks like a
+    # negative number; a negative duration is one here (`--until=-1h` works whatever argparse does).
+    r._negative_number_matcher = re.compile(r"^-\d+$|^-\d*\.\d+$|^-\d+(\.\d+)?(ms|s|m|h|d|w)$")
     w = sub.add_parser("rules", help=RULES_HELP, description=RULES_HELP + " (a Prometheus rule file).")
     w.add_argument("-o", "--output", metavar="FILE", help="where to write them (default: stdout)")
     w.add_argument("--scrape-interval", default="15s", metavar="DURATION",
@@ -160,9 +170,10 @@ def _report(args: argparse.Namespace) -> int:
         raise UsageError(f"--timeout must be a positive number of seconds, not {args.timeout:g}.")
     outs = _outputs(args)
     prices = _prices.load(args.prices) if args.prices else _prices.DEFAULT
+    headers = _headers(args.prometheus_header, args.prometheus_token_file)
     bar = _Bar(sys.stderr)
     try:
-        report = build(Client(url, timeout=args.timeout), start, end, args.by, prices, progress=bar,
+        report = build(Client(url, timeout=args.timeout, headers=headers), start, end, args.by, prices, progress=bar,
                        source=args.source)
     finally:
         bar.close()
@@ -176,6 +187,33 @@ def _report(args: argparse.Namespace) -> int:
 
         sys.stdout.write(text(report, args.top))
     return 0
+
+
+def _headers(given: list[str], token_file: str | None) -> dict[str, str]:
+    """--prometheus-header 'Name: value' and --prometheus-token-file as request headers (never echoed)."""
+    from ..errors import UsageError
+
+    out: dict[str, str] = {}
+    for h in given:
+        name, sep, value = h.partition(":")
+        name, value = name.strip(), value.strip()
+        if not sep or not re.fullmatch(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+", name) or not value or "\n" in value or \
+                "\r" in value:
+            raise UsageError(f"--prometheus-header takes 'Name: value' (a header name, a colon, a value on one line), "
+                             f"not {name[:40]!r}{'...' if sep else ''}.")
+        out[name] = value
+    if token_file:
+        try:
+            with open(token_file, encoding="utf-8") as f:
+                token = f.read(64 * 1024).strip()
+        except (OSError, UnicodeDecodeError) as e:
+            why = getattr(e, "strerror", None) or "not UTF-8 text"
+            raise UsageError(f"--prometheus-token-file {token_file} cannot be read: {why}.") from None
+        if not token or any(c.isspace() for c in token):
+            raise UsageError(f"--prometheus-token-file {token_file} must hold one token (no spaces), and it is "
+                             f"{'empty' if not token else 'more than one word'}.")
+        out["Authorization"] = f"Bearer {token}"
+    return out
 
 
 def _write(report: dict[str, Any], outs: list[tuple[str, str]]) -> None:
