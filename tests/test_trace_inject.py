@@ -131,7 +131,7 @@ def _window(steps: int = 100) -> list:
         t, corr = t + 3_100_000, corr + 3
     lines += [["frame", ADDR_CUDA, "/usr/lib/x86_64-linux-gnu/libcuda.so.1", 0x7F0000000000, None, 0],
               ["frame", ADDR_RT, EXE, 0x400000, "cudaDeviceSynchronize", ADDR_RT - 8],
-              ["frame", ADDR_STEP, EXE, 0x400000, "step", ADDR_STEP - 0x20],
+              ["frame", ADDR_STEP, "./prog", 0x400000, "step", ADDR_STEP - 0x20],  # dladdr's name for it
               ["frame", ADDR_MAIN, EXE, 0x400000, "main", ADDR_MAIN - 0x10],
               ["cbid", 2, 211, "cudaLaunchKernel_v7000"], ["cbid", 2, 41, "cudaMemcpyAsync_v3020"],
               ["cbid", 2, 165, "cudaDeviceSynchronize_v3020"],
@@ -212,6 +212,11 @@ def test_native_stacks_leave_out_cupti_driver_and_the_static_runtime():
     symbols.resolve(frames, frames)
     assert symbols[5] == [(EXE, "step", 0)]
     assert convert.native_stack([1, 2, 3, 4, 5, 6, 7], frames, symbols, EXE) == [(EXE, 0, "step", 0), (EXE, 0, "main", 0)]
+    # nvcc's launch stub and the kernel's host wrapper are not the launching line; _start is nobody's line.
+    launch = {1: ("/usr/lib/libcuda.so.1", 0, None, 0), 8: (EXE, 0, "__device_stub__Z4workPf", 0),
+              9: (EXE, 0, "work(float*)", 0), 10: (EXE, 0, "step", 0), 11: (EXE, 0, "_start", 0)}
+    symbols.resolve(launch, launch)
+    assert convert.native_stack([1, 8, 9, 10, 11], launch, symbols, EXE) == [(EXE, 0, "step", 0)]
     # Unwinding that stopped in the driver: the program's call, its line unknown, said as such.
     assert convert.native_stack([1, 2], frames, symbols, EXE) == [(EXE, 0, "(native stack not unwound)", 0)]
 

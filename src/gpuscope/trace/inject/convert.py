@@ -36,6 +36,7 @@ _SYSTEM_MODULE = re.compile(r"^(libcupti|libcuda\.|libcudart|libgpuscope_inject|
                             r"libpthread|ld-linux|libstdc\+\+|libgcc_s)")
 # The CUDA runtime linked statically into the program (nvcc's default) has its frames in the program's
 # own file: its API entry points and internals are not the line to change either.
+_START_FUNCTIONS = frozenset(("_start", "__libc_start_main", "__libc_start_call_main"))
 _ADDRESS_LINE = re.compile(r"^0x[0-9a-fA-F]+$")
 _RUNTIME_FUNCTION = re.compile(r"^(cuda[A-Z_]|cu[A-Z]|__cuda|cudart|_GLOBAL__|\?\?$|0x)")
 
@@ -147,8 +148,11 @@ def _elf_type(path: str) -> int:
 def native_stack(addresses: list[int], frames: dict[int, tuple[Any, ...]], symbols: Symbols,
                  exe: str = "") -> list[tuple[str, int, str, int]]:
     """One call's return addresses (innermost first) -> the program's frames as the trace writes them,
-    (file, 0, function, line): CUPTI, driver, runtime and libc frames left out."""
-    kept = []
+    (file, 0, function, line): CUPTI, driver, runtime and libc frames left out, and nvcc's launch stubs
+    (`__device_stub__K` and the host function named after the kernel that calls it: on the H200 a
+    launch's innermost program frame was the kernel's own definition line, not the line that launched it)."""
+    kept: list[tuple[str, int, str, int]] = []
+    stub_caller = False
     for addr in addresses:
         module = (frames.get(addr) or (None,))[0] or ""
         if _SYSTEM_MODULE.match(os.path.basename(module)):
@@ -156,6 +160,14 @@ def native_stack(addresses: list[int], frames: dict[int, tuple[Any, ...]], symbo
         for file, func, line in symbols[addr]:
             if not kept and _RUNTIME_FUNCTION.match(func):
                 continue  # the statically linked runtime under the program's call
+            if func.startswith("__device_stub__"):
+                stub_caller = True
+                continue
+            if stub_caller:  # the kernel's host wrapper, which called the stub
+                stub_caller = False
+                continue
+            if func in _START_FUNCTIONS:
+                continue
             kept.append((file or module, 0, func, line))
         if len(kept) >= _STACK_DEPTH:
             del kept[_STACK_DEPTH:]
@@ -170,6 +182,11 @@ def to_document(raw: dict[str, Any], symbols: Symbols | None = None) -> tuple[di
     """(the Kineto document, the trace's "gpuscope" key) for one window."""
     header, stop = raw["header"], raw["stop"] or {}
     symbols = symbols or Symbols()
+    exe = header.get("exe") or ""
+    if exe:  # dladdr names the main program as it was started (./prog): the path /proc/self/exe gave
+        raw["frames"] = {a: ((exe, *f[1:]) if f[0] and not os.path.isabs(f[0])
+                             and os.path.basename(f[0]) == os.path.basename(exe) else f)
+                         for a, f in raw["frames"].items()}
     symbols.resolve(raw["frames"], (a for addrs in raw["calls"].values() for a in addrs))
     stacks = {corr: s for corr, addrs in raw["calls"].items()
               if (s := native_stack(addrs, raw["frames"], symbols, header.get("exe", "")))}
