@@ -174,8 +174,8 @@ def _summary(confidence: float | None, window: str) -> str:
 
 
 class PrometheusBackend:
-    """Backend over Prometheus's HTTP API. `headers` go with every request (e.g. Authorization), but not with
-    the waste view's (`waste`: the fleet report over this server, priced by `prices`), whose client takes none."""
+    """Backend over Prometheus's HTTP API. `headers` go with every request (e.g. Authorization), the waste
+    view's too (`waste`: the fleet report over this server, priced by `prices`)."""
 
     source = "prometheus"
 
@@ -190,7 +190,7 @@ class PrometheusBackend:
         self._overview: tuple[float, dict[str, Any]] | None = None
         self._meta: tuple[float, dict[str, Any]] | None = None
         self._rules: tuple[float, dict[str, float]] | None = None
-        self.waste = WasteView(self.url, timeout_s=self.timeout, prices=prices)
+        self.waste = WasteView(self.url, timeout_s=self.timeout, prices=prices, headers=self.headers)
 
     # -- HTTP ------------------------------------------------------------------------------------
     def _client(self) -> aiohttp.ClientSession:

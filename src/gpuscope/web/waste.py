@@ -82,12 +82,15 @@ def _span(seconds: float) -> str:
 
 
 class WasteView:
-    """The waste view over one Prometheus server. `timeout_s` bounds each query, `deadline_s` a request."""
+    """The waste view over one Prometheus server. `timeout_s` bounds each query, `deadline_s` a request;
+    `headers` go with every query (the dashboard's own, e.g. Authorization)."""
 
     def __init__(self, url: str, *, timeout_s: float = 10.0, prices: Prices | None = None,
                  deadline_s: float = DEADLINE_S, ttl_s: float = CACHE_TTL_S,
-                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
+                 headers: dict[str, str] | None = None) -> None:
         self.url = url.rstrip("/")
+        self.headers = dict(headers or {})
         self.timeout_s = float(timeout_s)
         self.prices = prices
         self.deadline_s = float(deadline_s)
@@ -103,7 +106,7 @@ class WasteView:
         from ..fleet import report
         end = self.wall()
         start = end - since_s
-        doc = report(self.url, start, end, by, self.prices, timeout=self.timeout_s)
+        doc = report(self.url, start, end, by, self.prices, timeout=self.timeout_s, headers=self.headers)
         return {"since": _span(since_s), "since_s": since_s, "by": by, "computed_at_s": end,
                 "report": doc, "gpus": {g["group"]: g.get("gpu_keys", []) for g in doc.get("groups", [])}}
 
