@@ -49,17 +49,12 @@ FOREIGN = {"torch": re.compile(r"jax\.|cupy|@cuda\.jit"),
            "jax": re.compile(r"torch|\.item\(\)|loss\.detach|DataLoader|cupy|@cuda\.jit"),
            "cupy": re.compile(r"torch|\.item\(\)|loss\.detach|DataLoader|jax\.|@cuda\.jit"),
            "numba": re.compile(r"torch|\.item\(\)|loss\.detach|DataLoader|jax\.|cupy\.")}
-#: What the H200 showed wrong (2026-12-02), kept as findings, not as the truth: `check` leaves these out and
-#: says so, and a strict xfail test of each suite asserts the right verdicts, so a fixed rule turns it into a
-#: failure that asks for this entry's removal.
-KNOWN_WRONG: dict[str, dict[str, str]] = {"shared_four": {
-    "GPU 0": "time-sliced between four processes (NVML utilization 100 %, SMs 63 %, tensor pipes 56 %), GPU 0 gets "
-             "a host-side verdict: sync_bound from the .item() process's stacks, then launch_bound from the tiny "
-             "launches'; the rules read SMs under 80 % busy as a GPU waiting on its host",
-    "matmul_bf16": "its kernels run 70 % of the time (NVML per process, 71 % of the SM work) and its thread blocks "
-                   "on a full launch queue, which py-spy sees at its `x @ y` line: launch_bound; the per-process rule "
-                   "calls a process limited by the GPU only when the whole GPU's SMs are 80 % busy",
-}}
+#: What the H200 shows wrong, kept as findings, not as the truth: `check` leaves these out and says so, and each
+#: entry gets a strict xfail test in both suites that asserts the right verdicts, so a fixed rule turns it into a
+#: failure that asks for the entry's removal. shared_four's GPU and matmul verdicts were here (2026-12-02: a GPU
+#: time-sliced between four processes, NVML 100 %, SMs 63 %, read as waiting on its host) until the rules judged
+#: a time-sliced GPU by its main user's turns (gpuscope.diagnose.timeslice).
+KNOWN_WRONG: dict[str, dict[str, str]] = {}
 #: The first verdict over a window that lies wholly in the steady state.
 WINDOW_S = 10.0
 #: The last verdict before the run's end: its window may have lost a process that ended first.

@@ -5,7 +5,8 @@ series at 10 Hz, each process's reads on it (SM share, NVML's per-process figure
 thread, busy threads, GPU memory), the frameworks each process loaded, and the verdict timeline with its
 evidence (the stack shares py-spy measured, per process on a shared GPU). As tests/test_run_recordings.py
 does, the replay cuts the series into the windows `run` uses (the last 10 s, every 5 s), here with each
-process's medians over the window as gpuscope.diagnose.windows makes them, runs `diagnose` over them and
+process's figures over the window as gpuscope.diagnose.windows makes them (medians; its SM and NVML
+shares weighted by the time each read covers), runs `diagnose` over them and
 checks (tests/issue21_labels.py, the checks the GPU test made live): each process's own verdict on the
 shared GPU, the GPU named as shared by them, JAX eager never idle and launch-bound, CuPy and Numba
 waiting on their host, FP32 GEMMs off the tensor cores, every fix in the workload's framework's words.
@@ -24,10 +25,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from issue21_labels import FRAMEWORK, KNOWN_WRONG, NAMES, Made, Own, check, check_report, live
+from issue21_labels import FRAMEWORK, NAMES, Made, Own, check, check_report, live
 
 from gpuscope.diagnose import GpuWindow, ProcessView, advice, diagnose
 from gpuscope.diagnose.stacks import HostProfile, parse_raw
+from gpuscope.diagnose.windows import time_share
 
 FIXTURES = Path(__file__).parent / "fixtures" / "recordings"
 RUNS = FIXTURES / "runs"
@@ -96,7 +98,8 @@ def window(data: dict[str, Any], a: float, b: float) -> GpuWindow:
         w.processes.append(ProcessView(
             r["pid"], r["name"], r["cmdline"], cpu_cores=mid("cpu_cores"), thread_cpu_max_ratio=mid("thread_cpu_max_ratio"),
             gpu_memory_bytes=ps["gpu_memory_bytes"][keep[-1]], profile=profile, profile_error=error,
-            frameworks=tuple(r["frameworks"]), sm_ratio=mid("sm_ratio"), utilization_ratio=mid("utilization_ratio"),
+            frameworks=tuple(r["frameworks"]), sm_ratio=time_share([ps["sm_ratio"][i] for i in keep]),
+            utilization_ratio=time_share([ps["utilization_ratio"][i] for i in keep]),
             threads_busy=None if busy is None else int(busy + 0.5),
             memory=[(ps["t"][i], ps["gpu_memory_bytes"][i]) for i in keep if ps["gpu_memory_bytes"][i] is not None]))
     return w
@@ -149,15 +152,6 @@ def test_replayed_and_live_verdicts_agree_in_the_steady_state(recording):
         if abs(t - m.t) > 1.0 or m.t < data["gpu_start_s"] + WINDOW_S or m.t > data["duration_s"] - 3.0:
             continue  # no live verdict over that window, or one of the start-up's or the exit's
         assert (m.kind, {pid: o.kind for pid, o in m.processes.items()}) == (kind, own), (name, m.t, t)
-
-
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="known wrong on the H200 (issue21_labels.KNOWN_WRONG): "
-                   + "; ".join(f"{k}: {v}" for k, v in KNOWN_WRONG["shared_four"].items()))
-def test_shared_four_replays_right_in_every_part():
-    """The parts of shared_four the checks above leave out: GPU 0 compute_bound, the matmul process's own
-    verdict compute_bound. A rule that gets them right makes this pass: then KNOWN_WRONG loses its entry."""
-    data = load("shared_four")
-    check("shared_four", data, replay(data), data["duration_s"] - 1.0, strict=True)
 
 
 # -- the raw stacks --------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from issue21_labels import FRAMEWORK, KNOWN_WRONG, NAMES, ROLES, check, check_report, live, roles
+from issue21_labels import FRAMEWORK, NAMES, ROLES, check, check_report, live, roles
 
 pytestmark = pytest.mark.gpu
 
@@ -97,13 +97,3 @@ def test_run_gives_each_workload_its_verdict(name, tmp_path):
         for role, pid in roles(data).items():
             row = next(r for r in data["processes"] if r["pid"] == pid and r["gpu"] == "0")
             assert f"process {pid} ({row['name']}): {row['verdict']} " in p.stderr, (role, p.stderr[-2000:])
-
-
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="known wrong on the H200 (issue21_labels.KNOWN_WRONG): "
-                   + "; ".join(f"{k}: {v}" for k, v in KNOWN_WRONG["shared_four"].items()))
-def test_shared_four_right_in_every_part(tmp_path):
-    """The parts of shared_four the test above leaves out: GPU 0 compute_bound, the matmul process's own verdict
-    compute_bound (the same run)."""
-    _, data = _run("shared_four", tmp_path)
-    check("shared_four", data, live(data), data["duration_s"] - 1.0, strict=True)
-    check_report("shared_four", data, strict=True)

@@ -2,6 +2,8 @@
 GPU's SM work (gpuscope.shares), its threads' CPU (hostside), its stacks where they were sampled, and its
 GPU memory over the window. The GPU's own verdict says that it is shared and by whom.
 
+- The main user of a GPU that its processes take turns on, its time full (timeslice.py), is limited as the
+  GPU is over its own turns; its thread blocked issuing work waits on the GPU's full queue, not its host.
 - A main user of a GPU whose SMs are busy (its part of the SM work at least `process_share_major` of a
   fair share) is limited by the GPU: the GPU's verdict (compute_bound, memory_bound, ...) is its own.
   The pipe and DRAM figures are the GPU's, with its neighbours' kernels in them, so below
@@ -23,7 +25,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from . import advice, hostside
+from . import advice, hostside, timeslice
 from .rules import _host_verdict, _linear, _pct, _vals
 from .thresholds import Thresholds
 
@@ -102,12 +104,18 @@ def _one(w: Any, p: Any, gpu: Any, gpu_sm: float | None, shares: dict[int, float
     major = frac is None or frac >= th.process_share_major / n
     dominant = frac is not None and frac >= th.process_share_dominant
     others = sorted((q for q in w.processes if q.pid != p.pid), key=lambda q: -(q.sm_ratio or 0.0))
+    main_pid = gpu.evidence.get("main_pid") if gpu.kind in BUSY else None  # a time-sliced GPU's main user
+    main = next((q for q in others if q.pid == main_pid), None)
     busy_with = (f"; GPU {w.gpu} is {_pct(gpu_sm)} busy with the work of {others[0].pid} ({others[0].name or '?'}, SM "
                  f"{_pct(others[0].sm_ratio)})" if gpu_sm is not None and gpu_sm >= th.sm_busy and others
-                 and (others[0].sm_ratio or 0.0) > (p.sm_ratio or 0.0) else "")
+                 and (others[0].sm_ratio or 0.0) > (p.sm_ratio or 0.0)
+                 else f"; GPU {w.gpu} is time-sliced, {main.pid} ({main.name or '?'}) holding it "
+                 f"{(main.utilization_ratio or 0.0) * 100:.0f} % of the time" if main is not None else "")
     part = f"{frac * 100:.0f} % of GPU {w.gpu}'s SM work" if frac is not None else "an unknown part of its SM work"
     out: list[Any] = []
-    if gpu_sm is not None and gpu_sm >= th.sm_busy and gpu.kind in BUSY and major:
+    if main_pid is not None and p.pid == main_pid:
+        out.append(_main_user(w, p, gpu, ev, who, part, th, make))
+    elif gpu_sm is not None and gpu_sm >= th.sm_busy and gpu.kind in BUSY and major:
         mixed = "" if dominant else " (the GPU's pipe and DRAM figures hold its neighbours' kernels too)"
         out.append(make(gpu.kind, gpu.severity, gpu.confidence * (1.0 if dominant else 0.75),
                         f"{who} does {part} (SM share {_pct(p.sm_ratio)}): {_busy_words(gpu)}{mixed}.", ev))
@@ -134,6 +142,27 @@ def _one(w: Any, p: Any, gpu: Any, gpu_sm: float | None, shares: dict[int, float
                         f"{busy_with}.", ev))
     out.extend(_growth(w, p, th, make))
     return out
+
+
+def _main_user(w: Any, p: Any, gpu: Any, ev: dict[str, Any], who: str, part: str, th: Thresholds, make: Any) -> Any:
+    """The main user of a GPU shared in turns (timeslice.py): limited as the GPU is over its own turns; a thread
+    that waits to issue work waits on the full queue of a GPU it holds most of the time, not on its host."""
+    e = gpu.evidence
+    queue = timeslice.full_queue(p, th)
+    ev = {**ev, "time_share": p.utilization_ratio, **{k: e[k] for k in ("main_sm_active", "main_tensor_active",
+                                                                          "main_dram_active") if k in e}}
+    if queue:
+        ev = {**ev, **p.profile.as_evidence()}
+    return make(gpu.kind, gpu.severity, gpu.confidence,
+                f"{who} holds GPU {w.gpu} {(p.utilization_ratio or 0.0) * 100:.0f} % of the time ({part}), "
+                f"time-sliced with {_others(e.get('time_sliced_by', 2) - 1)}; over its turns it is "
+                f"{timeslice.turns_words(gpu.kind, e)}"
+                + (f". Its thread waits to issue more work (at {queue}): the launch queue is full, so the GPU is "
+                   "its limit, not its host." if queue else "."), ev)
+
+
+def _others(n: int) -> str:
+    return "another process" if n == 1 else f"{n} other processes"
 
 
 def _busy_words(gpu: Any) -> str:

@@ -8,7 +8,7 @@ from dataclasses import replace
 from typing import Any, TypeVar
 
 from ..catalog import decode_clock_event_reasons
-from . import advice, hostside
+from . import advice, hostside, timeslice
 from .thresholds import Thresholds
 
 SLOWDOWN_REASONS = ("hw_slowdown", "sw_thermal", "hw_thermal", "hw_power_brake")
@@ -119,8 +119,13 @@ def classify(w: Any, th: Thresholds, verdict: Any) -> list[Any]:
     if cpu_known:
         base["busiest_cpu_thread"] = busiest
     host = hostside.busiest(w.processes, th)  # the process most busy on the host, if one is
-    if host is not None and hostside.spread_busy(host, th) and sm is not None and sm < th.sm_busy:
+    main = _main_user(w, th, sm, util)  # a time-sliced GPU's main user, whose turns keep its SMs busy
+    if host is not None and hostside.spread_busy(host, th) and sm is not None and sm < th.sm_busy and main is None:
         base.update({k: v for k, v in hostside.evidence(host).items() if k != "pid"})
+    if sm is not None and sm < th.sm_busy and main is None and timeslice.unread(w, util, th):
+        # Shared in turns, its time full, but most of it no process's on record yet: who holds the GPU, and so
+        # what limits it, is not known until the next per-process read (a job starting, as above).
+        return _side(w, th, make)
     if lead_s or tail_s:
         base["left_out_idle_s"] = {"start": round(lead_s, 1), "end": round(tail_s, 1)}
     out: list[Any] = []
@@ -133,6 +138,8 @@ def classify(w: Any, th: Thresholds, verdict: Any) -> list[Any]:
                         "counts any kernel or copy as busy and cannot tell what limits the GPU.", base))
     elif sm >= th.sm_busy:
         out.append(_busy_verdict(w, th, make, base, sm, tensor, dram, fp32, fp16, fp64))
+    elif main is not None:
+        out.append(_time_sliced_verdict(w, th, make, base, main, sm, util, tensor, dram, fp32, fp16, fp64))
     else:
         out.append(_low_sm_verdict(w, th, make, base, sm, util, pcie, mem, busiest, cpu_known, host))
 
@@ -169,6 +176,45 @@ def _busy_verdict(w: Any, th: Thresholds, make: Any, base: dict[str, Any], sm: f
         return make("healthy", "info", 0.8,
                         f"GPU {w.gpu} is well used: SMs {_pct(sm)} busy, tensor {_pct(tensor)}, DRAM "
                         f"{_pct(dram)}.", base)
+
+
+def _main_user(w: Any, th: Thresholds, sm: float | None, util: float | None) -> Any:
+    """The main user of a GPU shared in turns (timeslice.main_user) whose turns keep the SMs busy, where the GPU's
+    SMs in all are not; None otherwise."""
+    if sm is None or sm >= th.sm_busy:
+        return None
+    main = timeslice.main_user(w, util, th)
+    if main is None or (timeslice.over_turns(sm, main.utilization_ratio * th.timeslice_turn_scale) or 0.0) < th.sm_busy:
+        return None
+    return main
+
+
+def _time_sliced_verdict(w: Any, th: Thresholds, make: Any, base: dict[str, Any], main: Any, sm: float,
+                         util: float | None, tensor: float | None, dram: float | None, fp32: float, fp16: float,
+                         fp64: float) -> Any:
+    """The primary verdict of a GPU its processes take turns on, its time full: the busy verdict of its main
+    user's turns (the GPU's figures over its share of the time), which says that contention between the
+    processes, not a host, leaves the SMs partly idle in all."""
+    share = main.utilization_ratio
+    figures = (("sm", sm), ("tensor", tensor), ("dram", dram), ("fp32", fp32), ("fp16", fp16), ("fp64", fp64))
+    on = {k: timeslice.over_turns(x, share) for k, x in figures}  # what the evidence says
+    # what the busy rules judge: the turns as the part of its share its kernels ran (th.timeslice_turn_scale)
+    judged = {k: timeslice.over_turns(x, share * th.timeslice_turn_scale) for k, x in figures}
+    takers = timeslice.turn_takers(w, th)
+    ev = {**base, "time_sliced_by": len(takers), "main_pid": main.pid, "main_time_share": share,
+          "main_sm_active": on["sm"], "main_tensor_active": on["tensor"], "main_dram_active": on["dram"],
+          "main_fp_active": round(min(1.0, (on["fp32"] or 0.0) + (on["fp16"] or 0.0)), 4)}
+    v = _busy_verdict(w, th, make, ev, judged["sm"] or 0.0, judged["tensor"], judged["dram"], judged["fp32"] or 0.0,
+                      judged["fp16"] or 0.0, judged["fp64"] or 0.0)
+    v.evidence.pop("fp32_active", None)  # tensor_cores_unused's, judged: main_fp_active says it
+    v.evidence.pop("fp16_active", None)
+    v.confidence = round(v.confidence * 0.8, 2)  # the turns' figures are estimates (an upper bound per pipe)
+    v.summary = (f"GPU {w.gpu} is time-sliced between {len(takers)} processes with work on it (NVML utilization "
+                 f"{_pct(util)}: a kernel ran all the time; SMs {_pct(sm)} busy in all, tensor pipes {_pct(tensor)}). "
+                 f"Process {main.pid} ({main.name or '?'}) holds it {share * 100:.0f} % of the time, and over its "
+                 f"turns it is {timeslice.turns_words(v.kind, v.evidence)}: the other turns, not a host, leave the "
+                 "SMs idle the rest of the time.")
+    return v
 
 
 def _low_sm_verdict(w: Any, th: Thresholds, make: Any, base: dict[str, Any], sm: float, util: float | None,

@@ -57,6 +57,26 @@ class Thresholds:
     process_share_major: float = 0.5
     #: A process doing this much of the GPU's SM work owns the GPU's pattern (bursts, copies) too.
     process_share_dominant: float = 0.8
+    #: NVML utilization (a kernel of some process ran) this high in the median sample: the GPU's time is full.
+    #: Shared by processes in turns (time-slicing), its SMs below `sm_busy` then say that some turns run small
+    #: kernels, not that the GPU waits on a host.
+    timeslice_util: float = 0.95
+    #: A process whose kernels ran at least this share of the time (NVML's per-process figure) on such a GPU
+    #: holds it most of the time: its main user, judged by the GPU's figures over its own turns.
+    timeslice_main_share: float = 0.5
+    #: NVML's per-process figure counts a process's whole turns (its context switched in, its queue filling the
+    #: slice), more than its kernels ran at full rate, so the GPU's figures over its share of the time read low:
+    #: its turns are judged as if they took this part of that share (SM busy from 60 %, compute-bound from 45 %
+    #: of the tensor pipes over its turns). On an H200 the bf16 matmul beside three processes, at 84 % of the
+    #: time, showed SMs 70 % and tensor pipes 62 % over its turns; alone a second later, 96 % and 93 %.
+    timeslice_turn_scale: float = 0.75
+    #: A process whose kernels ran this share of the time or more takes turns on the GPU (one below it only
+    #: set up, or holds memory).
+    timeslice_min_share: float = 0.02
+    #: This share of such a GPU's full time or more no process's on record: its per-process figures lag (read
+    #: every 5 s, a new process's first read covering its first second), so who holds it is not known yet.
+    #: Under time-slicing the processes' figures sum to the GPU's (shared_four on an H200: 0.72 + 0.20 + 0.08).
+    timeslice_unaccounted: float = 0.25
 
     # -- oscillation (input starvation) --------------------------------------------------------
     #: Share of samples with idle SMs while the rest are busy bursts.

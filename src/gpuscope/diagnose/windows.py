@@ -23,8 +23,8 @@ SERIES = ("gpu_utilization_ratio", "gpu_sm_active_ratio", "gpu_sm_occupancy_rati
 
 @dataclass
 class ProcessView:
-    """One process of a GPU over the window: its CPU and SM figures are medians over the window's reads of it,
-    its GPU memory the latest."""
+    """One process of a GPU over the window: its CPU figures are medians over the window's reads of it, its SM
+    figures its time share over the window (time_share), its GPU memory the latest."""
 
     pid: int
     name: str = ""
@@ -126,6 +126,30 @@ def _mid(xs: list[float | None]) -> float | None:
     return vals[n // 2] if n % 2 else (vals[n // 2 - 1] + vals[n // 2]) / 2
 
 
+def time_share(reads: Sequence[float | None]) -> float | None:
+    """A per-process SM figure (NVML's per-process utilization, the SM share scaled from it) over a window, from
+    the values its records held in turn, oldest first.
+
+    NVML's per-process figure is read every few seconds (SamplerConfig.process_utilization) and describes the
+    time since the read before it; the records between two reads repeat it. So each new value stands for the
+    time since the previous one, and the window's first value, read before the window began, for none of it
+    (unless it is the only one). A median over the records would give a start-up read, shown for five
+    seconds though it covered the first second of a process, the weight of a steady one.
+
+    >>> time_share([0.0, 0.0, 0.0, 0.0, 0.0, 0.68]), time_share([0.3] * 3 + [0.5] * 5 + [0.2] * 5 + [0.8])
+    (0.68, 0.5)
+    """
+    vals = [v for v in reads if v is not None]
+    if not vals:
+        return None
+    changes = [i for i in range(1, len(vals)) if vals[i] != vals[i - 1]]
+    if not changes:
+        return vals[0]
+    # the value read at changes[k] covers the records since the read before it (the window's start for the first)
+    spans = [b - a for a, b in zip([0, *changes], changes, strict=False)]
+    return sum(vals[i] * n for i, n in zip(changes, spans, strict=True)) / sum(spans)
+
+
 def _view(p: ProcessRecord, reads: list[tuple[float, ProcessRecord]]) -> ProcessView:
     """The process `p` (its latest record) with the medians of its reads over the window."""
     recs = [r for _, r in reads] or [p]
@@ -133,7 +157,7 @@ def _view(p: ProcessRecord, reads: list[tuple[float, ProcessRecord]]) -> Process
     return ProcessView(
         p.pid, p.name, p.cmdline, _mid([r.cpu_cores for r in recs]), _mid([r.thread_cpu_max_ratio for r in recs]),
         p.gpu_memory_bytes, namespace=p.namespace, pod=p.pod, frameworks=tuple(getattr(p, "frameworks", ())),
-        sm_ratio=_mid([r.sm_ratio for r in recs]), utilization_ratio=_mid([r.utilization_ratio for r in recs]),
+        sm_ratio=time_share([r.sm_ratio for r in recs]), utilization_ratio=time_share([r.utilization_ratio for r in recs]),
         threads_busy=None if busy is None else int(busy + 0.5),
         busy_threads=next((list(r.busy_threads) for r in reversed(recs) if r.busy_threads), []),
         memory=[(t, r.gpu_memory_bytes) for t, r in reads if r.gpu_memory_bytes is not None],
