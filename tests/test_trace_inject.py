@@ -213,10 +213,11 @@ def test_native_stacks_leave_out_cupti_driver_and_the_static_runtime():
     assert symbols[5] == [(EXE, "step", 0)]
     assert convert.native_stack([1, 2, 3, 4, 5, 6, 7], frames, symbols, EXE) == [(EXE, 0, "step", 0), (EXE, 0, "main", 0)]
     # nvcc's launch stub and the kernel's host wrapper are not the launching line; _start is nobody's line.
-    launch = {1: ("/usr/lib/libcuda.so.1", 0, None, 0), 8: (EXE, 0, "__device_stub__Z4workPf", 0),
+    launch = {1: ("/usr/lib/libcuda.so.1", 0, None, 0), 8: (EXE, 0, "__device_stub__Z4workPf(float*)", 0),
               9: (EXE, 0, "work(float*)", 0), 10: (EXE, 0, "step", 0), 11: (EXE, 0, "_start", 0)}
     symbols.resolve(launch, launch)
     assert convert.native_stack([1, 8, 9, 10, 11], launch, symbols, EXE) == [(EXE, 0, "step", 0)]
+    assert convert.native_stack([1, 8, 10, 11], launch, symbols, EXE) == [(EXE, 0, "step", 0)]  # no wrapper
     # Unwinding that stopped in the driver: the program's call, its line unknown, said as such.
     assert convert.native_stack([1, 2], frames, symbols, EXE) == [(EXE, 0, "(native stack not unwound)", 0)]
 
@@ -264,6 +265,29 @@ def test_raw_files_that_are_not_ours_are_a_sentence(tmp_path):
 
 
 # -- which programs, and a program on a machine without a driver ----------------------------------------
+
+
+def test_the_environment_of_each_way(tmp_path):
+    from gpuscope.trace.bootstrap import DIR
+    from gpuscope.trace.run import environment
+
+    args = (str(tmp_path), 0.0, 5.0, 0.0, True, "run")
+    auto = environment(*args, base={}, inject_library="/x/libgpuscope_inject.so")
+    assert auto["CUDA_INJECTION64_PATH"] == "/x/libgpuscope_inject.so"
+    assert auto["GPUSCOPE_TRACE_INJECT_SKIP_PYTHON"] == "1" and auto["PYTHONPATH"] == DIR
+    forced = environment(*args, base={"PYTHONPATH": "/mine"}, backend="inject", inject_library="/x/lib.so")
+    assert forced["PYTHONPATH"] == "/mine" and "GPUSCOPE_TRACE_INJECT_SKIP_PYTHON" not in forced
+    plain = environment(*args, base={})
+    assert "CUDA_INJECTION64_PATH" not in plain and plain["PYTHONPATH"] == DIR
+
+
+def test_another_injection_library_wins_and_gpuscope_says_so(hello):
+    env = dict(os.environ, CUDA_INJECTION64_PATH="/opt/nsight/libToolsInjection64.so")
+    p = subprocess.run([sys.executable, "-m", "gpuscope.cli", "trace", "--out", str(hello / "t2"), "--backend",
+                        "inject", "--", "./hello"], cwd=hello, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 3 and p.stdout == "hello from C\n"
+    assert ("gpuscope trace: CUDA_INJECTION64_PATH is already set (/opt/nsight/libToolsInjection64.so: another "
+            "profiler's injection), so hello runs untraced by gpuscope.") in p.stderr.splitlines(), p.stderr
 
 
 def test_is_native(tmp_path):

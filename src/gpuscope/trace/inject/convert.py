@@ -152,7 +152,7 @@ def native_stack(addresses: list[int], frames: dict[int, tuple[Any, ...]], symbo
     (`__device_stub__K` and the host function named after the kernel that calls it: on the H200 a
     launch's innermost program frame was the kernel's own definition line, not the line that launched it)."""
     kept: list[tuple[str, int, str, int]] = []
-    stub_caller = False
+    stub = ""  # the launch stub just left out: its caller may be the kernel's host wrapper
     for addr in addresses:
         module = (frames.get(addr) or (None,))[0] or ""
         if _SYSTEM_MODULE.match(os.path.basename(module)):
@@ -161,10 +161,10 @@ def native_stack(addresses: list[int], frames: dict[int, tuple[Any, ...]], symbo
             if not kept and _RUNTIME_FUNCTION.match(func):
                 continue  # the statically linked runtime under the program's call
             if func.startswith("__device_stub__"):
-                stub_caller = True
+                stub = func.split("(")[0]
                 continue
-            if stub_caller:  # the kernel's host wrapper, which called the stub
-                stub_caller = False
+            wrapper, stub = stub and func.split("(")[0].rpartition("::")[2] in stub, ""
+            if wrapper:  # the kernel's host wrapper (named after the kernel), which called the stub
                 continue
             if func in _START_FUNCTIONS:
                 continue
