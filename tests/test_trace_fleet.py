@@ -502,3 +502,23 @@ def test_prometheus_that_knows_no_such_job_or_does_not_answer(nodes):
         p = subprocess.run([sys.executable, "-m", "gpuscope.cli", "trace", "fleet", "--job", "slurm/absent",
                             "--prometheus", where], capture_output=True, text=True, env=env(), timeout=60)
         assert p.returncode == 1 and words in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_collectives_are_matched_by_time_when_windows_hold_different_ones(tmp_path):
+    """Rank 1's window began after the first all-reduce and ends after one more: matched by time, not by
+    order, its 2 ms lateness is what is found (by order every pair would be a whole 100 ms gap apart)."""
+    from gpuscope.trace.collectives import arrivals
+    from gpuscope.trace.kineto import load
+
+    def trace(rank: int, ticks: range, late_us: float):
+        events = [{"ph": "X", "cat": "kernel", "name": NCCL, "pid": 0, "tid": 7, "ts": k * 100_000 + late_us,
+                   "dur": 5000.0, "args": {"device": 0, "stream": 7, "correlation": k}} for k in ticks]
+        f = tmp_path / f"r{rank}.json"
+        f.write_text(json.dumps({"schemaVersion": 1, "traceEvents": events, "distributedInfo": {"rank": rank}}))
+        return load(f)
+
+    got = arrivals([trace(0, range(0, 10), 0.0), trace(1, range(1, 11), 2000.0), trace(2, range(0, 10), 100.0)])
+    assert got is not None and got.collectives == 9
+    assert got.slowest_rank == 1 and got.last_share[1] == 1.0
+    assert got.spread_p50_ns == pytest.approx(2_000_000) and got.spread_max_ns == 2_000_000
+    assert got.wait_ns == [9 * 2_000_000, 0, 9 * 1_900_000]

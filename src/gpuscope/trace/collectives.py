@@ -12,6 +12,9 @@ of the starts is the time the early ranks waited. The rank that is last most oft
 for (its cause is in its own trace: compute, input, host); spreads near zero mean the ranks keep pace, and
 then slow collectives are the network's. Only collectives every rank ran are compared (the k-th of each name
 on each rank); `shifts_ns` puts each rank's stamps on the common clock (`gpuscope trace fleet` measures them).
+Windows that start or end a little apart hold different first and last collectives, so each collective of
+the first rank is matched, per name, with the nearest one in time on every other rank, within half the usual
+gap between two of that name; a collective some rank has no match for is left out.
 """
 
 from __future__ import annotations
@@ -60,11 +63,8 @@ def arrivals(traces: Sequence[Trace], shifts_ns: Sequence[int] | None = None) ->
             by_name[t.names[int(name_id)]] = np.sort(ev["ts_ns"][mine]) + np.int64(shift)
         starts.append(by_name)
     shared = set(starts[0]).intersection(*starts[1:])
-    columns = []
-    for name in sorted(shared):
-        n = min(len(s[name]) for s in starts)
-        columns.append(np.stack([s[name][:n] for s in starts]))  # ranks x collectives
-    if not columns or sum(c.shape[1] for c in columns) == 0:
+    columns = [c for c in (_matched([s[name] for s in starts]) for name in sorted(shared)) if c.shape[1]]
+    if not columns:
         return None
     grid = np.concatenate(columns, axis=1)
     last = grid.max(axis=0)
@@ -78,3 +78,21 @@ def arrivals(traces: Sequence[Trace], shifts_ns: Sequence[int] | None = None) ->
                     spread_p99_ns=float(np.percentile(spread, 99)), spread_max_ns=int(spread.max()),
                     last_share=share, wait_ns=[int(v) for v in (last - grid).sum(axis=1)],
                     slowest_rank=ranks[top] if share[top] >= 0.5 else None)
+
+
+def _matched(seqs: list[np.ndarray]) -> np.ndarray:
+    """ranks x collectives: the first rank's starts, each with its nearest start on every other rank (within
+    half the first rank's median gap), where every rank has one."""
+    ref = seqs[0]
+    gaps = np.diff(np.unique(ref))
+    tolerance = float(np.median(gaps)) / 2 if len(gaps) else float("inf")
+    rows, keep = [ref], np.ones(len(ref), dtype=bool)
+    for seq in seqs[1:]:
+        if len(seq) == 0:
+            return np.empty((len(seqs), 0), dtype=np.int64)
+        right = np.clip(np.searchsorted(seq, ref), 0, len(seq) - 1)
+        left = np.clip(right - 1, 0, len(seq) - 1)
+        nearest = np.where(np.abs(seq[left] - ref) <= np.abs(seq[right] - ref), left, right)
+        keep &= np.abs(seq[nearest] - ref) <= tolerance
+        rows.append(seq[nearest])
+    return np.stack(rows)[:, keep]
