@@ -39,11 +39,13 @@ def cpu_now() -> float:
 NVITOP_FIELDS = {"gpm": False, "collect_host": False, "events": False}
 
 
-def bench_gpuscope(rate: float, seconds: float, simulate: str | None, flat: bool = False, **kw: object) -> dict:
+def bench_gpuscope(rate: float, seconds: float, simulate: str | None, flat: bool = False, groups: bool = False,
+                   **kw: object) -> dict:
     cfg = SamplerConfig(interval=1.0 / rate, **kw)
     if flat:  # every field nvitop reads, read every tick as nvitop does (no cost-aware cadence)
         cfg.medium = cfg.interval
     s = Sampler(cfg, simulate=simulate)
+    s.measure_groups = groups  # the breakdown costs two CPU-clock reads per group and tick: off as in use
     s.open()
     s.sample_once()  # warm: discovery, first GPM sample, process objects
     s.group_cpu_seconds.clear()  # attribute only the measured run
@@ -144,6 +146,7 @@ def main() -> int:
     ap.add_argument("--simulate", default=None, help="dry run on a simulated node (nvitop is skipped)")
     ap.add_argument("--json", default=None, help="write all results here")
     ap.add_argument("--no-flat", action="store_true", help="leave out the every-tick ('flat') variant")
+    ap.add_argument("--groups", action="store_true", help="measure each cadence group's CPU too (its own cost in the figures)")
     a = ap.parse_args()
     rates = [float(r) for r in a.rates.split(",")]
     results: dict = {"date": time.strftime("%Y-%m-%d"), "host": os.uname().nodename, "runs": []}
@@ -152,7 +155,7 @@ def main() -> int:
         for p in results["probe"]:
             print(f"probe {p['call']:<44} median {p['median_us']:8.1f} us  max {p['max_us']:8.1f} us {p['error']}")
     for rate in rates:
-        g = bench_gpuscope(rate, a.seconds, a.simulate)
+        g = bench_gpuscope(rate, a.seconds, a.simulate, groups=a.groups)
         results["runs"].append(g)
         line = (f"{rate:>5.0f} Hz  gpuscope: {g['cpu_per_wall'] * 100:6.3f} % of a core, "
                 f"{g['cpu_per_sample_us']:8.1f} us CPU/sample, {g['ticks']} samples, missed {g['missed_ticks']}")
@@ -163,7 +166,7 @@ def main() -> int:
             line += (f" | nvitop: {n['cpu_per_wall'] * 100:6.3f} % of a core, {n['cpu_per_sample_us']:8.1f} us "
                      f"CPU/sample, {n['ticks']} samples | ratio gpuscope/nvitop per sample {ratio:.2f}")
             g["ratio_vs_nvitop"] = ratio
-            same = bench_gpuscope(rate, a.seconds, a.simulate, **NVITOP_FIELDS)
+            same = bench_gpuscope(rate, a.seconds, a.simulate, groups=a.groups, **NVITOP_FIELDS)
             same["ratio_vs_nvitop"] = same["cpu_per_sample_us"] / n["cpu_per_sample_us"]
             results["runs"].append(same)
             line += (f"\n        gpuscope reading nvitop's fields (no GPM, host, events): {same['cpu_per_wall'] * 100:6.3f} % "
@@ -171,7 +174,7 @@ def main() -> int:
             if a.no_flat:
                 print(line, flush=True)
                 continue
-            f = bench_gpuscope(rate, a.seconds, a.simulate, flat=True)
+            f = bench_gpuscope(rate, a.seconds, a.simulate, flat=True, groups=a.groups)
             f["ratio_vs_nvitop"] = f["cpu_per_sample_us"] / n["cpu_per_sample_us"]
             results["runs"].append(f)
             line += (f"\n        gpuscope with utilization and power read every tick too: {f['cpu_per_wall'] * 100:6.3f} % "
