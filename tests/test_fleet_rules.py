@@ -1,9 +1,8 @@
 """`gpuscope fleet rules`: the recording rules pass `promtool check rules`, and `promtool test rules` with input
 series and expected samples: allocation on and off Kubernetes, idle while allocated, a GPU shared by two users,
 a gap in scraping (a series stops: it is absent once its last sample is older than 1.5 scrape steps, where
-a bare selector would carry the last value for the 5-minute lookback), and an energy counter whose label set
-ends and recurs (each spell gets its own growth, never what the counter grew while it was away). The rules
-and the report's subqueries are built from the same per-tile expressions.
+a bare selector would carry the last value for the 5-minute lookback). The rules and the report's subqueries are built
+from the same per-tile expressions.
 """
 
 from __future__ import annotations
@@ -66,10 +65,6 @@ INPUT = [
     (f"gpu_info{{{gpu('node-g', '0')}}}", "1x8 _x15 1x16"),
     (f"gpu_sm_active_ratio{{{gpu('node-g', '0')}}}", "0x8 _x15 0x16"),
     (f"gpu_process_memory_used_bytes{{{gpu('node-g', '0', pid='31', user='carol')}}}", "1e9x8 _x15 1e9x16"),
-    # node-c GPU 0's energy counter, +150 J a scrape: free until 2m, a pod's from 2m15s to 4m, free again
-    # from 4m15s (the free label set recurs; the counter ran on meanwhile).
-    (f"gpu_energy_joules_total{{{gpu('node-c', '0')}}}", "0+150x8 _x8 2550+150x23"),
-    (f"gpu_energy_joules_total{{{gpu('node-c', '0', namespace='ns', pod='x')}}}", "_x9 1350+150x7 _x24"),
 ]
 
 
@@ -133,14 +128,6 @@ def _tests_file(tmp_path: Path) -> Path:
         # is observed at the 9 up to 2m, at 2m15s (its last sample still fresh) and at the 17 from 6m on
         {"expr": f'sum_over_time({RECORDED["observed"]}{{hostname="node-g"}}[10m])', "eval_time": "10m",
          "exp_samples": [{"labels": '{gpu="0",hostname="node-g",model="NVIDIA H200"}', "value": 27}]},
-        # the recurring label set: 32 intervals free (8 before the pod, 24 after), 8 the pod's, 150 J each;
-        # increase() over the range gives the free one 6,000: the pod's growth too
-        {"expr": f'sum_over_time({RECORDED["energy"]}{{hostname="node-c"}}[10m])', "eval_time": "10m",
-         "exp_samples": [{"labels": '{gpu="0",hostname="node-c",model="NVIDIA H200"}', "value": 4800},
-                         {"labels": '{gpu="0",hostname="node-c",model="NVIDIA H200",namespace="ns",pod="x"}',
-                          "value": 1200}]},
-        {"expr": 'increase(gpu_energy_joules_total{hostname="node-c",pod=""}[10m])', "eval_time": "10m",
-         "exp_samples": [{"labels": '{gpu="0",hostname="node-c",model="NVIDIA H200"}', "value": 6000}]},
     ]
     doc = {"rule_files": [str(rules)], "evaluation_interval": "15s",
            "tests": [{"interval": "15s", "input_series": [{"series": s, "values": v} for s, v in INPUT],
@@ -180,10 +167,10 @@ def test_rules_and_subqueries_share_their_definitions():
     assert set(rules) == set(RECORDED.values())
     w = Window(range_s=7 * 86400, resolution_s=15.0, fresh_s=22.5, step_s=2520.0)
     for name in STEP:
-        assert rules[RECORDED[name]] == step_expr(name, Tile(15.0, 22.5))
-        # the subquery's tile is the rules' interval; over raw series a counter bridges gaps (bridge_s)
-        assert step_expr(name, replace(w.tile(), bridge_s=0.0)) in subquery_expr(name, group_labels("namespace"),
-                                                                                 replace(w, range_s=15.0))
+        tile = Tile(15.0, 22.5)
+        assert rules[RECORDED[name]] == step_expr(name, tile)
+        # a subquery's tile is the rules' interval
+        assert step_expr(name, tile) in subquery_expr(name, group_labels("namespace"), replace(w, range_s=15.0))
     assert yaml.safe_load(rules_yaml(30.0, 60.0))["groups"][0]["interval"] == "60s"
 
 

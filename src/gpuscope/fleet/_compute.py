@@ -28,9 +28,9 @@ STEP_WINDOWS = 16
 #: Subqueries evaluate at most this many steps: a week at 5 minutes. Their cost is steps x series (a
 #: Prometheus evaluates about a million series-steps a second on a core); the recording rules cost none.
 MAX_SUBQUERY_STEPS = 2_000
-#: The counters' subqueries evaluate at most this many tiles (a week at 42 minutes): their cost is per
-#: series (one per GPU label set and reason) and tile, and a tile's growth is split by each label set's own
-#: growth in it, so a longer tile loses nothing where pods change.
+#: The counters' and allocated time's subqueries evaluate at most this many tiles (a week at 42 minutes):
+#: their cost is per series (one per GPU label set and reason) and tile, and neither loses anything in a
+#: longer tile (allocated counts samples; a counter's growth is split by each label set's own growth).
 COUNTER_TILES = 240
 #: Sub-steps per plot bucket of the plots' subqueries.
 PLOT_SUBSTEPS = 4
@@ -256,15 +256,19 @@ def _step_plan(by: str, w: q.Window, recorded: bool, end_s: float, reasons: list
     """The per-tile figures' queries; throttling one query per reason that moved (`throttle:<reason>`)."""
     labels = q.group_labels(by)
     wanted = TILED + (USER_TILED if by == "user" else ())
-    make = q.recorded_expr if recorded else q.subquery_expr
     wc = _retile(w, end_s, COUNTER_TILES)
     plan = {}
     for name in wanted:
         if name in USER_TILED:
+            make = q.recorded_expr if recorded else q.subquery_expr
             plan[name] = (make(name, ("hostname", "gpu", "model", "user"), w), end_s if recorded else end_s + w.offset_s)
             continue
-        wn = wc if name in q.COUNTERS else w
-        at = end_s if recorded else end_s + wn.offset_s
+        # allocated counts samples, exact at any tile: the counters' fewer tiles; idle reads SM activity's
+        # samples against a threshold, truest at the finest
+        wn = w if name == "idle_allocated" else wc
+        from_rules = recorded and name in q.RECORDED  # the counters: always the raw series (q.STEP)
+        make = q.recorded_expr if from_rules else q.subquery_expr
+        at = end_s if from_rules else end_s + wn.offset_s
         if name == "throttle":
             for reason in reasons:
                 plan[f"throttle:{reason}"] = (make(name, (*labels, "reason"), wn, label_matcher("reason", reason)), at)

@@ -59,8 +59,6 @@ RECORDED = {
     "observed": "gpuscope:gpu_observed:bool",
     "allocated": "gpuscope:gpu_allocated:samples",
     "idle_allocated": "gpuscope:gpu_idle_allocated:samples",
-    "energy": "gpuscope:gpu_energy_joules:increase",
-    "throttle": "gpuscope:gpu_throttle_seconds:increase",
     "user_share": "gpuscope:gpu_user_share:ratio",
     "user_sm_active": "gpuscope:gpu_user_sm_active:ratio",
     "user_idle": "gpuscope:gpu_user_idle_allocated:ratio",
@@ -245,6 +243,9 @@ def step_expr(name: str, t: Tile, matchers: str = "") -> str:
     raise KeyError(name)
 
 
+#: The per-tile expressions the rules record. The counters' are asked of the raw series always: a recorded
+#: growth per interval loses an interval whenever an evaluation is missed (a loaded server skips them) or
+#: a sample arrives after its instant was evaluated (a scrape answered late is stamped at its start).
 STEP = tuple(RECORDED)
 
 
@@ -298,18 +299,16 @@ def stamps_expr(metric: str) -> str:
 
 
 def plot_exprs(w: Window, recorded: bool) -> dict[str, str]:
-    """The range queries of the plots, at w.step_s: per host sums of samples (times each host's own step
-    make seconds), so a bucket's figure is GPU-seconds."""
+    """The range queries of the plots, at w.step_s: per host sums of samples in each bucket (times each
+    host's own step make seconds), so a bucket's figure is GPU-seconds."""
     step = duration(w.step_s - 0.001)
     if recorded:
         alloc = f"sum by (hostname) (sum_over_time({RECORDED['allocated']}[{step}]))"
         idle = f"sum by (hostname) (sum_over_time({RECORDED['idle_allocated']}[{step}]))"
-    else:
-        res = w.plot_resolution_s or w.resolution_s
-        sub = f"[{step}:{duration(res)}]"
-        t = w.tile(res, offset=False)
-        alloc = f"sum by (hostname) (sum_over_time({step_expr('allocated', t)}{sub}))"
-        idle = f"sum by (hostname) (sum_over_time({step_expr('idle_allocated', t)}{sub}))"
+    else:  # the bucket is the tile: the range query evaluates the per-tile expression once per bucket
+        t = w.tile(w.step_s, offset=False)
+        alloc = f"sum by (hostname) ({step_expr('allocated', t)})"
+        idle = f"sum by (hostname) ({step_expr('idle_allocated', t)})"
     return {
         "observed": f"sum by (hostname) (count_over_time(gpu_info[{step}]))",
         "used": f"sum by (hostname) (sum_over_time(gpu_sm_active_ratio[{step}]))",
