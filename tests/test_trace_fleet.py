@@ -200,7 +200,7 @@ def nodes(tmp_path_factory, fake):
         for a in agents:
             a.wait_ready()
         progs = [Prog(fake, a, RANK=str(i), TORCHELASTIC_RUN_ID="fleet42", FAKE_LATE_US=str(LATE_US if i == 2 else 0),
-                      FAKE_EXTRA_US="10000" if i == 2 else "0")
+                      FAKE_EXTRA_US="30000" if i == 2 else "0")
                  for i, a in enumerate(agents)]
         _opt_in(progs)
         prom = PrometheusServer(root, [f"127.0.0.1:{a.port}" for a in agents])
@@ -274,7 +274,8 @@ def test_four_ranks_under_four_agents_merge_on_one_clock(nodes, tmp_path):
 
 
 def test_without_the_correction_the_shifted_node_would_be_250_ms_off(nodes):
-    """The check above can fail: the same analysis on the raw stamps names the shifted rank, not rank 2."""
+    """The check above can fail: the same analysis on stamps left off by a clock's offset finds nonsense or
+    names the shifted rank, not rank 2 (the files on the nodes hold the real clock's stamps)."""
     from gpuscope.trace.collectives import arrivals
     from gpuscope.trace.kineto import load
 
@@ -285,8 +286,15 @@ def test_without_the_correction_the_shifted_node_would_be_250_ms_off(nodes):
         t = load(f)
         t.rank = i
         traces.append(t)
+    # 250 ms is 2.5 of the 100 ms ticks: matched by time, the shifted rank's all-reduces land half a tick from
+    # the others', a spread of ~50 ms where the truth is 3 ms
     shifted = arrivals(traces, [SHIFT_NS if i == 3 else 0 for i in range(4)])
-    assert shifted is not None and shifted.slowest_rank == 3 and shifted.spread_p50_ns > 200e6
+    assert shifted is not None and shifted.spread_p50_ns > 40e6
+    # a clock 20 ms off, left uncorrected, names the wrong rank
+    shifted = arrivals(traces, [20_000_000 if i == 3 else 0 for i in range(4)])
+    assert shifted is not None and shifted.slowest_rank == 3 and shifted.spread_p50_ns > 15e6
+    right = arrivals(traces)
+    assert right is not None and right.slowest_rank == 2
 
 
 def test_bad_parts_are_named_and_the_rest_merged(nodes, fake, tmp_path, monkeypatch, capsys):
