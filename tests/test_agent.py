@@ -52,7 +52,9 @@ class AgentProc:
              "--interval", "50ms", *args],
             env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
-    def wait_ready(self, timeout: float = 20.0) -> None:
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        """Until /api/v1/status answers; the bound only catches a hang (an agent that exits fails at once): on a
+        2-core machine at load 40, a start-up that takes 2 s alone took over 20."""
         t_end = time.monotonic() + timeout
         while time.monotonic() < t_end:
             if self.proc.poll() is not None:

@@ -133,7 +133,7 @@ alertmanager_urls = "{am.url}"
                                  "--simulate", "throttled"], env=_env(), stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
         try:
-            _wait(lambda: _get(port, "/api/v1/status")[0] == 200, what="the agent")
+            _wait(lambda: _get(port, "/api/v1/status")[0] == 200, what="the agent", timeout=120.0)
             yield port, am, rx, proc
         finally:
             proc.send_signal(signal.SIGTERM)

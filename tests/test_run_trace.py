@@ -35,12 +35,21 @@ PROFILER = FAKE_TORCH["profiler.py"].split("    def export_chrome_trace")[0] + t
             f.write(raw)
 """), "    ")
 
+# argv: torch|none, seconds to run, and optionally a directory: then it runs on until a trace was written there
+# and 15 s more (three verdicts' worth, at most 120 s), so that verdicts come after the trace's analysis however
+# long a loaded machine took to write and analyse it.
 CHILD = textwrap.dedent("""
-    import sys, time
+    import glob, os, sys, time
     if sys.argv[1] == "torch":
         import torch
         torch.cuda.init()
-    time.sleep(float(sys.argv[2]))
+    end = time.monotonic() + float(sys.argv[2])
+    if len(sys.argv) > 3:
+        cap = time.monotonic() + 120
+        while not glob.glob(os.path.join(sys.argv[3], "*.pt.trace.json*")) and time.monotonic() < cap:
+            time.sleep(0.2)
+        end = max(end, time.monotonic() + 15)
+    time.sleep(max(0.0, end - time.monotonic()))
 """)
 
 
@@ -58,11 +67,12 @@ def test_a_sync_bound_gpu_gets_a_trace_and_its_certain_verdict(fake, tmp_path):
     e = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK")}
     e.update(PYTHONPATH=str(fake), FAKE_TORCH_GOLDEN=str(GOLDEN))
     out, html = tmp_path / "r.json", tmp_path / "r.html"
-    # Verdicts at 5 and 10 s ask for a trace; it is written and analysed by about 18 s; the verdict at
-    # 20 s and the tail are refined.
+    # Verdicts at 5 and 10 s ask for a trace; it is written and analysed by about 18 s; the verdicts after it
+    # (the child runs 15 s past the trace's writing) and the tail are refined.
     p = subprocess.run([sys.executable, "-m", "gpuscope.cli", "run", "--simulate", "sync_bound", "--trace",
                         "--json", str(out), "--html", str(html), "--", sys.executable, str(fake / "child.py"),
-                        "torch", "23"], capture_output=True, text=True, env=e, timeout=120)
+                        "torch", "23", str(tmp_path / "r-traces")], capture_output=True, text=True, env=e,
+                       timeout=300)
     assert p.returncode == 0, p.stderr
     report = json.loads(out.read_text())
     [req] = report["trace"]["requests"]
