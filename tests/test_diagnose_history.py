@@ -128,7 +128,7 @@ def test_timeline_windows_are_aligned_cached_once_over_and_cut_to_the_range(tmp_
         assert [s.kind for s in primary][0] == "compute_bound" and primary[-1].kind == "idle_allocated"
         assert min(s.start_ns for s in spans) >= start and max(s.end_ns for s in spans) <= end
         assert any(s.kind == "throttled" for s in spans if not s.primary)
-        assert store.read_s >= HOUR and len(cache._verdicts) > 0
+        assert store.read_s >= HOUR and len(cache) > 0
         # Again a minute later: the windows that were over come from the cache; only the newest
         # (not yet settled) ones are read, in one run, and the spans are the same.
         store.read_s = 0.0
@@ -138,7 +138,23 @@ def test_timeline_windows_are_aligned_cached_once_over_and_cut_to_the_range(tmp_
         # Nothing counts as over: nothing is cached, everything is read.
         fresh = WindowCache()
         timeline(store, start, end, cache=fresh, settled_ns=start)
-        assert len(fresh._verdicts) == 0
+        assert len(fresh) == 0
+
+
+def test_window_cache_keeps_a_bounded_number_of_windows_per_length():
+    from gpuscope.diagnose.history import WindowCache
+
+    cache, w15, w60 = WindowCache(per_length=100), 15_000_000_000, 60_000_000_000
+    for a in range(0, 60):  # an hour's range at 60 s windows
+        cache.put((a * w60, (a + 1) * w60, 1.0), [])
+    for a in range(0, 5000):  # a 15-minute range left open for about 21 hours
+        cache.put((a * w15, (a + 1) * w15, 0.25), [])
+        if a % 500 == 0:  # the hour's range reloaded now and then: its windows stay in use
+            assert cache.get((0, w60, 1.0)) == []
+    assert len(cache) == 160
+    assert cache.get((4999 * w15, 5000 * w15, 0.25)) == [] and cache.get((4900 * w15, 4901 * w15, 0.25)) == []
+    assert cache.get((4899 * w15, 4900 * w15, 0.25)) is None  # the oldest of that length went
+    assert all(cache.get((a * w60, (a + 1) * w60, 1.0)) == [] for a in range(60))
 
 
 def test_timeline_of_an_empty_range_is_one_sentence(tmp_path):

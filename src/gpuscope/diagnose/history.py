@@ -369,25 +369,39 @@ _NICE_WINDOWS_S = (10, 15, 30, 60, 120, 300, 600, 900, 1200, 1800, 3600, 7200, 1
 class WindowCache:
     """Verdicts of timeline windows that are over. Their samples no longer change, so a dashboard that
     asks again (a reload, a second viewer, a range that moved on by a minute) reads and diagnoses only
-    the windows it has not seen; a day's timeline costs what its newest window does."""
+    the windows it has not seen; a day's timeline costs what its newest window does.
 
-    def __init__(self, max_windows: int = 20_000) -> None:
-        self.max_windows = max_windows
-        self._verdicts: OrderedDict[tuple[int, int, float], Covered] = OrderedDict()
+    Each window length keeps its `per_length` most recently used windows: a timeline shows about 60 of
+    one length, so more serves nobody and only grows the agent (a dashboard left open on a 15-minute range
+    adds 240 windows of eight GPUs' verdicts an hour, which a cache bounded by count alone kept for days).
+    """
+
+    def __init__(self, per_length: int = 256) -> None:
+        self.per_length = per_length
+        self._by_length: dict[tuple[int, float], OrderedDict[int, Covered]] = {}
         self._lock = threading.Lock()
 
-    def get(self, key: tuple[int, int, float]) -> Covered | None:
+    def __len__(self) -> int:
         with self._lock:
-            v = self._verdicts.get(key)
+            return sum(len(d) for d in self._by_length.values())
+
+    def get(self, key: tuple[int, int, float]) -> Covered | None:
+        a, b, step = key
+        with self._lock:
+            d = self._by_length.get((b - a, step))
+            v = d.get(a) if d is not None else None
             if v is not None:
-                self._verdicts.move_to_end(key)
+                d.move_to_end(a)  # type: ignore[union-attr]
             return v
 
     def put(self, key: tuple[int, int, float], verdicts: Covered) -> None:
+        a, b, step = key
         with self._lock:
-            self._verdicts[key] = verdicts
-            while len(self._verdicts) > self.max_windows:
-                self._verdicts.popitem(last=False)
+            d = self._by_length.setdefault((b - a, step), OrderedDict())
+            d[a] = verdicts
+            d.move_to_end(a)
+            while len(d) > self.per_length:
+                d.popitem(last=False)
 
 
 def timeline(store: Any, start_ns: int, end_ns: int, *, cache: WindowCache | None = None,
