@@ -530,3 +530,62 @@ def test_collectives_are_matched_by_time_when_windows_hold_different_ones(tmp_pa
     assert got.slowest_rank == 1 and got.last_share[1] == 1.0
     assert got.spread_p50_ns == pytest.approx(2_000_000) and got.spread_max_ns == 2_000_000
     assert got.wait_ns == [9 * 2_000_000, 0, 9 * 1_900_000]
+
+
+def _slow_file_server(gaps_s: list[float]):
+    """A real HTTP server on loopback serving one trace file in chunks, `gaps_s` between them."""
+    import asyncio
+
+    from aiohttp import web
+
+    body = gzip.compress(json.dumps({"traceEvents": [{"ph": "X", "name": "k", "ts": i, "dur": 1}
+                                                     for i in range(2000)]}).encode())
+    parts = [body[i * len(body) // (len(gaps_s) + 1):(i + 1) * len(body) // (len(gaps_s) + 1)]
+             for i in range(len(gaps_s) + 1)]
+
+    async def serve(request):
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        for i, part in enumerate(parts):
+            if i:
+                await asyncio.sleep(gaps_s[i - 1])
+            await resp.write(part)
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/api/v1/traces/{rid}/file", serve)
+    return app, body
+
+
+@pytest.mark.parametrize("gaps, arrives", [([0.25] * 16, True), ([5.0], False)])
+def test_a_large_trace_arrives_however_long_it_takes_unless_it_stalls(tmp_path, gaps, arrives):
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    app, body = _slow_file_server(gaps)
+
+    async def main():
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        agent = fleet.Agent(url=f"http://127.0.0.1:{port}", shown=f"127.0.0.1:{port}", request_id="r1")
+        r = fleet.Rank(agent=agent, pid=7)
+        t0 = time.monotonic()
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3.0)) as session:
+                await fleet._download(session, r, str(tmp_path))
+        finally:
+            await runner.cleanup()
+        return r, time.monotonic() - t0
+
+    r, took = asyncio.run(main())
+    if arrives:  # 16 gaps of 0.25 s: the whole body took longer than the 3 s per request, with no stall in it
+        assert took >= 4.0 and r.problem == "" and Path(r.path).read_bytes() == body
+    else:
+        assert r.problem == f"The trace of process 7 on {r.agent.shown} stopped arriving (nothing for 3 s)."
+        assert not list(tmp_path.iterdir())  # nothing half-written is left

@@ -159,7 +159,11 @@ def test_injection_traces_a_cpp_program_exactly(built):
     sync = found["sync_in_loop"]
     assert sync["evidence"]["count"] >= STEPS
     where = sync["locations"][0]
-    assert (Path(where["file"]).name, where["line"], where["function"].split("(")[0]) == ("prog.cu", SYNC_LINE, "step"), where
+    # The line is the sync's own. The function is the inlined step() where the compiler's DWARF puts the call
+    # inside step's inlined range, else its caller: on the H200 (nvcc 13.0, -O2) the copy came back as step()
+    # and the sync, step's last call but one, as gpuscope_run() at step's line.
+    assert (Path(where["file"]).name, where["line"]) == ("prog.cu", SYNC_LINE), where
+    assert where["function"].split("(")[0] in ("step", "gpuscope_run"), where
 
 
 def test_kernel_time_matches_cupti_through_python(built):

@@ -380,8 +380,12 @@ async def _download(session: Any, r: Rank, work_dir: str) -> None:
     a = r.agent
     path = os.path.join(work_dir, f"{a.request_id}.{r.pid}.pt.trace.json.gz")  # request ids are random: unique
     url = f"{a.url}/api/v1/traces/{a.request_id}/file?pid={r.pid}"
+    # A trace is up to MAX_TRACE_BYTES: the per-request timeout bounds a stall (no byte for that long), not the
+    # whole body (on the H200 two real PyTorch ranks' 3 s windows were 1.3 M events, longer than 10 s to serve).
+    stall_s = session.timeout.total or 10.0
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=stall_s, sock_read=stall_s)
     try:
-        async with session.get(url) as resp:
+        async with session.get(url, timeout=timeout) as resp:
             if resp.status != 200:
                 raw = await resp.content.read(1 << 16)
                 try:
@@ -403,14 +407,15 @@ async def _download(session: Any, r: Rank, work_dir: str) -> None:
                                      f"{_size(MAX_TRACE_BYTES)} a fleet trace pulls.")
                         break
                     f.write(chunk)
-            if r.problem:
-                os.unlink(path)
-                return
     except asyncio.TimeoutError:
-        r.problem = f"The trace of process {r.pid} on {a.shown} did not arrive in time."
-        return
+        r.problem = f"The trace of process {r.pid} on {a.shown} stopped arriving (nothing for {stall_s:g} s)."
     except (aiohttp.ClientError, OSError) as e:
         r.problem = f"The trace of process {r.pid} on {a.shown} broke off ({type(e).__name__})."
+    if r.problem:  # nothing half-written stays behind
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
         return
     r.path = path
 
