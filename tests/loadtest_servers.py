@@ -20,7 +20,8 @@ The raw port speaks bad HTTP: path /garbage answers bytes that are not HTTP; /di
 The script port (`script_url(path)`) is an asyncio server that speaks HTTP/1.1 as real servers do, each
 path one behaviour (`?ms=N` delays the answer N ms); every connection's requests are logged, GET
 /_script_log on the main port lists them as {"conn": n, "requests": [path, ...], "dropped": k,
-"asked_close": k (requests saying `Connection: close`), "expect": bool}:
+"asked_close": k (requests saying `Connection: close`), "expect": bool, "answered": [[time.perf_counter() as
+the answer's write began, the request's body], ...]}:
 - /close_each: answers, then closes the connection at once without saying `Connection: close`.
 - /close_next: answers and keeps the connection; a request that arrives on it later is read and the
   connection closed without an answer (the client's request crossed the server's close: never processed).
@@ -273,7 +274,8 @@ _SSE_EVENTS = [b'data: {"choices": [{"index": 0, "text": "w%d"}]}\n\n' % n for n
 def script_handler(log: list[dict]):  # type: ignore[no-untyped-def]
     """The script port's connection handler (see the module's docstring); `log` gets one entry per connection."""
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        entry: dict = {"conn": len(log), "requests": [], "dropped": 0, "asked_close": 0, "expect": False}
+        entry: dict = {"conn": len(log), "requests": [], "dropped": 0, "asked_close": 0, "expect": False,
+                       "answered": []}
         log.append(entry)
         try:
             while True:
@@ -294,10 +296,11 @@ def script_handler(log: list[dict]):  # type: ignore[no-untyped-def]
                     entry["expect"] = True
                     if path == "/expect":
                         writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-                await reader.readexactly(int(headers.get("content-length", "0")))
+                body = await reader.readexactly(int(headers.get("content-length", "0")))
                 ms = dict(q.partition("=")[::2] for q in query.split("&") if q).get("ms")
                 if ms:
                     await asyncio.sleep(float(ms) / 1000)
+                entry["answered"].append([time.perf_counter(), body.decode("latin-1")])
                 if not await _script_answer(path, method, writer):
                     return
         finally:

@@ -224,6 +224,18 @@ FAKE_CUPY = textwrap.dedent("""
 
     class cuda:
         Device = _Device
+
+    # Until the tracer's window is open (its thread enables the kernel records), when CUPTI is traced: the
+    # window opens on the tracer's own thread, which a loaded machine can leave waiting past any fixed sleep
+    # (0.3 s once let 9 of the 40 steps go by first). Without a CUPTI subscriber, the old 0.3 s.
+    def wait_for_window(timeout_s=60.0):
+        import time
+        if _c is None or _c._sub is None:
+            time.sleep(0.3)
+            return
+        deadline = time.monotonic() + timeout_s
+        while int(_c.ActivityKind.CONCURRENT_KERNEL) not in _c._kinds and time.monotonic() < deadline:
+            time.sleep(0.002)
 """)
 
 PROG = textwrap.dedent("""
@@ -251,7 +263,7 @@ PROG = textwrap.dedent("""
             step()
     elif mode not in ("never", "numba"):
         cupy.launch("warmup")
-        time.sleep(0.3)
+        cupy.wait_for_window()
         for _ in range(40):
             step()
         for _ in range(3):
