@@ -402,6 +402,9 @@ class _Tracer:
                     self._write_status(status="exited_before_window")
                 return
             began = time.monotonic()
+            # Stamped before the profiler starts: its first records (CUPTI enables one kind after another,
+            # the program running meanwhile) are then never before the window's stated start.
+            started = {"unix_ns": time.time_ns(), "monotonic_ns": time.monotonic_ns()}
             prof, all_threads, error = self._start()
             if prof is None:
                 what = "CUPTI tracing" if self.backend == "cupti" else "the PyTorch profiler"
@@ -410,7 +413,6 @@ class _Tracer:
                 sys.stderr.flush()
                 self._write_status(status="profiler_failed", error=error)
                 return
-            started = {"unix_ns": time.time_ns(), "monotonic_ns": time.monotonic_ns()}
             self.exiting.wait(self.duration_s)
             try:
                 self._stop_and_write(prof, window, started, all_threads)
@@ -485,11 +487,11 @@ class _Tracer:
                          reason="the process exited before the window's start", **answer)
             return
         began = time.monotonic()
+        started = {"unix_ns": time.time_ns(), "monotonic_ns": time.monotonic_ns()}  # before it starts: see _run
         prof, all_threads, error = self._start()
         if prof is None:
             od.mark_done(self.requests_dir, req["id"], host, self.pid, status="profiler_failed", reason=error, **answer)
             return
-        started = {"unix_ns": time.time_ns(), "monotonic_ns": time.monotonic_ns()}
         self.exiting.wait(req["duration_s"])
         try:
             meta = self._stop_and_write(prof, 0, started, all_threads, suffix="." + req["id"])
