@@ -16,7 +16,8 @@ from ._compute import NoFleetData, Progress
 from ._prices import DEFAULT as DEFAULT_PRICES
 from ._prices import Prices, PricesError
 from ._prices import load as load_prices
-from ._queries import DIMENSIONS, RECORDED, rules_yaml
+from ._queries import DIMENSIONS, RECORDED
+from ._tiles import rules_yaml
 
 __all__ = ["DEFAULT_PRICES", "DIMENSIONS", "RECORDED", "NoFleetData", "Prices", "PricesError", "Progress",
            "load_prices", "report", "rules_yaml"]
@@ -26,7 +27,8 @@ def report(url: str, start_s: float, end_s: float, by: str = "namespace", prices
            timeout: float = 120.0, progress: Progress | None = None, source: str = "auto",
            headers: dict[str, str] | None = None) -> dict[str, Any]:
     """The fleet report over [start_s, end_s) from the server at `url`, grouped `by` one of DIMENSIONS;
-    `source`: auto (the recorded series of `fleet rules` where they cover the range), raw or recorded;
+    `source`: auto (the tiles of `fleet rules` where a complete record covers the range, else its recorded
+    series where they cover it, else the raw ones), raw, recorded or tiles;
     `headers` go with every request (`{"Authorization": "Bearer ..."}` for a server behind a token)."""
     from ..promql import Client
     from ._compute import build

@@ -19,6 +19,7 @@ from .._redact import redact_url
 from ..errors import Unavailable, UsageError
 from ..promql import Client, label_matcher
 from . import _queries as q
+from . import _tiles
 from ._prices import Prices
 
 __all__ = ["NoFleetData", "Progress", "build"]
@@ -277,27 +278,41 @@ def _step_plan(by: str, w: q.Window, recorded: bool, end_s: float, reasons: list
     return plan
 
 
-SOURCES = ("auto", "raw", "recorded")
+SOURCES = ("auto", "raw", "recorded", "tiles")
+#: The longest raw edge (head or tail) a range read from tiles may have, in tiles: an edge is asked of the raw
+#: series as one tile, and a tile's idle share is its SM activity's spread (exact for two values only).
+MAX_EDGE_TILES = 2
 
 
 def build(client: Client, start_s: float, end_s: float, by: str, prices: Prices,
           progress: Progress | None = None, source: str = "auto", max_tiles: int = MAX_SUBQUERY_STEPS,
           ) -> dict[str, Any]:
     """The report (a plain dict, what --json writes) for [start_s, end_s) grouped by `by`. `source`: read the
-    recorded series where they cover the range (auto), never (raw), or insist on them (recorded);
-    `max_tiles`: the most evaluations of a subquery over raw series."""
+    hourly tiles where a complete record of them covers the range, else the recorded series where they
+    cover it, else the raw ones (auto); never anything but the raw (raw); insist on the recorded (recorded)
+    or on the tiles (tiles); `max_tiles`: the most evaluations of a subquery over raw series."""
     if source not in SOURCES:
         raise UsageError(f"--source must be one of {', '.join(SOURCES)}, not {source!r}.")
     if by not in q.DIMENSIONS:
         raise UsageError(f"--by must be one of {', '.join(q.DIMENSIONS)}, not {by!r}.")
     if not end_s > start_s:
         raise UsageError("The range is empty: its end must come after its start.")
+    if source == "tiles" and by == "user":
+        raise UsageError("--source tiles cannot answer --by user: the tiles do not record each GPU's users (its "
+                         "processes'); use --source auto, recorded or raw.")
     t0 = time.monotonic()
     tiled = len(TILED) - 1 + (len(USER_TILED) if by == "user" else 0)
     total = 3 + len(q.INSTANT) + 1 + tiled + len(q.plot_exprs(q.Window(1, 1, 1, 1), False)) + 1
     if progress:
         progress(0, total, "metric names")
     names = _check_names(client, start_s, end_s)
+    note = ""
+    if source in ("auto", "tiles"):
+        found, note = _complete_tiles(client, start_s, end_s, by)
+        if found is not None:
+            return _from_tiles(client, found, start_s, end_s, by, prices, names, progress, t0)
+        if source == "tiles":
+            raise NoFleetData(f"The server at {client.shown} cannot answer from tiles: {note}; use --source auto.")
     steps = scrape_steps(client, "gpu_info", start_s, end_s)
     if not steps:
         raise NoFleetData(f"The server at {client.shown} holds too few gpu_info samples between {_iso(start_s)} "
@@ -331,11 +346,79 @@ def build(client: Client, start_s: float, end_s: float, by: str, prices: Prices,
         "range": {"start": _iso(start_s), "end": _iso(end_s), "start_s": start_s, "end_s": end_s,
                   "seconds": end_s - start_s},
         "source": "recorded" if recorded else "raw",
+        "source_note": f"Not from tiles: {note}." if note else "",
         "scrape_step_s": dict(sorted(steps.items())),
         "metrics_not_found": [m for m in q.OPTIONAL_METRICS if m not in names],
         "subquery_resolution_s": None if recorded else w.resolution_s,
         "subquery_offset_s": None if recorded else w.offset_s,
         "rule_interval_s": dict(sorted(rule_steps.items())) if recorded else None,
+        "plots": plots, "stragglers": stragglers, "queries": client.requests,
+        "query_seconds": round(time.monotonic() - t0, 3),
+    })
+    return report
+
+
+def _complete_tiles(client: Client, start_s: float, end_s: float, by: str) -> tuple[_tiles.Tiles | None, str]:
+    """The tiles that answer the range, or None and why not (what the report says)."""
+    if by == "user":
+        return None, ("--by user splits each GPU's time among its processes' users, which the tiles do not record "
+                      "(the recorded or raw series answer it)")
+    t = _tiles.read_tiles(client, start_s, end_s)
+    if t is None:
+        return None, (f"no tile of `gpuscope fleet rules` ({_tiles.MARKER}) lies whole in the range: the tile group "
+                      "is not loaded, or the range is shorter than a tile or before the rules were")
+    if not t.complete:
+        at = t.missing_end_s if t.missing_end_s is not None else t.first_end_s
+        return None, (f"the tile ending {_iso(at)} is missing ({t.count} of {t.expected} tiles of "
+                      f"{t.tile_s:g} s recorded between {_iso(t.start_s)} and {_iso(t.last_end_s)}: an evaluation "
+                      "was skipped)")
+    head, tail = _tiles.edges_s(t, start_s, end_s)
+    longest = MAX_EDGE_TILES * t.tile_s + t.delay_s
+    if max(head, tail) > longest:
+        which = "begin" if head > longest else "end"
+        gap = head if head > longest else tail
+        return None, (f"the tiles {which} {gap / 3600:.3g} h inside the range (tiles of {t.tile_s:g} s from "
+                      f"{_iso(t.start_s)} to {_iso(t.last_end_s)}): more than {MAX_EDGE_TILES} tiles of it would be "
+                      "read from the raw series as one")
+    return t, ""
+
+
+def _from_tiles(client: Client, t: _tiles.Tiles, start_s: float, end_s: float, by: str, prices: Prices,
+                names: set[str], progress: Progress | None, t0: float) -> dict[str, Any]:
+    """The report from the tiles (fleet._tiles): the whole tiles from their recorded series, the range's two
+    partial edges from the raw series; the scrape steps read from the tiles. The stragglers read the raw
+    series as always (whole-range aggregates, one query each)."""
+    total = 4 + len(_tiles.TILE_RECORDED) * 3 + len(_tiles.plot_exprs(t.tile_s))
+    if progress:
+        progress(2, total, "tiles")
+    steps = _tiles.tile_steps(client, t)
+    if not steps:
+        raise NoFleetData(f"The server at {client.shown} holds tiles between {_iso(t.start_s)} and "
+                          f"{_iso(t.last_end_s)} but no GPU observed in them: use --source raw.")
+    w = _window(steps, end_s - start_s, end_s, names)
+    answers = _tiles.answers(client, t, w, start_s, end_s, q.group_labels(by),
+                             lambda plan: _run_all(client, plan, progress, 3, total))
+    hosts = {lab.get("hostname", "") for lab, _ in _rows(answers["observed"])}
+    if hosts - set(steps):  # a node seen only in an edge: its step from the raw series
+        raw = scrape_steps(client, "gpu_info", start_s, end_s)
+        steps.update({h: s for h, s in raw.items() if h not in steps})
+    plots = _tiles.plots(client, t, start_s, steps, PLOT_POINTS, client.query_range)
+    stragglers = _stragglers(client, start_s, end_s)
+    if progress:
+        progress(total, total, "stragglers")
+    rows = _gpu_rows(answers, by, steps, None, w)
+    report = _assemble(rows, answers, by, prices, steps, w)
+    head, tail = _tiles.edges_s(t, start_s, end_s)
+    report.update({
+        "server": redact_url(client.url, keep_path=True), "by": by,
+        "range": {"start": _iso(start_s), "end": _iso(end_s), "start_s": start_s, "end_s": end_s,
+                  "seconds": end_s - start_s},
+        "source": "tiles", "source_note": "",
+        "tiles": {"tile_s": t.tile_s, "delay_s": t.delay_s, "count": t.count, "first_end_s": t.first_end_s,
+                  "last_end_s": t.last_end_s, "raw_head_s": round(head, 3), "raw_tail_s": round(tail, 3)},
+        "scrape_step_s": dict(sorted(steps.items())),
+        "metrics_not_found": [m for m in q.OPTIONAL_METRICS if m not in names],
+        "subquery_resolution_s": None, "subquery_offset_s": None, "rule_interval_s": None,
         "plots": plots, "stragglers": stragglers, "queries": client.requests,
         "query_seconds": round(time.monotonic() - t0, 3),
     })

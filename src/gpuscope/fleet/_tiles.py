@@ -31,11 +31,13 @@ from typing import Any
 from ..promql import Client, duration
 from . import _queries as q
 
-__all__ = ["MARKER", "TILE_RECORDED", "TILE_S", "Tiles", "answers", "plots", "read_tiles", "rules_group",
-           "tile_exprs"]
+__all__ = ["BRIDGE_S", "MARKER", "TILE_RECORDED", "TILE_S", "Tiles", "answers", "edges_s", "plots", "read_tiles",
+           "rules_group", "rules_yaml", "tile_exprs", "tile_steps"]
 
 #: The rules' default tile: a week is 168 of them.
 TILE_S = 3600.0
+#: How far back the rules look for a counter's last sample before a tile (across a gap in scraping).
+BRIDGE_S = 86400.0
 #: The recorded series of the tile group: figure -> series.
 TILE_RECORDED = {
     "observed": "gpuscope:gpu_info:count_tile",
@@ -84,11 +86,14 @@ def tile_exprs(t: q.Tile) -> dict[str, str]:
     }
 
 
-def rules_group(scrape_interval_s: float, tile_s: float = TILE_S, delay_s: float | None = None) -> list[str]:
-    """The tile group's lines of the rule file (under `groups:`)."""
+def rules_group(scrape_interval_s: float, tile_s: float = TILE_S, delay_s: float | None = None,
+                bridge_s: float = BRIDGE_S) -> list[str]:
+    """The tile group's lines of the rule file (under `groups:`). A counter's last sample before a tile is
+    looked for up to `bridge_s` back (at least a tile): a GPU back from a gap (not scraped, powered off) has
+    its growth after the gap counted, as the raw path's subqueries count it."""
     fresh = 1.5 * scrape_interval_s
     delay = 2 * scrape_interval_s if delay_s is None else delay_s
-    t = q.Tile(tile_s, fresh, offset_s=delay)
+    t = q.Tile(tile_s, fresh, offset_s=delay, bridge_s=max(bridge_s, tile_s))
     lines = ["  - name: gpuscope-fleet-tiles", f"    interval: {duration(tile_s)}", "    rules:"]
     for name, expr in tile_exprs(t).items():
         lines += [f"      - record: {TILE_RECORDED[name]}", f"        expr: {json.dumps(expr)}"]
@@ -97,10 +102,23 @@ def rules_group(scrape_interval_s: float, tile_s: float = TILE_S, delay_s: float
     return lines
 
 
+def rules_yaml(scrape_interval_s: float, interval_s: float | None = None, tile_s: float = TILE_S) -> str:
+    """The rule file `gpuscope fleet rules` writes: the per-evaluation group (fleet._queries.rules_yaml) and
+    the tile group, evaluated every `tile_s`.
+
+    >>> import yaml
+    >>> [g["interval"] for g in yaml.safe_load(rules_yaml(15.0, tile_s=300))["groups"]]
+    ['15s', '300s']
+    """
+    head = [f"# Then the tiles: per GPU label set and tile of {tile_s:g} s, what the raw series held in it (the report",
+            "# reads a week as 168 hourly tiles, and the raw series only for the range's two partial edges)."]
+    return q.rules_yaml(scrape_interval_s, interval_s) + "\n".join(head + rules_group(scrape_interval_s, tile_s)) + "\n"
+
+
 @dataclass(frozen=True)
 class Tiles:
     """The recorded tiles of a range: their length and delay, the first and last tile's ends (A, B), how many
-    there are, and how many a complete record would hold."""
+    there are, how many a complete record would hold, and the end of the first one missing (None if none)."""
 
     tile_s: float
     delay_s: float
@@ -108,10 +126,11 @@ class Tiles:
     last_end_s: float
     count: int
     expected: int
+    missing_end_s: float | None = None
 
     @property
     def complete(self) -> bool:
-        return self.count >= 1 and self.count == self.expected
+        return self.count >= 1 and self.count == self.expected and self.missing_end_s is None
 
     @property
     def start_s(self) -> float:
@@ -120,11 +139,17 @@ class Tiles:
 
 def read_tiles(client: Client, start_s: float, end_s: float) -> Tiles | None:
     """The marker's tiles whose whole span lies in (start_s, end_s]: those of the rule group (tile length,
-    delay) that has the most of them; None where there are none."""
+    delay) that has the most of them; None where there are none. A tile missing between the first and the
+    last (an evaluation the server skipped, a restart) makes them incomplete: `missing_end_s` says which;
+    tiles missing at the range's edges only make its raw edges longer."""
     slack = 86400.0  # delays up to a day: the marker's samples are stamped tile end + delay
-    raw = client.query(f"{MARKER}[{duration(end_s + slack - start_s)}]", end_s + slack)
+    data = client.api("/api/v1/query", [("query", f"{MARKER}[{duration(end_s + slack - start_s)}]"),
+                                        ("time", f"{end_s + slack:.3f}")])
+    raw = data.get("result") if isinstance(data, dict) and data.get("resultType") == "matrix" else None
     best: Tiles | None = None
-    for series in raw:
+    for series in raw if isinstance(raw, list) else []:
+        if not isinstance(series, dict):
+            continue
         labels = series.get("metric") or {}
         try:
             tile, delay = float(labels.get("tile_seconds", "")), float(labels.get("delay_seconds", ""))
@@ -137,10 +162,51 @@ def read_tiles(client: Client, start_s: float, end_s: float) -> Tiles | None:
         if not inside:
             continue
         a, b = inside[0], inside[-1]
-        found = Tiles(tile, delay, a, b, len(inside), round((b - a) / tile) + 1)
+        missing = next((x + tile for x, y in zip(inside, inside[1:], strict=False) if abs(y - x - tile) > 0.002),
+                       None)
+        found = Tiles(tile, delay, a, b, len(inside), round((b - a) / tile) + 1, missing)
         if best is None or found.count > best.count:
             best = found
     return best
+
+
+def tile_steps(client: Client, t: Tiles) -> dict[str, float]:
+    """Each host's scrape step from its tiles: a tile's length over the samples its densest GPU (all its label
+    sets together) had in it, at the count most tiles had (a tile with a gap in scraping, or the node's
+    first or last, has fewer). Exact where the step divides the tile; where it does not, whole tiles hold
+    either of the two counts about tile / step, and a count next to the commonest one that a quarter as many
+    tiles or more had is averaged in (within a sample over all those tiles).
+
+    >>> _step_of([5] * 8 + [4, 1], 300.0), _step_of([514] * 5 + [515] * 2 + [200], 3600.0)
+    (60.0, 7.0)
+    """
+    span = duration(t.tile_s - 0.001)
+    expr = f"max by (hostname) (sum by (hostname, gpu) (sum_over_time({TILE_RECORDED['observed']}[{span}])))"
+    per: dict[str, list[float]] = {}
+    for r in client.query_range(expr, t.first_end_s + t.delay_s, t.last_end_s + t.delay_s, t.tile_s):
+        host = (r.get("metric") or {}).get("hostname", "")
+        for _, v in r.get("values") or []:
+            try:
+                n = float(v)
+            except (TypeError, ValueError):
+                continue
+            if n >= 1 and math.isfinite(n):
+                per.setdefault(host, []).append(n)
+    return {host: _step_of(counts, t.tile_s) for host, counts in per.items()}
+
+
+def _step_of(counts: list[float], tile_s: float) -> float:
+    from collections import Counter
+
+    seen = Counter(round(n) for n in counts)
+    mode, times = max(seen.items(), key=lambda kv: (kv[1], kv[0]))
+    near = {n: c for n, c in seen.items() if n == mode or (abs(n - mode) == 1 and 4 * c >= times)}
+    return tile_s * sum(near.values()) / sum(n * c for n, c in near.items())
+
+
+def edges_s(t: Tiles, start_s: float, end_s: float) -> tuple[float, float]:
+    """Seconds of the range's head (start, A - tile] and tail (B, end], read from the raw series."""
+    return t.start_s - start_s, end_s - t.last_end_s
 
 
 def _plan(t: Tiles, w: q.Window, start_s: float, end_s: float, by_labels: tuple[str, ...],
@@ -155,10 +221,11 @@ def _plan(t: Tiles, w: q.Window, start_s: float, end_s: float, by_labels: tuple[
         fn = "max" if name in _MAX else "sum"
         out.append((name, f"{fn} by ({', '.join(labels)}) ({fn}_over_time({series}[{span}]))",
                     t.last_end_s + t.delay_s))
-    for edge_end, length in ((t.start_s, t.start_s - start_s), (end_s, end_s - t.last_end_s)):
+    head, tail = edges_s(t, start_s, end_s)
+    for edge_end, length in ((t.start_s, head), (end_s, tail)):
         if length < 0.002:  # nothing but an edge of a millisecond: at most a sample on its boundary
             continue
-        tile = q.Tile(length, w.fresh_s, 0.0, w.allocation)
+        tile = q.Tile(length, w.fresh_s, 0.0, w.allocation, bridge_s=w.range_s)  # as the raw path bridges
         for name, expr in tile_exprs(tile).items():
             if name == "power":
                 continue

@@ -20,6 +20,7 @@ each with one line of why and the fix.
   gpuscope fleet report --prometheus http://prometheus:9090 --since 7d
   gpuscope fleet report --prometheus URL --since 7d --by job --prices prices.toml --html fleet.html
   gpuscope fleet rules -o gpuscope-fleet-rules.yml     # load it in Prometheus (rule_files) for long ranges
+                                                       # (with hourly tiles: --tile 1h, the default)
 
 Every figure is computed by the server (sum_over_time, count_over_time, increase over the range, by the
 GPU's and the group's labels); no raw points are pulled. docs/FLEET.md says what each figure means, exactly.
@@ -54,9 +55,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--html", metavar="FILE", help="write the report as one self-contained HTML page")
     r.add_argument("--csv", metavar="FILE", help="write one CSV row per group")
     r.add_argument("--json", metavar="FILE", help="write the whole report as JSON ('-': to stdout, alone)")
-    r.add_argument("--source", default="auto", choices=("auto", "raw", "recorded"),
-                   help="auto (default): the recorded series of `gpuscope fleet rules` where they cover the range, "
-                        "else subqueries over the raw ones; raw: always the raw ones; recorded: only the recorded")
+    r.add_argument("--source", default="auto", choices=("auto", "raw", "recorded", "tiles"),
+                   help="auto (default): the tiles of `gpuscope fleet rules` where a complete record of them covers "
+                        "the range (not for --by user), else its recorded series where they cover it, else subqueries "
+                        "over the raw ones (the JSON's source_note says why not tiles); raw: always the raw ones; "
+                        "recorded: only the recorded; tiles: only the tiles")
     r.add_argument("--top", type=int, default=15, metavar="N", help="groups in the text output (default 15)")
     r.add_argument("--timeout", type=float, default=120.0, metavar="SECONDS",
                    help="seconds to wait for each query (default 120)")
@@ -74,6 +77,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="the agents' scrape interval: a sample counts while at most 1.5 of it old (default 15s)")
     w.add_argument("--interval", metavar="DURATION",
                    help="how often Prometheus evaluates the rules (default: the scrape interval)")
+    w.add_argument("--tile", default="1h", metavar="DURATION",
+                   help="the tile group's length (default 1h: a week is 168 tiles): evaluated once a tile, it records "
+                        "what the raw series held in the tile before, so the report reads a week as 168 samples a "
+                        "series; at least twice the scrape interval, at most 1d")
 
 
 def _range(since: str, until: str) -> tuple[float, float]:
@@ -244,11 +251,15 @@ def _rules(args: argparse.Namespace) -> int:
     from ..errors import UsageError
     from ..report.htmlpage import write_atomic
     from ..timeparse import parse_duration
-    from ._queries import rules_yaml
+    from ._tiles import rules_yaml
 
     scrape = parse_duration(args.scrape_interval, "--scrape-interval")
     every = parse_duration(args.interval, "--interval") if args.interval else None
-    body = rules_yaml(scrape, every)
+    tile = parse_duration(args.tile, "--tile")
+    if not 2 * scrape <= tile <= 86400:
+        raise UsageError(f"--tile {args.tile} must be at least twice the scrape interval ({2 * scrape:g} s) and at "
+                         "most 1d.")
+    body = rules_yaml(scrape, every, tile)
     if args.output and args.output != "-":
         check_writable("--output", args.output)
         try:
