@@ -18,10 +18,14 @@
 6. With --rules: writes `gpuscope fleet rules`, backfills the recorded series over the week with
    `promtool tsdb create-blocks-from rules` (what a user with history does), restarts Prometheus with
    them loaded and runs the report again (it reads the recorded series instead of subqueries).
+7. With --tiles: the same for the tile group alone (`gpuscope fleet rules --tile`, default 1h: a week is 168
+   tiles; with --rules, the tiles come with the whole rule file), and the report with --source tiles,
+   checked against the truths and the raw report's figures.
 
     python benchmarks/bench_fleet_scale.py                                  # 64 x 8 x 7 d at 60 s
     python benchmarks/bench_fleet_scale.py --nodes 4 --days 1 --settle 0    # the quick check (~15 s)
     python benchmarks/bench_fleet_scale.py --data /tmp/fleet --rules --json out.json   # keep, reuse the TSDB
+    python benchmarks/bench_fleet_scale.py --nodes 4 --days 1 --settle 0 --tiles       # the tiles, quickly
 
 LOOKBACK: a Prometheus that scrapes an agent writes a staleness marker when a series leaves the scrape (a
 pod ended) or a scrape fails, so an instant vector stops seeing the series one scrape later. Backfilled
@@ -227,11 +231,13 @@ class Prometheus:
 
 # ---- 3: the report ----
 def run_report(prom: Prometheus, work: Path, dim: str, days: float, end_s: int, tag: str) -> dict[str, Any]:
+    """The report as a child, `--source tag` (raw, recorded, tiles: each insists on its source)."""
     out = work / f"report-{tag}-{dim}.json"
     offset = prom.log_offset()
     load = os.getloadavg()[0]  # the machine is shared: what else ran says how far a wall time can be trusted
     rc, wall, rss, tail = run_child([sys.executable, "-m", "gpuscope", "fleet", "report", "--prometheus", prom.url,
-                                     "--since", f"{days:g}d", "--until", str(end_s), "--by", dim, "--json", str(out)])
+                                     "--since", f"{days:g}d", "--until", str(end_s), "--by", dim, "--json", str(out),
+                                     "--source", tag])
     time.sleep(0.5)  # the query log is written as each query ends
     queries = prom.queries_since(offset)
     rep: dict[str, Any] = {"rc": rc, "wall_s": wall, "peak_rss_mb": rss, "load_avg_1m": load,
@@ -242,6 +248,8 @@ def run_report(prom: Prometheus, work: Path, dim: str, days: float, end_s: int, 
     else:
         answer = json.loads(out.read_text())
         rep["source"] = answer.get("source")
+        rep["source_note"] = answer.get("source_note")
+        rep["tiles"] = answer.get("tiles")
         rep["query_seconds"] = answer.get("query_seconds")
         rep["groups"] = report_groups(answer)
         rep["fleet"] = {f: answer["fleet"].get(f) for f in ("observed_gpu_hours", "allocated_gpu_hours",
@@ -332,18 +340,27 @@ def largest(got: dict[str, dict[str, Any]], want: dict[str, dict[str, Any]], flo
 
 
 # ---- 6: recording rules ----
-def rules_run(prom: Prometheus, work: Path, meta: dict[str, Any], step_s: int) -> tuple[Prometheus, dict[str, Any]]:
+def rules_run(prom: Prometheus, work: Path, meta: dict[str, Any], step_s: int, tiles_only: bool = False,
+              tile: str = "1h") -> tuple[Prometheus, dict[str, Any]]:
     """The recorded series over the whole week, backfilled into a copy of the TSDB (`work`/data-recorded,
-    reused when it is there), and Prometheus restarted on it with the rules loaded."""
-    rules, stats_path, db = work / "rules.yml", work / "rules.json", work / "data-recorded"
+    reused when it is there), and Prometheus restarted on it with the rules loaded. `tiles_only`: the tile
+    group alone (`work`/data-tiles), of tiles `tile` long."""
+    name = f"tiles-{tile}" if tiles_only else f"recorded-{tile}"
+    rules, stats_path, db = work / f"rules-{name}.yml", work / f"rules-{name}.json", work / f"data-{name}"
     if db.is_dir() and stats_path.exists():
         stats = json.loads(stats_path.read_text())
         log(f"reusing the recorded series in {db}")
     else:
         rc, _, _, tail = run_child([sys.executable, "-m", "gpuscope", "fleet", "rules", "--scrape-interval",
-                                    f"{step_s}s", "-o", str(rules)])
+                                    f"{step_s}s", "--tile", tile, "-o", str(rules)])
         if rc:
             raise SystemExit(f"gpuscope fleet rules failed:\n{tail}")
+        if tiles_only:  # the tile group alone
+            import yaml
+
+            doc = yaml.safe_load(rules.read_text())
+            doc["groups"] = [g for g in doc["groups"] if g["name"] == "gpuscope-fleet-tiles"]
+            rules.write_text(yaml.safe_dump(doc, sort_keys=False, width=1 << 20))
         rc, _, _, tail = run_child([binary("promtool"), "check", "rules", str(rules)])
         if rc:
             raise SystemExit(f"promtool check rules failed:\n{tail}")
@@ -370,7 +387,7 @@ def rules_run(prom: Prometheus, work: Path, meta: dict[str, Any], step_s: int) -
         out.rmdir()
         stats_path.write_text(json.dumps(stats))
     prom.stop()
-    return Prometheus(work, step_s, rule_files=[rules], db="data-recorded"), stats
+    return Prometheus(work, step_s, rule_files=[rules], db=db.name), stats
 
 
 # ---- the run ----
@@ -439,11 +456,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step", type=int, default=60, help="scrape interval, seconds (divides 2 h; default 60)")
     ap.add_argument("--seed", type=int, default=20)
     ap.add_argument("--by", default=",".join(data.DIMS), help="the --by dimensions to run the report with")
+    ap.add_argument("--raw-by", default=None,
+                    help="the --by dimensions to run the report over raw series with (default: --by's)")
     ap.add_argument("--settle", type=float, default=900.0,
                     help="longest wait for Prometheus to compact the blocks, seconds (0: none)")
     ap.add_argument("--no-report", action="store_true", help="steps 1, 2 and 4 only")
     ap.add_argument("--no-peer", action="store_true", help="skip the peer (and the checks against it)")
     ap.add_argument("--rules", action="store_true", help="also the run over recorded series (step 6)")
+    ap.add_argument("--tiles", action="store_true", help="also the run over tiles (step 7)")
+    ap.add_argument("--tile", default="1h", help="the tiles' length (gpuscope fleet rules --tile; default 1h)")
     ap.add_argument("--data", default=None,
                     help="keep the TSDB and truths in this directory and reuse them on the next run")
     ap.add_argument("--json", dest="json_out", default=None, help="write every figure to this file")
@@ -453,7 +474,8 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.data) if keep else Path(tempfile.mkdtemp(prefix="bench-fleet-"))
     work.mkdir(parents=True, exist_ok=True)
     prom: Prometheus | None = None
-    result: dict[str, Any] = {"checks": {}, "failures": [], "report": {}, "report_recorded": {}, "code": _code()}
+    result: dict[str, Any] = {"checks": {}, "failures": [], "report": {}, "report_recorded": {}, "report_tiles": {},
+                              "code": _code()}
     try:
         meta, truths = load_or_build(args, work)
         result.update(fleet=meta, truth_fleet={f: sum(g[f] for g in truths["node"].values()) for f in FIGURES})
@@ -463,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
             log(f"prometheus settled after {result['prometheus']['settle_s']:.0f} s: "
                 f"{result['prometheus'].get('prometheus_tsdb_blocks_loaded', 0):.0f} blocks")
         dims = [] if args.no_report else args.by.split(",")
-        for dim in dims:
+        for dim in dims if args.raw_by is None else [d for d in args.raw_by.split(",") if d and not args.no_report]:
             result["report"][dim] = run_report(prom, work, dim, args.days, meta["end_s"], "raw")
         if not args.no_peer:
             out = work / "peer.json"
@@ -487,11 +509,23 @@ def main(argv: list[str] | None = None) -> int:
                     rep["ratio"] = result["peer"]["wall_s"] / rep["wall_s"]
             else:
                 result["failures"].append(f"report --by {dim} exited {rep['rc']}")
-        if args.rules and dims:
-            prom, result["rules"] = rules_run(prom, work, meta, args.step)
+        if (args.rules or args.tiles) and dims:
+            prom, result["rules"] = rules_run(prom, work, meta, args.step, tiles_only=not args.rules, tile=args.tile)
             if args.settle:
                 result["rules"]["settle"] = prom.settle(args.settle)
-            for dim in dims:
+            for dim in dims if args.tiles else ():
+                rep = result["report_tiles"][dim] = run_report(prom, work, dim, args.days, meta["end_s"], "tiles")
+                if "groups" not in rep:
+                    result["failures"].append(f"report (tiles) --by {dim} exited {rep['rc']}")
+                    continue
+                check(result, f"report (tiles) vs truth --by {dim}", rep["groups"], truths[dim], args.tolerance,
+                      extras=dim)
+                if "groups" in result["report"].get(dim, {}):
+                    check(result, f"report (tiles) vs report (raw) --by {dim}", rep["groups"],
+                          result["report"][dim]["groups"], args.tolerance)
+                if "peer" in result:
+                    rep["ratio"] = result["peer"]["wall_s"] / rep["wall_s"]
+            for dim in dims if args.rules else ():
                 rep = result["report_recorded"][dim] = run_report(prom, work, dim, args.days, meta["end_s"], "recorded")
                 if "groups" in rep:
                     check(result, f"report (recorded) vs truth --by {dim}", rep["groups"], truths[dim],
@@ -520,7 +554,7 @@ def print_summary(r: dict[str, Any]) -> None:
     peer = r.get("peer")
     if peer:
         print(f"peer: {peer['wall_s']:.2f} s, {peer['peak_rss_mb']:.0f} MB peak RSS, {peer['queries']} queries")
-    for tag, reps in (("raw", r["report"]), ("recorded", r["report_recorded"])):
+    for tag, reps in (("raw", r["report"]), ("recorded", r["report_recorded"]), ("tiles", r.get("report_tiles", {}))):
         for dim, rep in reps.items():
             ratio = f", {rep['ratio']:.1f}x faster than the peer" if "ratio" in rep else ""
             print(f"report ({tag}) --by {dim}: {rep['wall_s']:.2f} s, {rep['peak_rss_mb']:.0f} MB peak RSS{ratio}; "
