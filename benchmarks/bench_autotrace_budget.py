@@ -1,14 +1,14 @@
 """The per-process budget of the agent's own windows over a long run, beside the same run unprofiled (GPU machine).
 
     python benchmarks/bench_autotrace_budget.py [--workloads DIR] [--workload launch_bound] [--minutes 10]
-                                                [--ask-every 5] [--duration 2s] [--out result.json]
+                                                [--ask-every 5] [--duration 1s] [--out result.json]
 
 Two runs of one reference workload (shared/workloads, each prints steps_per_s over its whole run), one after
 the other on the same GPU:
 
 1. plain: no agent, no bootstrap;
 2. profiled: a real agent (`gpuscope agent`, its own data directory, [profiling] on_verdict and every = "1m",
-   duration 2 s) and the workload opted in by PYTHONPATH=<data>/bootstrap alone; besides the agent's own
+   duration 1 s) and the workload opted in by PYTHONPATH=<data>/bootstrap alone; besides the agent's own
    windows (the verdict flip, the schedule), this script asks POST /api/v1/trace every --ask-every seconds
    (with the token), far more often than the budget allows, so that the process's budget, not the asking,
    is what limits the windows.
@@ -125,6 +125,9 @@ def profiled(script: Path, seconds: float, ask_every_s: float, duration: str, si
             "windows": len(windows), "refused": len(refused),
             "refusal_example": refused[0]["reason"] if refused else None,
             "cost_s_total": round(sum(b - a for a, b in windows), 3),
+            "window_phases_s": [a.get("cost_phases_s") for a in sorted(answers, key=lambda a: a.get("answered_unix", 0))
+                                if a.get("status") == "written"],
+            "window_raw_bytes": [a.get("raw_bytes") for a in answers if a.get("status") == "written"],
             **_worst_span(windows, t0, t0 + wall), "stderr_tail": err[-500:]}
 
 
@@ -147,13 +150,13 @@ def main() -> int:
     ap.add_argument("--workload", default="launch_bound")
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--ask-every", type=float, default=5.0, help="seconds between this script's own asks")
-    ap.add_argument("--duration", default="2s", help="each window asked for")
+    ap.add_argument("--duration", default="1s", help="each window asked for (default 1s, the agent's own default)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--simulate", default=None, help="the agent on a simulated node (a dry run without a GPU)")
     ap.add_argument("--only", choices=("plain", "profiled"), default=None,
                     help="one of the two runs (each in its own session where a session has a time limit)")
     a = ap.parse_args()
-    script = Path(a.workloads) / f"{a.workload}.py"
+    script = (Path(a.workloads) / f"{a.workload}.py").resolve()  # the runs start in its folder
     if not script.exists():
         raise SystemExit(f"no workload {script} (set --workloads or GPUSCOPE_WORKLOADS)")
     seconds = a.minutes * 60
@@ -164,12 +167,18 @@ def main() -> int:
     p = (result["plain"] or {}).get("steps_per_s")
     q = (result["profiled"] or {}).get("steps_per_s")
     result["throughput_overhead"] = None if not p or not q else round(1 - q / p, 4)
-    if result["profiled"] is not None:
+    failed = [k for k in ("plain", "profiled") if result[k] is not None and (result[k]["rc"] != 0
+                                                                          or result[k]["steps_per_s"] is None)]
+    if result["profiled"] is not None and not failed:
         result["goal_met"] = result["profiled"]["worst_10min_duty"] <= 0.01
     text = json.dumps(result, indent=1)
     print(text)
     if a.out:
         Path(a.out).write_text(text + "\n")
+    if failed:
+        print(f"bench_autotrace_budget: the workload failed in the {' and '.join(failed)} run: no figure.",
+              file=sys.stderr)
+        return 1
     return 0
 
 

@@ -371,3 +371,43 @@ def test_retention_keeps_the_newest_traces_and_answers(tmp_path, monkeypatch):
     monkeypatch.setattr(trace_api, "KEEP_TRACES_BYTES", 2)  # the byte cap: only the newest (2 bytes) fits
     t.prune()
     assert not (data / "traces" / "h.3.pt.trace.json.gz").exists() and (data / "traces" / "h.4.pt.trace.json.gz").exists()
+
+
+def test_the_first_window_is_estimated_by_the_prior_not_charged_after_the_fact():
+    # Nothing charged yet: a window's cost is its length and PRIOR_OVERHEAD_PER_S a second of it beyond.
+    b = od.Budget(0.01)
+    assert b.estimate(2.0) == 2.0 * (1 + od.PRIOR_OVERHEAD_PER_S)
+    # The agent's own 2 s window would cost 10 s (> 6 s of any 10 minutes): it is shortened to what fits.
+    d, why = b.fit(2.0, now=100.0)
+    assert why == "" and od.MIN_DURATION_S <= d < 2.0 and b.estimate(d) <= 6.0
+    assert b.estimate(round(d + 0.1, 1)) > 6.0  # the longest tenth of a second that fits
+    # Once charged, the measured overhead is the estimate, scaled up for a longer window.
+    b.spend(100.0, 4.0, duration_s=1.0)
+    assert b.estimate(1.0) == 4.0 and b.estimate(2.0) == 8.0 and b.estimate(0.5) == 3.5
+    # A process whose 1 s windows cost 7 s can never fit 1 % of 10 minutes: the agent's are refused, with why.
+    b = od.Budget(0.01)
+    b.spend(0.0, 7.0, duration_s=1.0)
+    d, why = b.fit(1.0, now=10_000.0)
+    assert "estimated to cost 7.0 s" in why and "6 s (1 %) of any 10 minutes" in why
+    # ... while a window asked by hand may still stand alone in its 700 s
+    assert b.refuse(1.0, now=10_000.0) == ""
+
+
+def test_the_agents_windows_keep_to_one_percent_of_any_ten_minutes_when_estimates_hold():
+    """Windows whose cost is 4.5x their length, asked every second by the agent: over two hours every span of
+    600 s holds at most 6 s of their cost, the first window included (estimated by the prior)."""
+    b = od.Budget(0.01)
+    t, wins = 0.0, []
+    while t < 7200:
+        d, why = b.fit(2.0, now=t)
+        if why:
+            t += 1.0
+            continue
+        cost = 4.5 * d
+        wins.append((t, t + cost))
+        b.spend(t, cost, duration_s=d)
+        t += cost
+    assert len(wins) >= 10
+    for left in [a for a, _ in wins] + [b_ - 600 for _, b_ in wins]:
+        inside = sum(max(0.0, min(e, left + 600) - max(s, left)) for s, e in wins)
+        assert inside <= 6.0 + 1e-9, (left, inside)

@@ -221,6 +221,11 @@ def test_the_budget_spaces_repeated_windows_by_their_measured_cost(fake, tmp_pat
     [status] = [json.loads(f.read_text()) for f in tmp_path.glob("*.gpuscope.json")]
     [entry] = status["traces"]
     assert entry["cost_s"] >= 0.2 and entry["max_duty"] == 0.01
+    # where the cost went: every phase measured, the window itself its asked length, the sum the whole cost
+    phases = entry["cost_phases_s"]
+    assert set(phases) == {"start", "window", "stop", "export", "compress"} and min(phases.values()) >= 0
+    assert phases["window"] >= 0.2 and sum(phases.values()) <= entry["cost_s"] + 0.01
+    assert entry["raw_bytes"] > 0
     assert "not the 0.5 s asked" in status["budget_note"] and "1 %" in status["budget_note"]
     assert p.stderr.count("not the 0.5 s asked") == 1  # the user hears it once, from the traced process
     p = trace(fake, tmp_path, "plain", opts=("--budget", "0"))

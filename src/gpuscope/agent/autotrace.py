@@ -364,7 +364,8 @@ class AutoTrace:
                 if d.get("host") != self.host or (od._valid_pid(d.get("pid")) and od._alive(d["pid"]))}
         for e in pending:
             got = answers.get(e["id"], [])
-            e["answers"] = [{k: d.get(k) for k in ("pid", "status", "reason", "file", "cost_s")} for d in got]
+            e["answers"] = [{k: d.get(k) for k in ("pid", "status", "reason", "file", "cost_s",
+                                                        "cost_phases_s")} for d in got]
             missing = [p for p in e["pids"] if p not in {d.get("pid") for d in got}]
             gone = [p for p in missing if (e["host"], p) not in live]
             if not missing:

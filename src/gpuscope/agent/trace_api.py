@@ -342,7 +342,9 @@ class Traces:
                 out.append({"id": d.get("id"), "pid": d.get("pid"), "host": d.get("host"), "rank": d.get("rank"),
                             "status": d.get("status"), "reason": d.get("reason") or None,
                             "start_unix": start / 1e9 if start else None,
-                            "duration_s": d.get("duration_s"), "file": d.get("file"),
+                            "duration_s": d.get("duration_s"), "asked_duration_s": d.get("asked_duration_s"),
+                            "cost_s": d.get("cost_s"), "cost_phases_s": d.get("cost_phases_s"),
+                            "file": d.get("file"),
                             "kernel_names": None if kernels is None else len(kernels),
                             "kernel_launches": None if kernels is None else sum(_count(k.get("count")) or 0 for k in kernels)})
             return out

@@ -29,6 +29,7 @@ only writes requests; a process decides for itself, under its own duty budget, w
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import secrets
@@ -43,6 +44,10 @@ MAX_DURATION_S = 30.0
 DEFAULT_MAX_DUTY = 0.01
 # The budget holds over any this many seconds of wall time (max_duty of it: 6 s of any 10 minutes at 1 %).
 HORIZON_S = 600.0
+# Before a process has had a window, each second of window is estimated to cost this much beyond itself
+# (stop, export, compression): a launch-bound PyTorch process on the H200 (76k launches/s) spent 7.3 s beyond
+# a 2 s window, 2026-12-03 (BENCHMARKS.md), the most records a second of the reference workloads.
+PRIOR_OVERHEAD_PER_S = 4.0
 # A request older than this is history: a process that opts in later does not act on it.
 REQUEST_TTL_S = 60.0
 _ID = re.compile(r"[0-9a-f]{16}")
@@ -285,7 +290,10 @@ class Budget:
       nothing else in them instead.
 
     The next window's cost is estimated as its duration plus the overhead the last one measured beyond
-    its duration (none before the first: that one is charged after the fact). Monotonic clock.
+    its duration (scaled up for a longer window: the export grows with the records); before the first,
+    PRIOR_OVERHEAD_PER_S per second of window. The agent's own windows (`fit`) must also fit the 10
+    minutes' allowance on their own estimate, shortened down to MIN_DURATION_S where a shorter one does;
+    a window asked by hand is let through alone instead. Monotonic clock.
 
         >>> b = Budget(0.01)
         >>> b.spend(100.0, 2.0, duration_s=1.5)
@@ -301,12 +309,37 @@ class Budget:
         self.horizon_s = horizon_s
         self.spent: list[tuple[float, float]] = []  # (start, cost) of the windows that may still count, monotonic s
         self.overhead_s = 0.0  # the last window's cost beyond its duration
+        self.measured_duration_s: float | None = None  # that window's duration; None: none measured yet
+        self.charged = False  # a window has been charged (before: the prior estimates the first)
         self.last_duration_s = MIN_DURATION_S
+
+    def estimate(self, duration_s: float) -> float:
+        """The whole cost expected of a window of duration_s (the prior before any window was charged)."""
+        if not self.charged:
+            return duration_s * (1.0 + PRIOR_OVERHEAD_PER_S)
+        scale = max(1.0, duration_s / self.measured_duration_s) if self.measured_duration_s else 1.0
+        return duration_s + self.overhead_s * scale
+
+    def fit(self, duration_s: float, now: float | None = None) -> tuple[float, str]:
+        """For the agent's own windows: the longest duration <= duration_s (down to MIN_DURATION_S, in
+        tenths of a second) whose estimated cost fits max_duty of the horizon on its own and that may
+        start now, and "" -- or (duration_s, why not)."""
+        now = time.monotonic() if now is None else now
+        allowance = self.max_duty * self.horizon_s
+        d = duration_s
+        while d > MIN_DURATION_S and self.estimate(d) > allowance:
+            d = max(MIN_DURATION_S, math.floor(d * 10 - 1e-9) / 10)
+        if self.estimate(d) > allowance:
+            return duration_s, (f"a window of {d:g} s is estimated to cost {self.estimate(d):.1f} s in this process "
+                                f"(start, stop, export), over the {allowance:g} s ({self.max_duty * 100:g} %) of "
+                                f"any {self.horizon_s / 60:g} minutes that the agent's windows may take")
+        why = self.refuse(d, now)
+        return (d, "") if not why else (duration_s, why)
 
     def allowed_at(self, duration_s: float, now: float | None = None) -> float:
         """The earliest monotonic time >= now at which a window of duration_s may start."""
         now = time.monotonic() if now is None else now
-        est = duration_s + self.overhead_s
+        est = self.estimate(duration_s)
         span = max(self.horizon_s, est / self.max_duty)
         allowance = self.max_duty * span
         t = now
@@ -341,8 +374,10 @@ class Budget:
         """Charge a window that started at `started` (monotonic s) and cost `cost_s` seconds in all
         (of which `duration_s` was the window itself, when known: the rest is the next one's estimate)."""
         cost_s = max(0.0, cost_s)
+        self.charged = True
         if duration_s is not None:
             self.overhead_s = max(0.0, cost_s - duration_s)
+            self.measured_duration_s = duration_s if duration_s > 0 else None
         keep = started - max(self.horizon_s, (MAX_DURATION_S + self.overhead_s) / self.max_duty)
         self.spent = [(s, c) for s, c in self.spent if s + c > keep][-256:] + [(started, cost_s)]
 

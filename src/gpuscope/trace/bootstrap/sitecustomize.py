@@ -406,6 +406,7 @@ class _Tracer:
             # the program running meanwhile) are then never before the window's stated start.
             started = {"unix_ns": time.time_ns(), "monotonic_ns": time.monotonic_ns()}
             prof, all_threads, error = self._start()
+            opened = time.monotonic()
             if prof is None:
                 what = "CUPTI tracing" if self.backend == "cupti" else "the PyTorch profiler"
                 sys.stderr.write(f"gpuscope trace: {what} could not start in process {self.pid} "
@@ -415,7 +416,7 @@ class _Tracer:
                 return
             self.exiting.wait(self.duration_s)
             try:
-                self._stop_and_write(prof, window, started, all_threads)
+                self._stop_and_write(prof, window, started, all_threads, phases={"start": opened - began})
             finally:
                 cost_s = time.monotonic() - began
                 budget.spend(began, cost_s, duration_s=self.duration_s)
@@ -477,7 +478,15 @@ class _Tracer:
             answer["trigger"] = req["trigger"][:200]
         if req.get("start_unix") is not None:
             answer["start_unix"] = req["start_unix"]
-        why = budget.refuse(req["duration_s"])
+        if "trigger" in answer:
+            # the agent's own window: its estimated cost must fit the budget's 10 minutes on its own
+            # (shortened where a shorter one does); a window asked by hand may instead stand alone
+            duration, why = budget.fit(req["duration_s"])
+            if not why and duration < req["duration_s"]:
+                answer.update(asked_duration_s=req["duration_s"], duration_s=duration)
+                req = dict(req, duration_s=duration)
+        else:
+            why = budget.refuse(req["duration_s"])
         if why:
             od.mark_done(self.requests_dir, req["id"], host, self.pid, status="refused", reason=why, **answer)
             return
@@ -492,18 +501,22 @@ class _Tracer:
         if prof is None:
             od.mark_done(self.requests_dir, req["id"], host, self.pid, status="profiler_failed", reason=error, **answer)
             return
+        opened = time.monotonic()
         self.exiting.wait(req["duration_s"])
         try:
-            meta = self._stop_and_write(prof, 0, started, all_threads, suffix="." + req["id"])
+            meta = self._stop_and_write(prof, 0, started, all_threads, suffix="." + req["id"],
+                                        phases={"start": opened - began})
         finally:  # charged its whole measured cost, also when the export failed
             cost_s = time.monotonic() - began
             budget.spend(began, cost_s, duration_s=req["duration_s"])
         self._charge(cost_s, budget)
         answer["cost_s"] = round(cost_s, 3)
-        kept = ("file", "profiler_start_unix_ns", "profiler_stop_unix_ns", "cpu_ops_all_threads", "with_stack")
+        answer["cost_phases_s"] = meta.get("cost_phases_s")
+        kept = ("file", "profiler_start_unix_ns", "profiler_stop_unix_ns", "cpu_ops_all_threads", "with_stack",
+                "raw_bytes")
         od.mark_done(self.requests_dir, req["id"], host, self.pid, status="written", reason="",
                      cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
-                     **answer, **{k: meta[k] for k in kept})
+                     **answer, **{k: meta[k] for k in kept if k in meta})
 
     def _start(self):
         if self.backend == "cupti":
@@ -543,10 +556,16 @@ class _Tracer:
         self.status["profiler_log"] = os.path.basename(path)
         self.status["profiler_log_lines"] = self.status.get("profiler_log_lines", 0) + lines
 
-    def _stop_and_write(self, prof, window, started, all_threads, suffix=None):
+    def _stop_and_write(self, prof, window, started, all_threads, suffix=None, phases=None):
+        """Stop the window, export, compress and publish it; its status entry says what each phase took
+        (cost_phases_s: start, window, stop, export, compress), so a costly window tells where it went."""
         stopped_ns = time.time_ns()
+        phases = dict(phases or {})
+        t = time.monotonic()
+        phases["window"] = (stopped_ns - started["unix_ns"]) / 1e9 - phases.get("start", 0.0)
         with self._quiet():
             prof.stop()
+        phases["stop"], t = time.monotonic() - t, time.monotonic()
         if suffix is None:
             suffix = f".w{window}" if self.every_s > 0 else ""
         path = self._stem() + suffix + ".pt.trace.json.gz"
@@ -567,12 +586,16 @@ class _Tracer:
                     meta.update(prof.summary())
                 except Exception:
                     pass
+            phases["export"], t = time.monotonic() - t, time.monotonic()
+            meta["raw_bytes"] = os.path.getsize(raw)
             _gzip_with_key(raw, packed, "gpuscope", meta)
+            phases["compress"] = time.monotonic() - t
             os.chmod(packed, 0o644)
             os.replace(packed, path)
         finally:
             shutil.rmtree(private, ignore_errors=True)
-        self.status["traces"].append(dict(meta, file=os.path.basename(path)))
+        self.status["traces"].append(dict(meta, file=os.path.basename(path),
+                                          cost_phases_s={k: round(v, 3) for k, v in phases.items()}))
         self._write_status(status="written")
         return self.status["traces"][-1]
 
