@@ -43,6 +43,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ..diagnose.rules import ADVICE, imbalanced
@@ -156,22 +157,45 @@ def _finite(v: float) -> bool:
     return isinstance(v, int | float) and math.isfinite(v)
 
 
-def _collect(query: Query, at_s: float, rng: str, matchers: list[str]) -> list[_Gpu]:
+#: At most this many jobs are named in the figures' selectors (more: the selectors stay as they were).
+_NARROW_JOBS = 200
+
+
+def _collect(query: Query, at_s: float, rng: str, matchers: list[str], min_samples: float = 0.0) -> list[_Gpu]:
+    """Every GPU's figures under each job. Its samples come first: the other figures are asked only of the
+    jobs with two GPUs or more of `min_samples` (none: no other query; each reads its metric's whole range)."""
     gpus: dict[tuple[str, str, str], _Gpu] = {}
     hosts: dict[str, float] = {}
-    for what, promql in _queries(rng, matchers).items():
-        for labels, value in query(promql, at_s):
+    queries = _queries(rng, matchers)
+    for labels, value in query(queries.pop("samples"), at_s):
+        key = (labels.get("workload", ""), labels.get("hostname", ""), labels.get("gpu", ""))
+        if key[0] and _finite(value):
+            gpus[key] = _Gpu(*key, samples=float(value))
+    per_job: dict[str, int] = {}
+    for g in gpus.values():
+        if g.samples >= min_samples:
+            per_job[g.workload] = per_job.get(g.workload, 0) + 1
+    wanted = sorted(job for job, n in per_job.items() if n >= 2)
+    if not wanted:
+        return list(gpus.values())
+    if len(wanted) < len({k[0] for k in gpus}) and len(wanted) <= _NARROW_JOBS:
+        narrowed = [m for m in matchers if not m.startswith("workload")]
+        queries = _queries(rng, [*narrowed, label_matcher("workload", regex_alternation(wanted), "=~")])
+        queries.pop("samples")
+    # a few at once: each reads its metric's whole range on the server, which runs them side by side
+    with ThreadPoolExecutor(4) as pool:
+        answers = {what: pool.submit(query, promql, at_s) for what, promql in queries.items()}
+    for what, fut in answers.items():
+        for labels, value in fut.result():
             if not _finite(value):
                 continue
             if what == "host_cpu":
                 hosts[labels.get("hostname", "")] = float(value)
                 continue
             key = (labels.get("workload", ""), labels.get("hostname", ""), labels.get("gpu", ""))
-            if not key[0]:
-                continue
-            if what != "samples" and key not in gpus:
-                continue  # samples come first: a GPU without them was not observed under this job
-            g = gpus.setdefault(key, _Gpu(*key))
+            g = gpus.get(key)
+            if g is None:
+                continue  # a GPU without samples was not observed under this job
             if what == "throttle":
                 g.throttle[labels.get("reason", "")] = float(value)
             else:
@@ -336,7 +360,7 @@ def find_stragglers(query: Query, start_s: float, end_s: float, *, workloads: It
         if not wanted:
             return []
         matchers = [label_matcher("workload", regex_alternation(wanted), "=~")]
-    gpus = _collect(query, end_s, duration(end_s - start_s), matchers)
+    gpus = _collect(query, end_s, duration(end_s - start_s), matchers, thresholds.min_samples)
     jobs: dict[str, list[_Gpu]] = {}
     for g in gpus:
         if g.samples >= thresholds.min_samples:
