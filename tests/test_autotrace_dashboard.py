@@ -26,7 +26,7 @@ def test_the_kernels_box_says_the_window_s_verdict_and_its_trigger(tmp_path, bro
                                  {"rule": "tiny_kernel_storm", "severity": "high", "summary": "s"}]}
         (a.data / "traces" / (file + ".verdicts.json")).write_text(json.dumps(verdicts))
         page = Page(browser, f"http://127.0.0.1:{a.port}").open("/ui/")
-        page.until("!document.querySelector('#kernels-verdict').hidden")
+        page.until("!document.querySelector('#kernels-verdict').hidden", timeout=60.0)  # a loaded CI machine: a bound, not a figure
         text = page.js("document.querySelector('#kernels-verdict').textContent")
         assert text == ("Verdict of this window: GPU 0 launch_bound; findings: <img src=x onerror=alert(1)>, "
                         "tiny_kernel_storm; started by the agent: verdict launch_or_sync_bound on GPU 0")
