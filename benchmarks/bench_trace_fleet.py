@@ -16,9 +16,9 @@ pulled, which includes the programs' stop and export and the 0.5 s polls), the c
 the window and its lead time) against the 5 s goal, and the clock figures: on one host every true offset
 is 0, so each measured offset is that agent's skew.
 
-Merge: --ranks copies of a checked-in trace (healthy_training, 34,609 events), one rank each, merged the way
-the fleet merges them (each loaded for the analyses, then trace.merge.merge with offsets) in a child
-process: wall time and peak RSS (ru_maxrss), the merge alone and with the analyses.
+Merge: --ranks copies of a checked-in trace (healthy_training, 42,418 events), one rank each, merged in a
+child process: wall time, CPU time and peak RSS (ru_maxrss), `gpuscope trace merge`'s merge alone and the
+fleet's (each trace read once, merged, analysed).
 """
 
 from __future__ import annotations
@@ -221,23 +221,22 @@ def fanout(n: int, mode: str, duration_s: float, start_in_s: float) -> int:
 
 # -- the merge of many ranks -------------------------------------------------------------------------
 def merge_child(files: list[str], out: str, analyses: bool) -> None:
-    """In a fresh process: the fleet's merge of `files`; prints wall s and peak RSS MiB as JSON."""
+    """In a fresh process: the fleet's merge of `files`; prints wall s and peak RSS MiB as JSON.
+
+    With `analyses`: what `gpuscope trace fleet` runs once the traces are pulled (fleet._merge_and_analyse:
+    each trace read once, merged, and the straggler, communication and arrival analyses), every clock offset
+    0; without: `gpuscope trace merge` (trace.merge.merge)."""
     t = time.monotonic()
     if analyses:
-        from gpuscope.trace.analyze import comm_overlap, stragglers
-        from gpuscope.trace.collectives import arrivals
-        from gpuscope.trace.kineto import load
+        from gpuscope.trace import fleet
 
-        traces = [load(f) for f in files]
-        for i, tr in enumerate(traces):
-            tr.rank = i
-        stragglers(traces)
-        [comm_overlap(tr) for tr in traces]
-        arrivals(traces)
-        del traces
-    from gpuscope.trace.merge import merge
+        agent = fleet.Agent("http://127.0.0.1:1", "127.0.0.1:1", clock=fleet.Clock(offset_ns=0, delay_ns=0))
+        ranks = [fleet.Rank(agent, pid=1000 + i, rank=i, path=f) for i, f in enumerate(files)]
+        done = fleet._merge_and_analyse([agent], ranks, JOB, 0, 1.0, out, 0.0)
+    else:
+        from gpuscope.trace.merge import merge
 
-    done = merge(files, out, clock_offsets_ns=[0] * len(files), ranks=list(range(len(files))))
+        done = merge(files, out, clock_offsets_ns=[0] * len(files), ranks=list(range(len(files))))
     use = resource.getrusage(resource.RUSAGE_SELF)
     print(json.dumps({"wall_s": time.monotonic() - t, "cpu_s": use.ru_utime + use.ru_stime, "peak_rss_mib": use.ru_maxrss / 1024,
                       "events": done["events"], "out_bytes": os.path.getsize(out)}))

@@ -435,62 +435,39 @@ def _said(doc: Any) -> str:
 # -- merge and analyse -----------------------------------------------------------------------------
 def _merge_and_analyse(agents: list[Agent], ranks: list[Rank], job: str, start_ns: int, duration_s: float,
                        out: str, collected_s: float) -> dict[str, Any]:
+    """Each pulled trace read once: its events into the merge, its GPU ops kept for the analyses."""
     from .analyze import comm_overlap, stragglers
     from .collectives import arrivals
-    from .kineto import load
-    from .merge import merge
+    from .merge import Merger
     from .model import TraceError
 
-    kept = []
-    for r in ranks:
-        if not r.path:
-            continue
-        try:
-            t = load(r.path, max_bytes=MAX_TRACE_UNPACKED)
-        except TraceError as e:
-            said = str(e).replace(r.path, "it")  # the pulled copy's temporary name says nothing
-            r.problem = f"The trace of process {r.pid} on {r.agent.shown} is not usable: {said}"
-            continue
-        facts = t.meta.get("gpuscope") if isinstance(t.meta.get("gpuscope"), dict) else {}
-        if r.rank is None and isinstance(facts.get("rank"), int):
-            r.rank = facts["rank"]
-        offset = r.agent.clock.offset_ns if r.agent.clock else 0
-        begin, stop = facts.get("profiler_start_unix_ns"), facts.get("profiler_stop_unix_ns")
-        if isinstance(begin, int) and isinstance(stop, int):
-            r.start_error_ns = begin - offset - start_ns
-            r.window_s = (stop - begin) / 1e9
-            if r.window_s < duration_s * 0.9:
-                r.note = (f"Process {r.pid} on {r.agent.shown} ended its window after {r.window_s:.2f} s of "
-                          f"{duration_s:g} s (it exited meanwhile); what it recorded is merged.")
-        kept.append((r, t))
-    # ranks: the processes' own where they are known and unique, else places after the known ones
-    known = [r.rank for r, _ in kept]
-    dupes = {x for x in known if x is not None and known.count(x) > 1}
-    if dupes:
-        for r, _ in kept:
-            if r.rank in dupes:
-                r.note = (r.note + " " if r.note else "") + (
-                    f"Process {r.pid} on {r.agent.shown} claims rank {r.rank} as another does; it is given a rank of its own.")
-                r.rank = None
-    taken = {r.rank for r, _ in kept if r.rank is not None}
-    free = (n for n in range(10**6) if n not in taken)
-    for r, t in kept:
-        if r.rank is None:
-            r.rank = next(free)
-        t.rank = r.rank
     summary: dict[str, Any] = {"job": job, "out": None, "start_unix_ns": start_ns, "duration_s": duration_s,
                                "collected_s": round(collected_s, 3)}
-    merged = None
+    kept: list[tuple[Rank, Any]] = []
+    with Merger() as merger:
+        for r in ranks:
+            if not r.path:
+                continue
+            offset = r.agent.clock.offset_ns if r.agent.clock else 0
+            try:
+                header, t = merger.add(r.path, rank=r.rank, shift_ns=-offset, max_bytes=MAX_TRACE_UNPACKED,
+                                       analyse=True)
+            except TraceError as e:
+                said = str(e).replace(r.path, "it")  # the pulled copy's temporary name says nothing
+                r.problem = f"The trace of process {r.pid} on {r.agent.shown} is not usable: {said}"
+                continue
+            _window(r, header, offset, start_ns, duration_s)
+            kept.append((r, t))
+        _give_ranks(kept)
+        if kept:
+            try:
+                merged = merger.write(out, [r.rank for r, _ in kept])  # type: ignore[misc]  # every rank is given now
+            except OSError as e:
+                raise UsageError(f"Cannot write {out}: {e.strerror or e}.") from None
+            summary["out"] = merged["out"]
+            summary["events"] = merged["events"]
     if kept:
         offsets = [r.agent.clock.offset_ns if r.agent.clock else 0 for r, _ in kept]
-        try:
-            merged = merge([r.path for r, _ in kept], out, clock_offsets_ns=offsets, ranks=[r.rank for r, _ in kept])
-        except TraceError as e:  # the analyses' loader took them; the merge's reader did not
-            raise FleetError(f"The traces could not be merged: {e}") from None
-        except OSError as e:
-            raise UsageError(f"Cannot write {out}: {e.strerror or e}.") from None
-        summary["out"] = merged["out"]
-        summary["events"] = merged["events"]
         only = [t for _, t in kept]
         summary["stragglers"] = [vars(s) for s in stragglers(only)]
         summary["communication"] = [vars(o) for o in (comm_overlap(t) for t in only) if o is not None]
@@ -511,6 +488,38 @@ def _merge_and_analyse(agents: list[Agent], ranks: list[Rank], job: str, start_n
                          + (f" ({len(reasons) - 1} more problem(s))" if len(reasons) > 1 else ""))
     summary["exit_code"] = EXIT_PARTIAL if summary["missing"] else 0
     return summary
+
+
+def _window(r: Rank, header: dict[str, Any], offset_ns: int, start_ns: int, duration_s: float) -> None:
+    """What a trace's own facts say of its rank and its window (started how far from the start asked, how long)."""
+    facts = header.get("gpuscope") if isinstance(header.get("gpuscope"), dict) else {}
+    if r.rank is None and isinstance(facts.get("rank"), int):
+        r.rank = facts["rank"]
+    begin, stop = facts.get("profiler_start_unix_ns"), facts.get("profiler_stop_unix_ns")
+    if isinstance(begin, int) and isinstance(stop, int):
+        r.start_error_ns = begin - offset_ns - start_ns
+        r.window_s = (stop - begin) / 1e9
+        if r.window_s < duration_s * 0.9:
+            r.note = (f"Process {r.pid} on {r.agent.shown} ended its window after {r.window_s:.2f} s of "
+                      f"{duration_s:g} s (it exited meanwhile); what it recorded is merged.")
+
+
+def _give_ranks(kept: list[tuple[Rank, Any]]) -> None:
+    """The processes' own ranks where they are known and unique, else places after the known ones."""
+    known = [r.rank for r, _ in kept]
+    dupes = {x for x in known if x is not None and known.count(x) > 1}
+    if dupes:
+        for r, _ in kept:
+            if r.rank in dupes:
+                r.note = (r.note + " " if r.note else "") + (
+                    f"Process {r.pid} on {r.agent.shown} claims rank {r.rank} as another does; it is given a rank of its own.")
+                r.rank = None
+    taken = {r.rank for r, _ in kept if r.rank is not None}
+    free = (n for n in range(10**6) if n not in taken)
+    for r, t in kept:
+        if r.rank is None:
+            r.rank = next(free)
+        t.rank = r.rank
 
 
 def print_summary(s: dict[str, Any]) -> None:
