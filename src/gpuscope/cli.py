@@ -41,7 +41,9 @@ VERBS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line's parser; with `only` (a verb), that verb's alone: a command imports only its
+    own verb's module, not every verb's (a third of a second of start-up, paid by every run of every command)."""
     p = Parser(prog="gpuscope", description="The truth about how well NVIDIA GPUs are used.",
                epilog="Start with 'gpuscope doctor' (what this machine can measure); without a GPU, try "
                       "'gpuscope top --simulate mixed'. 'gpuscope VERB --help' explains each verb. "
@@ -51,18 +53,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="log what the sampler does")
     sub = p.add_subparsers(dest="verb", metavar="VERB", parser_class=Parser)
     for verb, module in VERBS.items():
+        if only is not None and verb != only:
+            continue
         mod = importlib.import_module(module)
         mod.add_arguments(sub.add_parser(verb, help=mod.HELP, description=getattr(mod, "DESCRIPTION", None)))
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    from .commands.trace import ACTIONS
-    from .trace.run import with_run_action
+def _verb(argv: list[str]) -> str | None:
+    """The verb argv names (the first word that is no option: the global options take no value), if any."""
+    word = next((a for a in argv if not a.startswith("-")), None)
+    return word if word in VERBS else None
 
-    parser = build_parser()
+
+def main(argv: Sequence[str] | None = None) -> int:
+    words = list(sys.argv[1:] if argv is None else argv)
+    verb = _verb(words)
+    if verb == "trace":  # `gpuscope trace [options] -- CMD` is `gpuscope trace run ...`
+        from .commands.trace import ACTIONS
+        from .trace.run import with_run_action
+
+        words = with_run_action(words, ACTIONS)
+    if verb is None and words and words[0] == "--version":
+        print(f"gpuscope {__version__}")
+        return EXIT_OK
+    # every verb's parser only where the words name none: --help, a misspelt verb
+    parser = build_parser(verb)
     try:
-        args, extra = parser.parse_known_args(with_run_action(list(sys.argv[1:] if argv is None else argv), ACTIONS))
+        args, extra = parser.parse_known_args(words)
         if extra:  # argparse would blame the top-level parser; point at the verb's help instead
             where = " ".join(["gpuscope", *([args.verb] if args.verb else []), "--help"])
             raise UsageError(f"Unrecognized arguments: {' '.join(extra)} (see '{where}').")
