@@ -93,6 +93,75 @@ def _gpu_labels(visible: str | None) -> dict[int, str]:
 #: The agent reads traces other users' programs wrote: at most this much uncompressed (a 30 s window of
 #: a launch-bound loop with Python stacks is about 100 MiB), so a planted gzip bomb cannot exhaust it.
 INGEST_MAX_BYTES = 512 << 20
+#: What the agent makes of each written trace, each on its own thread: its kernel statistics (here), its
+#: verdicts and findings (autotrace.window_verdicts) and its folded stacks (profile_api.Profiles.fold). They
+#: share one parse of the file (`read_trace`): it is kept until each has taken it, or SHARED_FOR_S.
+READERS = ("kernels", "verdicts", "profile")
+SHARED_FOR_S = 30.0      # the readers scan every second: one that comes later than this reads the file again
+SHARED_MAX = 2           # parsed traces kept at once (a 512 MiB trace is some hundred MB parsed)
+
+
+class _Shared:
+    """One parse of a trace file for all READERS: the first to ask reads it, one asking meanwhile waits for
+    that read, and what it gave (the Trace, or the error) is theirs too. Keyed by the file's identity (device,
+    inode, size, mtime): a file rewritten in place is read again. The Trace is shared: readers only read it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[tuple[Any, ...], dict[str, Any]] = {}
+
+    def get(self, path: str, reader: str) -> Any:
+        from ..trace.kineto import load
+
+        try:
+            st = os.stat(path)
+        except OSError:
+            return load(path, max_bytes=INGEST_MAX_BYTES)  # its one sentence says what is wrong
+        key = (os.path.abspath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        with self._lock:
+            self._forget(time.monotonic())
+            entry = self._entries.get(key)
+            first = entry is None
+            if entry is None:
+                entry = self._entries[key] = {"ready": threading.Event(), "at": None, "trace": None,
+                                              "error": None, "taken": set()}
+        if first:
+            try:
+                entry["trace"] = load(path, max_bytes=INGEST_MAX_BYTES)
+            except Exception as e:  # noqa: BLE001 - the same error for every reader, read once
+                entry["error"] = e
+            finally:
+                entry["at"] = time.monotonic()
+                entry["ready"].set()
+        else:
+            entry["ready"].wait()
+        with self._lock:
+            entry["taken"].add(reader)
+            if entry["taken"].issuperset(READERS):
+                self._entries.pop(key, None)
+        if entry["error"] is not None:
+            raise entry["error"].with_traceback(None)
+        return entry["trace"]
+
+    def _forget(self, now: float) -> None:
+        """Drops what was read more than SHARED_FOR_S ago, then the oldest past SHARED_MAX (none being read)."""
+        done = sorted((e["at"], k) for k, e in self._entries.items() if e["at"] is not None)
+        for i, (at, k) in enumerate(done):
+            if now - at > SHARED_FOR_S or len(done) - i > SHARED_MAX:
+                del self._entries[k]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+_shared = _Shared()
+
+
+def read_trace(path: str, reader: str) -> Any:
+    """The parsed trace (`trace.model.Trace`) at `path` for one of READERS, read once for all of them; a bad
+    file raises the loader's TraceError (the same one for each reader)."""
+    return _shared.get(path, reader)
 
 
 def kernel_table(path: str, visible: str | None) -> list[dict[str, Any]]:
@@ -100,10 +169,9 @@ def kernel_table(path: str, visible: str | None) -> list[dict[str, Any]]:
     import numpy as np
 
     from ..trace.analyze import kernel_stats, launcher_rows
-    from ..trace.kineto import load
     from ..trace.model import EventKind
 
-    trace = load(path, max_bytes=INGEST_MAX_BYTES)
+    trace = read_trace(path, "kernels")
     ev = trace.events
     kernels = np.flatnonzero(ev["kind"] == EventKind.KERNEL)
     labels = _gpu_labels(visible)
