@@ -649,9 +649,6 @@ def test_the_agents_readers_of_a_trace_share_one_read(tmp_path, monkeypatch):
     assert opened["n"] == 4
 
 
-@pytest.mark.xfail(strict=True, reason="autotrace.window_verdicts and profile_api.Profiles.fold still call "
-                   "kineto.load themselves: each should read through trace_api.read_trace(path, 'verdicts' / "
-                   "'profile') (files of other owners)")
 def test_the_agents_three_products_of_a_trace_read_it_once(tmp_path, monkeypatch):
     import shutil
     import types

@@ -64,7 +64,7 @@ from .._version import __version__
 from ..http.responses import json_response
 from ..trace import ondemand as od
 from ._face import AgentFace
-from .trace_api import INGEST_MAX_BYTES, TRACE_SUFFIX, _gpu_labels, _regular, _unlink, _write_new
+from .trace_api import TRACE_SUFFIX, _gpu_labels, _regular, _unlink, _write_new, read_trace
 
 log = logging.getLogger("gpuscope.agent.autotrace")
 
@@ -462,11 +462,10 @@ def _shaped(rows: Any) -> list[dict[str, Any]]:
 
 def window_verdicts(path: str, visible: str | None) -> dict[str, Any]:
     """One trace's verdicts per GPU (the agent's GPU label, through CUDA_VISIBLE_DEVICES) and findings."""
-    from ..trace.kineto import load
     from ..trace.rules import findings
     from ..trace.verdicts import verdicts
 
-    trace = load(path, max_bytes=INGEST_MAX_BYTES)
+    trace = read_trace(path, "verdicts")  # one parse shared with the kernel statistics and the profile
     found = findings(trace)
     labels = _gpu_labels(visible)
     vs = []

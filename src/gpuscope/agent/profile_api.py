@@ -32,7 +32,7 @@ from ..http.responses import error_response, json_response
 from ..timeparse import TimeError, parse_duration
 from ..trace.profile import NoProtobuf, Profile, ProfileError, fold, merge, window_overlaps
 from ._face import AgentFace
-from .trace_api import INGEST_MAX_BYTES, TRACE_SUFFIX, _regular, _unlink, _write_new
+from .trace_api import TRACE_SUFFIX, _regular, _unlink, _write_new
 
 log = logging.getLogger("gpuscope.agent.profile")
 
@@ -104,9 +104,9 @@ class Profiles:
         return folded
 
     def fold(self, path: str) -> Profile:
-        from ..trace.kineto import load
+        from .trace_api import read_trace
 
-        trace = load(path, max_bytes=INGEST_MAX_BYTES)
+        trace = read_trace(path, "profile")  # one parse shared with the kernel statistics and the verdicts
         meta = trace.meta.get("gpuscope")
         meta = meta if isinstance(meta, dict) else {}
         pid = meta.get("pid") if isinstance(meta.get("pid"), int) and not isinstance(meta.get("pid"), bool) else None
