@@ -246,3 +246,14 @@ def test_a_bad_trace_among_the_fleets_is_named_and_the_rest_merged(rank_files, t
     assert done["missing"] == ["The trace of process 9 on 127.0.0.1:1 is not usable: it is not a usable trace: "
                                "traceEvents is a string, not a list of events."]
     assert json.loads(gzip.decompress((tmp_path / "f.json.gz").read_bytes()))["gpuscope_merge"]["ranks"][0]["rank"] == 3
+
+
+def test_no_room_for_the_temporary_files_is_one_sentence(rank_files, tmp_path, monkeypatch):
+    import tempfile
+
+    from gpuscope.errors import UsageError
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "gone"))
+    with pytest.raises(UsageError, match=r"Cannot write the merge's temporary files in .*gone: No such file"):
+        streamed.merge(rank_files[:2], tmp_path / "m.json.gz")
+    assert not (tmp_path / "m.json.gz").exists()
