@@ -283,11 +283,12 @@ class Merger:
         del split
         if run is None:
             header = kineto._parse_whole(src, raw)
-            del raw
+            raw = b""
             events = header.pop("traceEvents")
             run = self._start(src, header, rank, shift_ns)
             trace = self._consume(src, iter([events]), run, analyse)
             del events
+        raw = b""  # the file's bytes go before its events are sorted and written
         try:
             run.finish(self._dir)
         except BaseException as e:
