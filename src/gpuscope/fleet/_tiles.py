@@ -13,7 +13,8 @@ store before its tile is read.
 The report reads the marker's samples in the range: the whole tiles inside it (their ends A..B, one every
 tile, none missing) come from the recorded series with one `sum_over_time` each; the head (start, A - tile]
 and the tail (B, end] are asked of the raw series as single tiles, with the same expressions. A tile whose
-evaluation is missing makes the tiles unusable for that range (the report says so, or reads the raw series).
+evaluation is missing makes the tiles unusable for that range: `gpuscope fleet report` (fleet._compute) then
+reads the recorded or raw series and says why (`source_note`), or with --source tiles stops and says so.
 
     >>> t = q.Tile(3600, 90, offset_s=120)
     >>> print(tile_exprs(t)["used"])
@@ -31,8 +32,8 @@ from typing import Any
 from ..promql import Client, duration, label_matcher
 from . import _queries as q
 
-__all__ = ["BRIDGE_S", "MARKER", "TILE_RECORDED", "TILE_S", "Tiles", "answers", "edge_reasons", "edges_s", "plots", "read_tiles",
-           "rules_group", "rules_yaml", "tile_exprs", "tile_steps"]
+__all__ = ["BRIDGE_S", "MARKER", "TILE_RECORDED", "TILE_S", "Tiles", "answers", "edge_reasons", "edges_s", "plots",
+           "read_tiles", "rules_group", "rules_yaml", "tile_exprs", "tile_steps"]
 
 #: The rules' default tile: a week is 168 of them.
 TILE_S = 3600.0
@@ -117,7 +118,7 @@ def rules_yaml(scrape_interval_s: float, interval_s: float | None = None, tile_s
     ['15s', '300s']
     """
     head = [f"# Then the tiles: per GPU label set and tile of {tile_s:g} s, what the raw series held in it (the report",
-            "# reads a week as 168 hourly tiles, and the raw series only for the range's two partial edges)."]
+            "# reads a range's whole tiles from them, and the raw series only for its two partial edges)."]
     return q.rules_yaml(scrape_interval_s, interval_s) + "\n".join(head + rules_group(scrape_interval_s, tile_s)) + "\n"
 
 
