@@ -82,6 +82,8 @@ def test_a_body_file_is_sent_byte_for_byte(tmp_path: Path) -> None:
     (tmp_path / "body.json").write_bytes(body.encode())
     with LoadtestServer() as srv:
         p = _cli(srv.url("/latency"), "--body-file", "body.json", "--requests", "2", "--workers", "1", cwd=tmp_path)
-        assert p.returncode == 0, p.stderr
+        # a loaded machine may send them late, which makes the run invalid (exit 1): not what is tested here
+        assert p.returncode == 0 or (p.returncode == 1 and p.stderr.startswith("INVALID RUN: ")
+                                     and " late" in p.stderr), p.stderr
         sent = [a[2] for a in srv.applied()]
     assert sent == [body, body]  # CRLF kept: Path.read_text() turned it into LF before

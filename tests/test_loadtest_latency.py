@@ -73,9 +73,17 @@ def test_a_stall_shows_in_the_open_loop_tail_not_in_the_from_sent_latency() -> N
         served = _served(srv, t0)
     o = summary["overall"]
     assert o["errors"] == {}
-    # the server held past 0.5 s only what was on the 4 connections when a stall began (by its own clock)
+    # the server held past 0.5 s only what was on the 4 connections when a stall began (by its own clock): the
+    # answers it held go out together at the stall's end, at most 4 at each (how many stalls the run met
+    # depends on how long a loaded machine made it last)
     held = [i for i, (start, answer) in served.items() if answer - start > 0.5]
-    assert 1 <= len(held) <= 2 * 4
+    ends: list[list[float]] = []
+    for answer in sorted(served[i][1] for i in held):
+        if ends and answer - ends[-1][-1] < 0.25:
+            ends[-1].append(answer)
+        else:
+            ends.append([answer])
+    assert held and all(len(e) <= 4 for e in ends), ends
     stalled_from_intended = sum(1 for r in records if r.latency > 0.5)
     stalled_from_sent = {r.i for r in records if r.service_latency > 0.5}
     assert set(held) <= stalled_from_sent       # what the server held shows from the send too
