@@ -127,6 +127,10 @@ def test_the_limit_finds_the_upstreams_capacity_and_keeps_high_priority_fast(tmp
     # which the limiter rightly reads as less capacity and then climbs back from: the figures below then
     # measure the machine, not the guard, and are checked only when it was not.
     starved = _pct([lag for _, lag in res["lag"]], 0.99) > STARVED_LAG_S
+    # ... or the load tester (its own process): sent late, its requests arrive in bursts, and a burst of high
+    # priority can fill high's own queue (queue_full) however well the guard did
+    starved = starved or _pct([r["t_sent"] - r["t_intended"] for r in recs if r.get("t_sent") is not None],
+                              0.99) > STARVED_LAG_S
     if not starved:
         assert all(C / 2 <= lim for lim in late), hist
     # the queue stayed out of the upstream: inside it a request waited, at the median, under one service time
@@ -147,7 +151,9 @@ def test_the_limit_finds_the_upstreams_capacity_and_keeps_high_priority_fast(tmp
     if not starved:
         assert ok["high"] >= 0.9 and ok["high"] >= ok["low"] + 0.3, ok
         assert shed["low"] > 0.4 and shed["low"] > shed["high"] + 0.3, shed
-    assert sum(g.shed_total.get((0, r), 0) for r in ("queue_full", "evicted")) == 0  # high is never pushed out
+    if not starved:
+        assert sum(g.shed_total.get((0, r), 0) for r in ("queue_full", "evicted")) == 0  # high is never pushed out
+    assert g.shed_total.get((0, "evicted"), 0) == 0  # nor ever evicted to make room for a lower class
     # high priority's median within 2x of its unloaded one, both as the guard's side saw them (its queue wait
     # and the upstream's answer), plus what this run's own delays add: the load tester sending late (a burst
     # that should have been spread), and this event loop lagging (about four hops per request; its p99, as a

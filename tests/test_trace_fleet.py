@@ -249,7 +249,7 @@ def test_four_ranks_under_four_agents_merge_on_one_clock(nodes, tmp_path):
         # trip's delay, which a loaded machine can stretch past 2 ms)
         bound_ns = max(1_000_000, by_url[a.url]["offset_error_ns"])
         assert abs(r["start_error_ns"] - true_error_ns) <= bound_ns, (r, true_error_ns, by_url[a.url])
-        assert true_error_ns >= -1_000_000  # never before the start asked (processes wait for it)
+        assert true_error_ns >= -bound_ns  # never before the start asked (processes wait for it), but for the offset error
         assert true_error_ns < 1_000_000_000  # they saw the request before the start: no poll second lost
     merged = json.loads(gzip.decompress(out.read_bytes()))
     names = {e["args"]["name"] for e in merged["traceEvents"] if e.get("name") == "process_name"}

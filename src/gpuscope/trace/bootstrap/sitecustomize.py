@@ -76,6 +76,7 @@ import socket
 import stat
 import sys
 import tempfile
+import termios
 import threading
 import time
 
@@ -103,6 +104,7 @@ _PROFILER_LINE = re.compile(
     rb"|\S*/torch/(autograd/)?profiler[\w/]*\.py:\d+: \w*Warning: )", re.IGNORECASE)
 _PROFILER_WARNING = re.compile(rb"^\S*/torch/(autograd/)?profiler[\w/]*\.py:\d+: \w*Warning: ")
 _IDLE_S = 0.05  # a partial line (a progress bar) waits no longer than this before it is passed on
+_DRAIN_S = 1.0  # how long the end of a capture waits for the pump to pass on what the pipe holds
 
 
 class _Capture:
@@ -116,9 +118,10 @@ class _Capture:
 
     def __init__(self, log_path, logged):
         self.log_path, self.logged = log_path, logged  # logged(path, lines) once the window's lines are in
-        self.saved = self.out = None
+        self.saved = self.out = self.peek = None
         self.pump = None
         self.lines = 0
+        self.idle = False  # the pump waits with nothing read and not passed on
 
     def __enter__(self):
         try:
@@ -131,19 +134,19 @@ class _Capture:
                 fcntl.fcntl(w, 1031, 1 << 20)  # F_SETPIPE_SZ: room for a burst while the pump waits for the GIL
             except OSError:
                 pass
-            self.saved, self.out = os.dup(2), os.dup(2)
+            self.saved, self.out, self.peek = os.dup(2), os.dup(2), os.dup(r)
             self.pump = threading.Thread(target=self._pump, args=(r,), name="gpuscope-trace-stderr", daemon=True)
             self.pump.start()  # from here the pump owns r and self.out
             os.dup2(w, 2)
             _Capture.active = self
         except Exception:
-            for fd in ((r, self.out) if self.pump is None else ()) + (self.saved,):
+            for fd in ((r, self.out) if self.pump is None else ()) + (self.saved, self.peek):
                 if fd is not None:
                     try:
                         os.close(fd)
                     except OSError:
                         pass
-            self.saved = None
+            self.saved = self.peek = None
         finally:
             os.close(w)  # fd 2 holds the write end now; without the dup2, the pump sees EOF and ends
         return self
@@ -153,21 +156,42 @@ class _Capture:
             return False
         try:
             _flush_stderr()
+            self._drain()
             os.dup2(self.saved, 2)  # the last write end of the program's own goes: the pump sees EOF
         finally:
             _Capture.active = None
             os.close(self.saved)
             self.saved = None
+            if self.peek is not None:
+                os.close(self.peek)
+                self.peek = None
             self.pump.join(2.0)
             if self.lines:
                 self.logged(self.log_path, self.lines)
         return False
 
+    def _drain(self):
+        """Wait (at most _DRAIN_S) until the pump has passed on all the pipe holds, so that the program's lines
+        written before fd 2 is restored come out before those it writes after (a loaded machine can keep the
+        pump from running for a while): the program's stderr stays in order."""
+        deadline = time.monotonic() + _DRAIN_S
+        buf = bytearray(4)
+        while time.monotonic() < deadline and self.pump is not None and self.pump.is_alive():
+            try:
+                fcntl.ioctl(self.peek, termios.FIONREAD, buf)
+            except OSError:
+                return
+            if self.idle and int.from_bytes(buf, sys.byteorder) == 0:
+                return
+            time.sleep(0.0005)
+
     def _pump(self, r):
         pending, log, quoted = b"", None, False
         try:
             while True:
+                self.idle = not pending
                 ready, _, _ = select.select([r], [], [], _IDLE_S if pending else None)
+                self.idle = False
                 if not ready:  # a partial line, and nothing more for a while: it is the program's
                     self._send(pending)
                     pending = b""
