@@ -157,6 +157,24 @@ def test_window_cache_keeps_a_bounded_number_of_windows_per_length():
     assert all(cache.get((a * w60, (a + 1) * w60, 1.0)) == [] for a in range(60))
 
 
+def test_window_cache_keeps_what_the_timeline_draws_not_the_processes_verdicts():
+    from gpuscope.diagnose.history import WindowCache
+    from gpuscope.diagnose.windows import Verdict
+
+    def verdict(pid=None, processes=()):
+        return Verdict("0", "sync_bound", "warning", 0.9, "s", {"sm": [0.1] * 100}, ["fix"], pid=pid,
+                       processes=list(processes))
+
+    shared = verdict(processes=[verdict(pid=p) for p in range(12)])
+    cache = WindowCache()
+    cache.put((0, 10, 1.0), [(shared, 0, 10)])
+    [(kept, a, b)] = cache.get((0, 10, 1.0))
+    assert (a, b) == (0, 10) and kept.processes == [] and kept.evidence == {}
+    assert (kept.gpu, kept.kind, kept.severity, kept.summary, kept.primary, kept.recommendations) == (
+        "0", "sync_bound", "warning", "s", True, ["fix"])
+    assert len(shared.processes) == 12 and shared.evidence  # the caller's verdict is not changed
+
+
 def test_timeline_of_an_empty_range_is_one_sentence(tmp_path):
     from gpuscope.diagnose.history import timeline
 
