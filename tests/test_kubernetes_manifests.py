@@ -540,9 +540,11 @@ def test_the_rendered_command_line_and_config_start_an_agent_that_serves(overlay
         assert http(port, "/healthz")[0] == 200
         deadline = time.monotonic() + 30
         metrics = b""
+        # ready before its first full sample: SM activity comes from the second (a rate over two GPM reads)
+        want = b"DCGM_FI_DEV_GPU_UTIL" if overlay == "dcgm-naming" else b"\ngpu_sm_active_ratio{"
         while time.monotonic() < deadline:
             code, metrics = http(port, "/metrics")
-            if code == 200 and metrics:
+            if code == 200 and want in metrics:
                 break
             time.sleep(0.2)
         text = metrics.decode()
