@@ -135,9 +135,9 @@ def test_a_real_process_environment_gives_its_slurm_job_and_torchrun_run(childre
     slurm = _child({b"PATH": b"/usr/bin", b"SLURM_JOB_ID": b"918273", b"API_TOKEN": b"s3cret"})
     torch = _child({b"TORCHELASTIC_RUN_ID": b"llama-70b-run7", b"PATH": b"/usr/bin"})
     children += [slurm, torch]
-    att = read_attribution(slurm.pid)
+    att = _attribution_once_running(slurm)
     assert att.slurm_job == "918273" and att.torchrun_run == ""
-    assert read_attribution(torch.pid).torchrun_run == "llama-70b-run7"
+    assert _attribution_once_running(torch).torchrun_run == "llama-70b-run7"
     # the host reader carries it to the process record
     reader = HostProcessReader()
     info = reader.read(torch.pid)
