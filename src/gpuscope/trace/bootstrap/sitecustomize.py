@@ -540,7 +540,7 @@ class _Tracer:
                 "raw_bytes")
         od.mark_done(self.requests_dir, req["id"], host, self.pid, status="written", reason="",
                      cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
-                     **answer, **{k: meta[k] for k in kept if k in meta})
+                     **answer, **{k: meta[k] for k in kept})
 
     def _start(self):
         if self.backend == "cupti":
@@ -586,7 +586,7 @@ class _Tracer:
         stopped_ns = time.time_ns()
         phases = dict(phases or {})
         t = time.monotonic()
-        phases["window"] = (stopped_ns - started["unix_ns"]) / 1e9 - phases.get("start", 0.0)
+        phases["window"] = (time.monotonic_ns() - started["monotonic_ns"]) / 1e9 - phases.get("start", 0.0)
         with self._quiet():
             prof.stop()
         phases["stop"], t = time.monotonic() - t, time.monotonic()
