@@ -189,11 +189,12 @@ def test_py_spy_samples_every_busy_thread_apart(tmp_path):
             while time.time() - t < 20:
                 sum(range(1000))
         threading.Thread(target=spin, name="worker").start()
+        print("ready", flush=True)
         spin()
     """))
-    p = subprocess.Popen([sys.executable, str(script)])
+    p = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
-        time.sleep(1.0)
+        assert p.stdout.readline().strip() == "ready"  # both threads run: a loaded machine may start it late
         try:
             prof = profile(p.pid, seconds=1.5)
         except ProfileUnavailable as e:

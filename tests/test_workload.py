@@ -205,6 +205,9 @@ def test_real_processes_on_a_gpu_label_their_series_with_their_workload(children
     a = _child({b"TORCHELASTIC_RUN_ID": b"job-a"})
     b = _child({b"SLURM_JOB_ID": b"31337"})
     children += [a, b]
+    # The host reader reads a process's environment once (a GPU process is long past its exec); a child read
+    # between its fork and its exec on a loaded machine would keep an empty one, which says nothing of the reader.
+    assert _attribution_once_running(a) != Attribution() and _attribution_once_running(b) != Attribution()
     fake = FakeNVML([FakeGPU(index=0, uuid="GPU-a", processes=[FakeProcess(pid=a.pid)]),
                      FakeGPU(index=1, uuid="GPU-b", processes=[FakeProcess(pid=a.pid), FakeProcess(pid=b.pid)])])
     with Sampler(SamplerConfig(interval=0.05, collect_host=False, events=False), nvml=fake) as s:
