@@ -182,27 +182,54 @@ def _idle_share(t: Tile) -> str:
 def counter_expr(name: str, t: Tile, matchers: str = "") -> str:
     """Per KEY (and reason), the counter's growth in the tile: the GPU's growth (its last sample in the tile
     minus its last before, over all its label sets, looked for up to `bridge_s` back across a gap; after a
-    reset, its value) split among its label sets in the tile by their own growth there. A label set's own
-    growth: its last sample minus its own sample just before the tile where it ran on from the previous
-    one, else minus its first, with one step more at its mean rate (the step up to its first sample)."""
+    reset, its value) split among its label sets in the tile.
+
+    A label set that ran on from before the tile (a sample of its own in the freshness window before it) has
+    its growth exactly: its last sample minus that one. One that began inside the tile has its growth from
+    its first sample to its last, and the step before its first sample. Those steps together are the GPU's
+    growth since its last sample before the tile less what the label sets' own samples account for: a label
+    set with two samples or more is given its own mean rate per step of it, and those with a single sample
+    share what is left (exact where one label set began, or where the others' rates held). Where the label
+    sets' own growth exceeds the GPU's (one that left and came back within the tile spans the others'),
+    the GPU's growth is split in proportion to their own."""
     metric, extra = COUNTERS[name]
     ident = _by(("hostname", "gpu", *extra))
+    key = _by((*KEY, *extra))
     look = max(t.fresh_s, t.window_s - 0.001)
     a = f"max by ({ident}) ({_fresh(metric, t, matchers, look_s=look)})"
     b = f"max by ({ident}) ({_fresh(metric, t, matchers, back_s=t.window_s, look_s=look)})"
+
+    def growth(before: str) -> str:
+        d = f"({a} - {before})"
+        return f"(({d} >= 0) or ({a} and ({d} < 0)))"  # reset: counted from 0
+
+    bridged = b
     if t.bridge_s > look:
-        b = (f"({b} or on ({ident}) max by ({ident}) "
-             f"({_fresh(metric, t, matchers, back_s=t.window_s, look_s=t.bridge_s)}))")
-    d = f"({a} - {b})"
-    growth = f"(({d} >= 0) or ({a} and ({d} < 0)))"  # reset: counted from 0
+        bridged = (f"({b} or on ({ident}) max by ({ident}) "
+                   f"({_fresh(metric, t, matchers, back_s=t.window_s, look_s=t.bridge_s)}))")
     inside = _range(metric, t.window_s - 0.001, t.offset_s, matchers)
     reach = _range(metric, t.window_s - 0.001 + t.fresh_s, t.offset_s, matchers)
     n = f"count_over_time({inside})"
     began = f"(count_over_time({reach}) == bool {n})"
-    mine = (f"(max_over_time({inside}) - min_over_time({reach}) + {began} * (max_over_time({inside}) - "
-            f"min_over_time({inside})) / clamp_min({n} - 1, 1) + {_PER_SAMPLE} * {n})")
-    w = f"sum by ({_by((*KEY, *extra))}) ({mine})"
-    return f"({w} / on ({ident}) group_left () sum by ({ident}) ({w}) * on ({ident}) group_left () {growth})"
+    span = f"(max_over_time({inside}) - min_over_time({inside}))"
+
+    def per(expr: str) -> str:
+        return f"sum by ({ident}) ({expr})"
+
+    # own samples' growth (the weight per sample keeps a GPU whose label sets did not grow divisible by them);
+    # of those that began, the known step (mean rate) and the count with a single sample
+    # (its last sample before the tile: the one just before, not the earliest of the freshness window, which
+    # may hold two of a label set's samples)
+    before = f"last_over_time({_range(metric, t.fresh_s - 0.001, t.offset_s + t.window_s - 0.001, matchers)})"
+    own = (f"sum by ({key}) (max_over_time({inside}) - ({before} or min_over_time({inside})) + {_PER_SAMPLE} * "
+           f"{n})")
+    known = f"sum by ({key}) ({began} * ({n} > bool 1) * {span} / clamp_min({n} - 1, 1))"
+    single = f"sum by ({key}) ({began} * ({n} == bool 1))"
+    rest = f"(clamp_min({growth(b)} - on ({ident}) {per(own)}, 0) or on ({ident}) 0 * {per(own)})"
+    w = (f"({own} + {known} * on ({ident}) group_left () clamp_max({rest} / clamp_min({per(known)}, 1e-9), 1)"
+         f" + {single} * on ({ident}) group_left () (clamp_min({rest} - on ({ident}) {per(known)}, 0)"
+         f" / clamp_min({per(single)}, 1)))")
+    return f"({w} / on ({ident}) group_left () sum by ({ident}) ({w}) * on ({ident}) group_left () {growth(bridged)})"
 
 
 def _user_share(t: Tile) -> str:
