@@ -27,7 +27,10 @@ steps: a gap in scraping is then a gap in every figure (never the last value car
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from ..diagnose.thresholds import DEFAULT as THRESHOLDS
 from ..promql import duration, quote, regex_alternation
@@ -179,19 +182,12 @@ def _idle_share(t: Tile) -> str:
             f" / clamp_min({mx} - {mn}, 1e-9))")
 
 
-def counter_expr(name: str, t: Tile, matchers: str = "") -> str:
-    """Per KEY (and reason), the counter's growth in the tile: the GPU's growth (its last sample in the tile
-    minus its last before, over all its label sets, looked for up to `bridge_s` back across a gap; after a
-    reset, its value) split among its label sets in the tile.
-
-    A label set that ran on from before the tile (a sample of its own in the freshness window before it) has
-    its growth exactly: its last sample minus that one. One that began inside the tile has its growth from
-    its first sample to its last, and the step before its first sample. Those steps together are the GPU's
-    growth since its last sample before the tile less what the label sets' own samples account for: a label
-    set with two samples or more is given its own mean rate per step of it, and those with a single sample
-    share what is left (exact where one label set began, or where the others' rates held). Where the label
-    sets' own growth exceeds the GPU's (one that left and came back within the tile spans the others'),
-    the GPU's growth is split in proportion to their own."""
+def counter_parts(name: str, t: Tile, matchers: str = "") -> dict[str, str]:
+    """What counter_expr puts together, as queries of their own: per KEY (and reason), a label set's own
+    samples' growth ("own"), the step before its first sample where it began in the tile and has two samples
+    or more ("known"), 1 where it began with a single one ("single"); per GPU (and reason), its growth since
+    its last sample within a tile before ("short") and since its last within `bridge_s` ("bridged").
+    split_counter does on the rows what counter_expr does on the server."""
     metric, extra = COUNTERS[name]
     ident = _by(("hostname", "gpu", *extra))
     key = _by((*KEY, *extra))
@@ -209,27 +205,101 @@ def counter_expr(name: str, t: Tile, matchers: str = "") -> str:
                    f"({_fresh(metric, t, matchers, back_s=t.window_s, look_s=t.bridge_s)}))")
     inside = _range(metric, t.window_s - 0.001, t.offset_s, matchers)
     reach = _range(metric, t.window_s - 0.001 + t.fresh_s, t.offset_s, matchers)
+    # a label set's last sample before the tile: the one just before, not the earliest of the freshness
+    # window, which may hold two of its samples
+    before = f"last_over_time({_range(metric, t.fresh_s - 0.001, t.offset_s + t.window_s - 0.001, matchers)})"
     n = f"count_over_time({inside})"
     began = f"(count_over_time({reach}) == bool {n})"
     span = f"(max_over_time({inside}) - min_over_time({inside}))"
+    return {
+        # the weight per sample keeps a GPU whose label sets did not grow divisible by their samples
+        "own": f"sum by ({key}) (max_over_time({inside}) - ({before} or min_over_time({inside})) + "
+               f"{_PER_SAMPLE} * {n})",
+        "known": f"sum by ({key}) ({began} * ({n} > bool 1) * {span} / clamp_min({n} - 1, 1))",
+        "single": f"sum by ({key}) ({began} * ({n} == bool 1))",
+        "short": growth(b),
+        "bridged": growth(bridged),
+    }
+
+
+def counter_expr(name: str, t: Tile, matchers: str = "") -> str:
+    """Per KEY (and reason), the counter's growth in the tile: the GPU's growth (its last sample in the tile
+    minus its last before, over all its label sets, looked for up to `bridge_s` back across a gap; after a
+    reset, its value) split among its label sets in the tile.
+
+    A label set that ran on from before the tile (a sample of its own in the freshness window before it) has
+    its growth exactly: its last sample minus that one. One that began inside the tile has its growth from
+    its first sample to its last, and the step before its first sample. Those steps together are the GPU's
+    growth since its last sample before the tile less what the label sets' own samples account for: a label
+    set with two samples or more is given its own mean rate per step of it, and those with a single sample
+    share what is left (exact where one label set began, or where the others' rates held). Where the label
+    sets' own growth exceeds the GPU's (one that left and came back within the tile spans the others'),
+    the GPU's growth is split in proportion to their own."""
+    ident = _by(("hostname", "gpu", *COUNTERS[name][1]))
+    p = counter_parts(name, t, matchers)
+    own, known, single = p["own"], p["known"], p["single"]
 
     def per(expr: str) -> str:
         return f"sum by ({ident}) ({expr})"
 
-    # own samples' growth (the weight per sample keeps a GPU whose label sets did not grow divisible by them);
-    # of those that began, the known step (mean rate) and the count with a single sample
-    # (its last sample before the tile: the one just before, not the earliest of the freshness window, which
-    # may hold two of a label set's samples)
-    before = f"last_over_time({_range(metric, t.fresh_s - 0.001, t.offset_s + t.window_s - 0.001, matchers)})"
-    own = (f"sum by ({key}) (max_over_time({inside}) - ({before} or min_over_time({inside})) + {_PER_SAMPLE} * "
-           f"{n})")
-    known = f"sum by ({key}) ({began} * ({n} > bool 1) * {span} / clamp_min({n} - 1, 1))"
-    single = f"sum by ({key}) ({began} * ({n} == bool 1))"
-    rest = f"(clamp_min({growth(b)} - on ({ident}) {per(own)}, 0) or on ({ident}) 0 * {per(own)})"
+    rest = f"(clamp_min({p['short']} - on ({ident}) {per(own)}, 0) or on ({ident}) 0 * {per(own)})"
     w = (f"({own} + {known} * on ({ident}) group_left () clamp_max({rest} / clamp_min({per(known)}, 1e-9), 1)"
          f" + {single} * on ({ident}) group_left () (clamp_min({rest} - on ({ident}) {per(known)}, 0)"
          f" / clamp_min({per(single)}, 1)))")
-    return f"({w} / on ({ident}) group_left () sum by ({ident}) ({w}) * on ({ident}) group_left () {growth(bridged)})"
+    return f"({w} / on ({ident}) group_left () sum by ({ident}) ({w}) * on ({ident}) group_left () {p['bridged']})"
+
+
+def split_counter(name: str, rows: Mapping[str, Iterable[Mapping[str, Any]]]) -> list[tuple[dict[str, str], float]]:
+    """counter_expr's split done here, on the rows of counter_parts' queries (part -> instant-query rows):
+    (labels, growth) per KEY (and reason). A server joins a counter's series at a cost that grows faster than
+    their number; apart, each part is a plain aggregation.
+
+    >>> g = {"hostname": "n", "gpu": "0"}
+    >>> def row(v, **kw): return {"metric": {**g, **kw}, "value": [0, str(v)]}
+    >>> parts = {"own": [row(50, pod="a"), row(20, pod="b")], "known": [row(0, pod="a"), row(10, pod="b")],
+    ...          "single": [row(0, pod="a"), row(0, pod="b")], "short": [row(80)], "bridged": [row(80)]}
+    >>> sorted((lab["pod"], round(v, 6)) for lab, v in split_counter("energy", parts))
+    [('a', 50.0), ('b', 30.0)]
+    """
+    extra = COUNTERS[name][1]
+    ident_of = ("hostname", "gpu", *extra)
+    key_of = (*KEY, *extra)
+
+    def table(part: str, labels: tuple[str, ...]) -> dict[tuple[str, ...], float]:
+        out: dict[tuple[str, ...], float] = {}
+        for r in rows.get(part) or ():
+            try:
+                v = float(r["value"][1])
+            except (KeyError, IndexError, TypeError, ValueError):
+                continue
+            if math.isfinite(v):
+                m = r.get("metric") or {}
+                out[tuple(m.get(x, "") for x in labels)] = v
+        return out
+
+    own, known, single = table("own", key_of), table("known", key_of), table("single", key_of)
+    short, bridged = table("short", ident_of), table("bridged", ident_of)
+    sums: dict[tuple[str, ...], list[float]] = {}  # ident -> [own, known, single]
+    idents = {k: tuple(k[key_of.index(x)] for x in ident_of) for k in own}
+    for k, i in idents.items():
+        acc = sums.setdefault(i, [0.0, 0.0, 0.0])
+        acc[0] += own[k]
+        acc[1] += known.get(k, 0.0)
+        acc[2] += single.get(k, 0.0)
+    weights: dict[tuple[str, ...], float] = {}
+    for k, i in idents.items():
+        s_own, s_known, s_single = sums[i]
+        rest = max(short[i] - s_own, 0.0) if i in short else 0.0
+        weights[k] = (own[k] + known.get(k, 0.0) * min(rest / max(s_known, 1e-9), 1.0)
+                      + single.get(k, 0.0) * max(rest - s_known, 0.0) / max(s_single, 1.0))
+    total: dict[tuple[str, ...], float] = {}
+    for k, i in idents.items():
+        total[i] = total.get(i, 0.0) + weights[k]
+    out = []
+    for k, i in idents.items():
+        if i in bridged and total[i] != 0:
+            out.append(({x: v for x, v in zip(key_of, k, strict=True) if v}, weights[k] / total[i] * bridged[i]))
+    return out
 
 
 def _user_share(t: Tile) -> str:

@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..promql import Client, duration, label_matcher
+from ..promql import Client, duration, label_matcher, regex_alternation
 from . import _queries as q
 
 __all__ = ["BRIDGE_S", "MARKER", "TILE_RECORDED", "TILE_S", "Tiles", "answers", "edge_reasons", "edges_s", "plots",
@@ -233,10 +233,15 @@ def edge_reasons(client: Client, t: Tiles, start_s: float, end_s: float) -> list
     return sorted({r for x in rows if (r := (x.get("metric") or {}).get("reason", ""))})
 
 
+#: The counters whose edges are split here (fleet._queries.split_counter), not by the server.
+_SPLIT = ("energy", "throttle")
+
+
 def _plan(t: Tiles, w: q.Window, start_s: float, end_s: float, by_labels: tuple[str, ...],
           reasons: list[str] | None = None) -> list[tuple[str, str, float]]:
-    """(figure, expr, time) of every query: the recorded tiles, then the raw head and tail (their throttling
-    one query per reason in `reasons`; all at once where None)."""
+    """(name, expr, time) of every query: the recorded tiles, then the raw head and tail. A counter's edge is
+    asked as counter_parts' queries, named `<figure>~<edge>~<part>`, its throttling only for the reasons in
+    `reasons` (all where None)."""
     out = []
     span = duration(t.last_end_s - t.start_s - 0.001)
     for name, series in TILE_RECORDED.items():
@@ -247,33 +252,48 @@ def _plan(t: Tiles, w: q.Window, start_s: float, end_s: float, by_labels: tuple[
         out.append((name, f"{fn} by ({', '.join(labels)}) ({fn}_over_time({series}[{span}]))",
                     t.last_end_s + t.delay_s))
     head, tail = edges_s(t, start_s, end_s)
-    for edge_end, length in ((t.start_s, head), (end_s, tail)):
+    for edge, (edge_end, length) in enumerate(((t.start_s, head), (end_s, tail))):
         if length < 0.002:  # nothing but an edge of a millisecond: at most a sample on its boundary
             continue
         # a counter's last sample before the edge looked for a tile further back, not the rules' day: that
         # would read a day of every counter's samples for two edges of an hour or less
         tile = q.Tile(length, w.fresh_s, 0.0, w.allocation, bridge_s=length + t.tile_s)
-        exprs = [(n, e) for n, e in tile_exprs(tile).items() if n not in ("power", "throttle" if reasons is not None
-                                                                             else "")]
-        exprs += [("throttle", _moved(q.counter_expr("throttle", tile, label_matcher("reason", r))))
-                  for r in reasons or ()]
-        for name, expr in exprs:
+        for name, expr in tile_exprs(tile).items():
+            if name in ("power", *_SPLIT):
+                continue
             labels = _PER_GPU.get(name) or (*by_labels, *_EXTRA.get(name, ()))
             fn = "max" if name in _MAX else "sum"
             out.append((name, f"{fn} by ({', '.join(labels)}) ({expr})", edge_end))
+        for name in _SPLIT:
+            matchers = ""
+            if name == "throttle" and reasons is not None:
+                if not reasons:
+                    continue
+                matchers = label_matcher("reason", regex_alternation(reasons), "=~")
+            for part, expr in q.counter_parts(name, tile, matchers).items():
+                out.append((f"{name}~{edge}~{part}", expr, edge_end))
     return out
 
 
 def answers(client: Client, t: Tiles, w: q.Window, start_s: float, end_s: float, by_labels: tuple[str, ...],
             run: Any) -> dict[str, list[dict[str, Any]]]:
     """The report's answers (figure -> instant-query rows, as the raw path's) from the tiles and the edges:
-    the rows of a figure's queries put together (the memory's peaks: the larger of each label set's)."""
+    the rows of a figure's queries put together (the memory's peaks: the larger of each label set's; a
+    counter's edges split here and summed by the report's labels)."""
     plan = _plan(t, w, start_s, end_s, by_labels, edge_reasons(client, t, start_s, end_s))
     got = run({f"{name}#{i}": (expr, at) for i, (name, expr, at) in enumerate(plan)})
     out: dict[str, list[dict[str, Any]]] = {name: [] for name in TILE_RECORDED if name != "power"}
     peaks: dict[str, dict[str, dict[str, Any]]] = {name: {} for name in _MAX}
+    parts: dict[tuple[str, str], dict[str, list[dict[str, Any]]]] = {}
+    at_of: dict[tuple[str, str], float] = {}
     for full, rows in got.items():
-        name = full.split("#", 1)[0]
+        name, i = full.split("#", 1)
+        at = plan[int(i)][2]
+        if "~" in name:
+            figure, edge, part = name.split("~")
+            parts.setdefault((figure, edge), {})[part] = rows
+            at_of[(figure, edge)] = at
+            continue
         if name not in _MAX:
             out[name].extend(rows)
             continue
@@ -284,6 +304,17 @@ def answers(client: Client, t: Tiles, w: q.Window, start_s: float, end_s: float,
                 peaks[name][k] = r
     for name, rows_by in peaks.items():
         out[name] = list(rows_by.values())
+    for (figure, edge), rows_of in parts.items():
+        labels = (*by_labels, *_EXTRA.get(figure, ()))
+        sums: dict[tuple[str, ...], float] = {}
+        for lab, v in q.split_counter(figure, rows_of):
+            if figure == "throttle" and not v > 0:  # as _moved: only the label sets whose counter grew
+                continue
+            k = tuple(lab.get(x, "") for x in labels)
+            sums[k] = sums.get(k, 0.0) + v
+        at = at_of[(figure, edge)]
+        out[figure].extend({"metric": {x: v for x, v in zip(labels, k, strict=True) if v}, "value": [at, repr(v)]}
+                           for k, v in sums.items())
     out["throttle:all"] = out.pop("throttle")
     return out
 
