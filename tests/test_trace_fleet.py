@@ -259,13 +259,16 @@ def test_four_ranks_under_four_agents_merge_on_one_clock(nodes, tmp_path):
     for ev in merged["traceEvents"]:
         if ev.get("name") == NCCL:
             starts.setdefault(ev["pid"] // 10**7 - 1, []).append(ev["ts"])
-    n = min(len(v) for v in starts.values())
     bound_us = max(1000.0, max(a["offset_error_ns"] for a in s["agents"]) / 1000)
-    assert sorted(starts) == [0, 1, 2, 3] and n >= 10
-    for k in range(n):
-        on_time = [sorted(starts[r])[k] for r in (0, 1, 3)]
+    assert sorted(starts) == [0, 1, 2, 3]
+    # matched by time, not by order: a rank whose window began late on a loaded machine missed the first tick
+    lo, hi = max(min(v) for v in starts.values()), min(max(v) for v in starts.values())
+    ticks = [t for t in sorted(starts[0]) if lo - 50_000 <= t <= hi + 50_000]  # µs: the ticks every rank saw
+    assert len(ticks) >= 10, (len(ticks), {r: len(v) for r, v in starts.items()})
+    for t in ticks:
+        on_time = [t, *(min(starts[r], key=lambda x: abs(x - t)) for r in (1, 3))]
         assert max(on_time) - min(on_time) <= 2 * bound_us, on_time  # µs: two ranks' errors may add
-        assert abs(sorted(starts[2])[k] - on_time[0] - LATE_US) <= 2 * bound_us
+        assert abs(min(starts[2], key=lambda x: abs(x - t - LATE_US)) - t - LATE_US) <= 2 * bound_us
     arr = s["arrivals"]
     assert arr["slowest_rank"] == 2 and arr["collectives"] >= 10
     assert abs(arr["spread_p50_ns"] - LATE_US * 1000) <= 2 * bound_us * 1000
