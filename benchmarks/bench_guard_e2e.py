@@ -197,6 +197,7 @@ def guard_config(service: str, max_batch: int, slo: dict[str, float], args: argp
         f"  service_metrics: {service}/metrics",
         "  queue_metric: vllm:num_requests_waiting",
         f"  queue_high: {max(2, max_batch // 8)}",
+        f"  tpot_slo_s: {slo['tpot_ms'] / 1000:.4f}",
         "  interval_s: 0.5",
         "breaker:",
         "  enabled: false",

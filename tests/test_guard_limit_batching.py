@@ -62,3 +62,53 @@ def test_with_the_service_queue_over_queue_high_the_limit_backs_off():
 
 def test_with_a_few_waiting_under_queue_high_the_limit_holds():
     assert _run(1.0, initial=8).limit == 8
+
+
+# -- the service's time per output token (signals.tpot_slo_s) ------------------------------------------------------
+def _tpot_s(n: float) -> float:
+    """A decode step of a batch of n: 3 ms and 0.25 ms a request (the H200 showed 4.9 ms at 64 closed loop and
+    about 18 ms under a spike's prefills: a step grows with what the batch holds)."""
+    return 0.003 + 0.00025 * n
+
+
+def _run_tpot(slo_s: float, seconds: float = 40.0, initial: float = 64, batch: int = 64,
+              ) -> tuple[AdaptiveLimit, list[tuple[float, float]]]:
+    """Saturating load on an engine with room for `batch` and nothing waiting in it (its queue signal 0), its
+    TPOT read every 0.5 s at the mean batch of the last interval; (time, limit) after every reading."""
+    lim = AdaptiveLimit(ControllerConfig(signal="ttft", initial_limit=initial, min_limit=2, max_limit=batch),
+                        SignalsConfig(queue_high=2, interval_s=0.5, tpot_slo_s=slo_s), 0.0)
+    t, next_signal, trace, held = 0.0, 0.5, [], []
+    while t < seconds:
+        n = max(1, min(batch, math.ceil(lim.limit)))
+        held.append(n)
+        e2e_s = _ttft_s(min(n, 16)) + 31 * _tpot_s(n)
+        t += e2e_s / n
+        if t >= next_signal:
+            lim.observe_signal(GpuSignal(time_s=t, queue_waiting=0.0, tpot_s=_tpot_s(sum(held) / len(held))))
+            held.clear()
+            next_signal = t + 0.5
+            trace.append((t, lim.limit))
+        lim.observe(_ttft_s(min(n, 16)), n, False, t, n - 1)
+    return lim, trace
+
+
+def test_without_a_tpot_slo_the_limit_fills_the_batch_whatever_its_tpot():
+    lim, _ = _run_tpot(0.0)
+    assert lim.limit == 64 and _tpot_s(64) > 0.018  # the H200 spike's case: TPOT 2x its SLO, nothing waiting
+
+
+def test_with_a_tpot_slo_the_limit_comes_down_to_where_tpot_meets_it_and_stays():
+    slo = 0.0097  # the H200 run's: 2 x the calibrated 4.9 ms
+    lim, trace = _run_tpot(slo)
+    meets = (slo - 0.003) / 0.00025  # 26.8 in flight: the most whose TPOT meets the SLO
+    late = [limit for t, limit in trace if t >= 10]
+    assert late and max(late) <= meets + 1  # at or under the SLO after the first 10 s
+    assert min(late) >= 0.6 * meets  # and not collapsed: held within a backoff of tpot_hold x SLO
+    down = next(t for t, limit in trace if limit <= meets + 1)
+    assert down <= 5.0  # x0.9 a reading from 64: 9 readings
+
+
+def test_a_tpot_under_the_hold_band_lets_the_limit_grow_back():
+    lim, trace = _run_tpot(0.0097, initial=4)
+    assert max(limit for _, limit in trace) >= 0.8 * (0.0097 - 0.003) / 0.00025 * 0.8  # grew from 4
+    assert lim.limit <= (0.0097 - 0.003) / 0.00025 + 1

@@ -9,7 +9,13 @@ from aiohttp import web
 from test_agent import AgentProc
 
 from gpuscope.guard import GpuSignal, Guard, parse_config
-from gpuscope.guard._signals import SignalPoller, queue_from_metrics, signal_from_latest
+from gpuscope.guard._signals import (
+    SignalPoller,
+    TpotMeter,
+    queue_from_metrics,
+    service_values,
+    signal_from_latest,
+)
 
 VLLM_METRICS = """# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
 # TYPE vllm:num_requests_waiting gauge
@@ -118,3 +124,71 @@ def test_an_agent_beyond_loopback_is_read_with_its_token(tmp_path):
         assert asyncio.run(scenario(str(tmp_path / "no-such-token"))) is None  # 401: no signal, never a raise
     finally:
         agent.stop()
+
+
+def test_the_services_tpot_from_its_token_counter_backs_the_limit_off_over_its_slo():
+    """A real /metrics server whose token counter advances 1,000 a read with 10 running: read 0.5 s apart by the
+    guard's clock, 10 x 0.5 / 1,000 = 5 ms a token, over a 4 ms SLO: overloaded, the limit backs off."""
+    async def scenario():
+        reads = {"n": 0}
+        app = web.Application()
+
+        async def metrics(request: web.Request) -> web.Response:
+            reads["n"] += 1
+            return web.Response(text=f"""# TYPE vllm:generation_tokens counter
+vllm:generation_tokens_total{{model_name="m"}} {1000.0 * reads["n"]}
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{{model_name="m"}} 10
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{{model_name="m"}} 0
+""")
+
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        svc = f"http://127.0.0.1:{runner.addresses[0][1]}/metrics"
+        clock = Clock()
+        g = Guard(parse_config({"classes": [{"name": "a"}], "signals": {
+            "service_metrics": svc, "tpot_slo_s": 0.004}}), clock=clock)
+        try:
+            async with aiohttp.ClientSession() as s:
+                poller = SignalPoller(g)
+                first = await poller.poll_once(s)
+                clock.t += 0.5
+                second = await poller.poll_once(s)
+        finally:
+            await runner.cleanup()
+        from gpuscope.guard._metrics import render
+
+        return first, second, g.limiter.limit, render(g).decode()
+
+    first, second, limit, text = asyncio.run(scenario())
+    assert first is not None and first.tpot_s is None and first.queue_waiting == 0  # no earlier read yet
+    assert second is not None and abs(second.tpot_s - 0.005) < 1e-9
+    assert limit == 18.0  # 20 x 0.9
+    assert "gpuscope_guard_service_tpot_seconds 0.005" in text
+
+
+def test_the_tpot_meter_edges():
+    m = TpotMeter()
+    assert m.update(0.0, 100.0, 8.0) is None  # no earlier read
+    assert abs(m.update(1.0, 900.0, 8.0) - 0.01) < 1e-12  # 8 running, 800 tokens a second: 10 ms
+    assert m.update(2.0, 50.0, 8.0) is None  # the counter went back: the service restarted
+    assert m.update(3.0, 50.0, 1.0) == 1.0  # no token in a second with 4.5 running: stalled, the whole interval
+    assert m.update(4.0, 60.0, 0.0) is None  # under one running on average (0.5 here): nothing to say
+    assert m.update(5.0, 70.0, None) is None and m.update(6.0, 80.0, 1.0) is None  # a missing read starts afresh
+    assert service_values("x{", ("x",)) is None
+    assert service_values("a_total 2\na_total{b=\"1\"} 3\n", ("a_total", "c")) == {"a_total": 5.0}
+
+
+def test_a_bad_tpot_slo_is_one_sentence():
+    import pytest
+
+    from gpuscope.guard import GuardConfigError
+
+    for bad, words in (({"tpot_slo_s": -1}, "tpot_slo_s"), ({"tpot_slo_s": float("inf")}, "tpot_slo_s"),
+                       ({"tpot_hold": 0}, "tpot_hold"), ({"tpot_hold": 1.5}, "tpot_hold")):
+        with pytest.raises(GuardConfigError, match=words) as e:
+            parse_config({"classes": [{"name": "a"}], "signals": bad})
+        assert "\n" not in str(e.value)

@@ -67,6 +67,12 @@ class SignalsConfig:
     sm_active_high: float = 0.95  # SM activity at or above: no growth
     memory_free_low: float = 0.05  # free memory ratio at or below: back off
     queue_high: float = 8.0  # service-reported waiting requests at or above: back off
+    # the service's generated tokens (counter) and running requests (gauge): their time per output token
+    tokens_metric: str = "vllm:generation_tokens_total"
+    running_metric: str = "vllm:num_requests_running"
+    # time per output token over this: back off; over tpot_hold x this: no growth (0: TPOT not acted on)
+    tpot_slo_s: float = 0.0
+    tpot_hold: float = 0.8
     backoff_ratio: float = 0.9  # limit multiplier per update while a GPU/queue signal says overloaded
     events: bool = True  # post the guard's state changes to the agent's event stream (needs `agent`)
     agent_token_file: str = ""  # the agent's token for those posts; '' = GPUSCOPE_TOKEN, else the agent's default
@@ -254,6 +260,10 @@ def _check(cfg: GuardConfig, names: list[str]) -> None:
             raise GuardConfigError(f"{key} must start with http:// or https://, not {url!r}.")
     if sig.interval_s <= 0 or sig.stale_hold_s < 0:
         raise GuardConfigError("signals.interval_s must be positive and signals.stale_hold_s not negative.")
+    if not (sig.tpot_slo_s >= 0 and math.isfinite(sig.tpot_slo_s)):
+        raise GuardConfigError(f"signals.tpot_slo_s must be a number of seconds, 0 or more, not {sig.tpot_slo_s:g}.")
+    if not 0 < sig.tpot_hold <= 1:
+        raise GuardConfigError(f"signals.tpot_hold must be in (0, 1], not {sig.tpot_hold:g}.")
     r = cfg.redis
     if r.url and not r.url.startswith(("redis://", "rediss://", "unix://")):
         raise GuardConfigError(f"redis.url must start with redis://, rediss:// or unix://, not "

@@ -47,9 +47,14 @@ the limit is full, holds it while fewer than queue_high wait, and starts no prob
 below; drops (a tenth of a window) take the latency path.
 
 GPU and queue signal (`GpuSignal`), applied at every signal update, whichever latency controller runs:
-- memory free ratio <= memory_free_low, power/thermal throttling, or service queue >= queue_high:
-  overloaded -> limit x backoff_ratio, and no growth until it clears;
-- SM activity >= sm_active_high: saturated -> no growth (latency decides when to back off).
+- memory free ratio <= memory_free_low, power/thermal throttling, service queue >= queue_high, or (with
+  `tpot_slo_s`) the service's time per output token over it: overloaded -> limit x backoff_ratio, and no
+  growth until it clears;
+- SM activity >= sm_active_high, or the time per output token over tpot_hold x tpot_slo_s: saturated -> no
+  growth (latency decides when to back off). An engine that batches takes every request into its batch while
+  it has room, so nothing waits and TTFT stays low while each step of the batch, and so every streaming
+  answer, slows down: on the H200 the limit that followed the service's queue held 64 in flight where the
+  TPOT SLO wanted fewer. TPOT is the signal that says so.
 SM activity alone never lowers the limit: an LLM server is 'busy' with one request in flight.
 
 Stale signal: no update for `stale_hold_s` + 2 intervals -> the limit is held (no growth, no GPU backoff)
@@ -92,6 +97,7 @@ class GpuSignal:
     memory_free_ratio: float | None = None
     throttled: bool = False  # power or thermal clock limiting
     queue_waiting: float | None = None  # the service's waiting requests (vllm:num_requests_waiting)
+    tpot_s: float | None = None  # the service's time per output token (from its token counter, _signals.TpotMeter)
 
 
 class AdaptiveLimit:
@@ -159,6 +165,11 @@ class AdaptiveLimit:
             return "stale_hold"
         return "stale_ignored"
 
+    @property
+    def last_signal(self) -> GpuSignal | None:
+        """The latest GPU/service reading (None before the first)."""
+        return self._last_signal
+
     def gpu_signal_age_s(self, now: float) -> float:
         return math.inf if self._last_signal is None else max(0.0, now - self._last_signal.time_s)
 
@@ -168,11 +179,14 @@ class AdaptiveLimit:
             self._stale_logged = False
         self._last_signal = sig
         s = self.s
+        tpot = sig.tpot_s if s.tpot_slo_s > 0 else None
         self._overloaded = bool(
             (sig.memory_free_ratio is not None and sig.memory_free_ratio <= s.memory_free_low)
             or sig.throttled
-            or (sig.queue_waiting is not None and sig.queue_waiting >= s.queue_high))
-        self._saturated = sig.sm_active_ratio is not None and sig.sm_active_ratio >= s.sm_active_high
+            or (sig.queue_waiting is not None and sig.queue_waiting >= s.queue_high)
+            or (tpot is not None and tpot > s.tpot_slo_s))
+        self._saturated = bool((sig.sm_active_ratio is not None and sig.sm_active_ratio >= s.sm_active_high)
+                               or (tpot is not None and tpot > s.tpot_hold * s.tpot_slo_s))
         if self.c.mode == "fixed":
             return
         if self._overloaded:

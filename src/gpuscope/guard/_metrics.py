@@ -10,6 +10,7 @@ flight at once since the start, per class and all together), gpuscope_guard_rese
 gpuscope_guard_queue_depth, gpuscope_guard_concurrency_limit,
 gpuscope_guard_rate_factor, gpuscope_guard_breaker_state{state} (1 for the current one),
 gpuscope_guard_gpu_signal_age_seconds (absent before the first reading), gpuscope_guard_gpu_signal_state{state},
+gpuscope_guard_service_tpot_seconds (the service's time per output token at the last reading, where known),
 gpuscope_guard_redis_fallback (1 while local fallback buckets stand in for Redis).
 Label values go through the exporter's escape(); the rest is a few lines of string building, as in
 gpuscope.export.exposition, which renders the sampler's snapshot rather than counters like these.
@@ -80,6 +81,11 @@ def render(g: Guard) -> bytes:
     if math.isfinite(age):
         family("gpuscope_guard_gpu_signal_age_seconds", "gauge", "Seconds since the last GPU/service reading.")
         out.append(f"gpuscope_guard_gpu_signal_age_seconds {age:.3f}\n")
+    sig = g.limiter.last_signal
+    if sig is not None and sig.tpot_s is not None:
+        family("gpuscope_guard_service_tpot_seconds", "gauge",
+               "The service's time per output token at the last reading (its token counter over its running requests).")
+        out.append(f"gpuscope_guard_service_tpot_seconds {sig.tpot_s!r}\n")
     state = g.limiter.gpu_signal_state(now)
     family("gpuscope_guard_gpu_signal_state", "gauge", "The GPU signal's freshness (1 = current).")
     out.extend(f'gpuscope_guard_gpu_signal_state{{state="{s}"}} {int(state == s)}\n' for s in _SIGNAL_STATES)

@@ -3,7 +3,12 @@
 Every `signals.interval_s` it reads, from the agent, the watched GPU's SM activity (GPM; NVML
 utilization where GPM is absent), free memory ratio and throttle reasons (power or thermal ones count;
 idle, application clocks, sync boost and display clock do not), and from the service's /metrics the
-queue gauge (`vllm:num_requests_waiting` by default, summed over its label sets). A failed read feeds
+queue gauge (`vllm:num_requests_waiting` by default, summed over its label sets) and, where the service
+exports them, its generated-token counter and running-request gauge (`vllm:generation_tokens_total`,
+`vllm:num_requests_running`): between two reads, the running requests over the tokens generated a second is
+the time per output token its running requests see (each running request gets a token per engine step, so
+tokens a second = running x steps a second), prefill stalls included, as a streaming client sees them;
+no token generated while requests ran reads as the whole interval (a stalled engine). A failed read feeds
 nothing: the signal ages, and the limiter's stale rules apply (see _limit.py). Without `signals.gpu`
 the GPU with the highest SM activity is watched.
 """
@@ -12,12 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from typing import Any
 
 from ._core import Guard
 from ._limit import GpuSignal
 
-__all__ = ["SignalPoller", "signal_from_latest", "queue_from_metrics"]
+__all__ = ["SignalPoller", "TpotMeter", "queue_from_metrics", "service_values", "signal_from_latest"]
 
 log = logging.getLogger("gpuscope.guard")
 
@@ -51,19 +57,49 @@ def signal_from_latest(snap: dict[str, Any], gpu: str, now: float) -> GpuSignal 
     return best
 
 
-def queue_from_metrics(text: str, metric: str) -> float | None:
-    """The sum of a gauge over its label sets in Prometheus text; None when absent or unparsable."""
+def service_values(text: str, metrics: tuple[str, ...]) -> dict[str, float] | None:
+    """Each of `metrics` summed over its label sets in Prometheus text (absent ones left out); None when the
+    text does not parse."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    total = None
+    want = set(metrics)
+    out: dict[str, float] = {}
     try:
         for fam in text_string_to_metric_families(text):
             for s in fam.samples:
-                if s.name == metric:
-                    total = (total or 0.0) + float(s.value)
+                if s.name in want:
+                    out[s.name] = out.get(s.name, 0.0) + float(s.value)
     except (ValueError, TypeError):
         return None
-    return total
+    return out
+
+
+def queue_from_metrics(text: str, metric: str) -> float | None:
+    """The sum of a gauge over its label sets in Prometheus text; None when absent or unparsable."""
+    got = service_values(text, (metric,))
+    return None if got is None else got.get(metric)
+
+
+class TpotMeter:
+    """The time per output token from two reads of the service's generated-token counter and running gauge: the
+    mean of the two running counts over the tokens generated a second between them. None with no earlier
+    read, under one request running, or across a counter reset (the service restarted)."""
+
+    def __init__(self) -> None:
+        self._last: tuple[float, float, float] | None = None  # (time, tokens, running)
+
+    def update(self, now: float, tokens: float | None, running: float | None) -> float | None:
+        if tokens is None or running is None or not (math.isfinite(tokens) and math.isfinite(running)):
+            self._last = None
+            return None
+        last, self._last = self._last, (now, tokens, running)
+        if last is None or now <= last[0] or tokens < last[1]:
+            return None
+        dt, made = now - last[0], tokens - last[1]
+        busy = (running + last[2]) / 2
+        if busy < 1:
+            return None
+        return dt if made <= 0 else min(dt, busy * dt / made)
 
 
 class SignalPoller:
@@ -76,6 +112,7 @@ class SignalPoller:
         self._warned: set[str] = set()
         self._token: str | bool | None = False  # False: not looked up yet
         self.emitter: Any = None  # the guard's events to the agent (_events.py), started with the poller
+        self._tpot = TpotMeter()
 
     def enabled(self) -> bool:
         return bool(self.s.agent or self.s.service_metrics)
@@ -135,19 +172,24 @@ class SignalPoller:
             if sig is None:
                 return None  # no GPU reading: let the signal age rather than feed a half reading
         if self.s.service_metrics:
-            queue = None
+            got: dict[str, float] | None = None
+            names = (self.s.queue_metric, self.s.tokens_metric, self.s.running_metric)
             try:
                 async with session.get(self.s.service_metrics) as r:
                     if r.status == 200:
-                        queue = queue_from_metrics(await r.text(), self.s.queue_metric)
+                        got = service_values(await r.text(), names)
             except (aiohttp.ClientError, asyncio.TimeoutError, UnicodeDecodeError) as e:
                 self._warn("service", f"gpuscope guard: no queue depth from {self.s.service_metrics} "
                                       f"({type(e).__name__})")
+            got = got or {}
+            queue = got.get(self.s.queue_metric)
+            tpot = self._tpot.update(now, got.get(self.s.tokens_metric), got.get(self.s.running_metric))
             if sig is None:
-                if queue is None:
+                if queue is None and tpot is None:
                     return None
                 sig = GpuSignal(now)
             sig.queue_waiting = queue
+            sig.tpot_s = tpot
         if sig is None:
             return None
         self.guard.observe_gpu(sig)
