@@ -215,7 +215,7 @@ def counter_parts(name: str, t: Tile, matchers: str = "") -> dict[str, str]:
         # the weight per sample keeps a GPU whose label sets did not grow divisible by their samples
         "own": f"sum by ({key}) (max_over_time({inside}) - ({before} or min_over_time({inside})) + "
                f"{_PER_SAMPLE} * {n})",
-        "known": f"sum by ({key}) ({began} * ({n} > bool 1) * {span} / clamp_min({n} - 1, 1))",
+        "known": f"sum by ({key}) ({began} * {span} / clamp_min({n} - 1, 1))",  # 0 for a single sample
         "single": f"sum by ({key}) ({began} * ({n} == bool 1))",
         "short": growth(b),
         "bridged": growth(bridged),
