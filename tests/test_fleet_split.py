@@ -36,6 +36,14 @@ def test_a_known_rate_is_kept_and_single_samples_share_what_is_left() -> None:
     assert got == pytest.approx({"a": 30, "c": 5, "d": 12.5, "e": 12.5})
 
 
+def test_a_rest_larger_than_the_known_rates_goes_to_them_whole() -> None:
+    # one began with samples (its mean rate 2 a step, a bursty counter's) and none with a single one: the rest,
+    # 60 - 50 = 10, is its step before its first sample whatever its mean rate says
+    assert _split({"a": 50, "c": 0}, {"c": 2}, {}, 60, 60) == pytest.approx({"a": 50, "c": 10})
+    got = _split({"a": 48, "c": 0, "d": 0}, {"c": 2, "d": 1}, {}, 60, 60)
+    assert got == pytest.approx({"a": 48, "c": 8, "d": 4})
+
+
 def test_a_rest_smaller_than_the_known_rates_is_split_among_them() -> None:
     got = _split({"a": 52, "c": 0, "d": 0}, {"c": 6, "d": 2}, {}, 60, 60)
     assert got == pytest.approx({"a": 52, "c": 6, "d": 2})

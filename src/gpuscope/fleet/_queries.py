@@ -217,7 +217,7 @@ def counter_parts(name: str, t: Tile, matchers: str = "") -> dict[str, str]:
                f"{_PER_SAMPLE} * {n})",
         "known": f"sum by ({key}) ({began} * {span} / clamp_min({n} - 1, 1))",  # 0 for a single sample
         "single": f"sum by ({key}) ({began} * ({n} == bool 1))",
-        "short": growth(b),
+        "short": f"clamp_min({a} - {b}, 0)",  # after a reset: 0, and the growth is split by the label sets' own
         "bridged": growth(bridged),
     }
 
@@ -231,8 +231,9 @@ def counter_expr(name: str, t: Tile, matchers: str = "") -> str:
     its growth exactly: its last sample minus that one. One that began inside the tile has its growth from
     its first sample to its last, and the step before its first sample. Those steps together are the GPU's
     growth since its last sample before the tile less what the label sets' own samples account for: a label
-    set with two samples or more is given its own mean rate per step of it, and those with a single sample
-    share what is left (exact where one label set began, or where the others' rates held). Where the label
+    set with two samples or more is given its own mean rate per step of it, those with a single sample
+    share what is left, and where none has a single sample those with more share it all in proportion to
+    their rates (exact where one label set began, or where the others' rates held). Where the label
     sets' own growth exceeds the GPU's (one that left and came back within the tile spans the others'),
     the GPU's growth is split in proportion to their own."""
     ident = _by(("hostname", "gpu", *COUNTERS[name][1]))
@@ -242,11 +243,18 @@ def counter_expr(name: str, t: Tile, matchers: str = "") -> str:
     def per(expr: str) -> str:
         return f"sum by ({ident}) ({expr})"
 
-    rest = f"(clamp_min({p['short']} - on ({ident}) {per(own)}, 0) or on ({ident}) 0 * {per(own)})"
-    w = (f"({own} + {known} * on ({ident}) group_left () clamp_max({rest} / clamp_min({per(known)}, 1e-9), 1)"
-         f" + {single} * on ({ident}) group_left () (clamp_min({rest} - on ({ident}) {per(known)}, 0)"
-         f" / clamp_min({per(single)}, 1)))")
-    return f"({w} / on ({ident}) group_left () sum by ({ident}) ({w}) * on ({ident}) group_left () {p['bridged']})"
+    # the steps before the first samples of those that began (none where the GPU has no sample a tile before)
+    rest = f"clamp_min({p['short']} - on ({ident}) {per(own)}, 0)"
+    # per single sample: what the known rates leave of it; to the known: the rest less that, by their rates
+    each = f"(clamp_min({rest} - on ({ident}) {per(known)}, 0) / clamp_min({per(single)}, 1))"
+    given = f"(({rest} - on ({ident}) {per(single)} * on ({ident}) {each}) / on ({ident}) clamp_min({per(known)}, 1e-9))"
+    w = (f"(({own} + {known} * on ({ident}) group_left () {given} + {single} * on ({ident}) group_left () {each})"
+         f" or {own})")
+    # what the weights add up to, without asking for them twice (a server's query length is bounded: 16 KiB
+    # by default on VictoriaMetrics): their own and the rest where some began, else their own
+    total = (f"(({per(own)} + {rest} * on ({ident}) ({per(known)} + on ({ident}) {per(single)} > bool 0))"
+             f" or {per(own)})")
+    return f"({w} * on ({ident}) group_left () ({p['bridged']} / on ({ident}) {total}))"
 
 
 def split_counter(name: str, rows: Mapping[str, Iterable[Mapping[str, Any]]]) -> list[tuple[dict[str, str], float]]:
@@ -290,8 +298,9 @@ def split_counter(name: str, rows: Mapping[str, Iterable[Mapping[str, Any]]]) ->
     for k, i in idents.items():
         s_own, s_known, s_single = sums[i]
         rest = max(short[i] - s_own, 0.0) if i in short else 0.0
-        weights[k] = (own[k] + known.get(k, 0.0) * min(rest / max(s_known, 1e-9), 1.0)
-                      + single.get(k, 0.0) * max(rest - s_known, 0.0) / max(s_single, 1.0))
+        each = max(rest - s_known, 0.0) / max(s_single, 1.0)
+        given = (rest - s_single * each) / max(s_known, 1e-9)
+        weights[k] = own[k] + known.get(k, 0.0) * given + single.get(k, 0.0) * each
     total: dict[tuple[str, ...], float] = {}
     for k, i in idents.items():
         total[i] = total.get(i, 0.0) + weights[k]
