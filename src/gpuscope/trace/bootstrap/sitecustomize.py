@@ -514,11 +514,14 @@ class _Tracer:
         if why:
             od.mark_done(self.requests_dir, req["id"], host, self.pid, status="refused", reason=why, **answer)
             return
-        # Every rank of a job asked for the same moment (gpuscope trace fleet): wait for it, on this host's clock.
-        if self.exiting.wait(od.start_delay_s(req)):
-            od.mark_done(self.requests_dir, req["id"], host, self.pid, status="refused",
-                         reason="the process exited before the window's start", **answer)
-            return
+        # Every rank of a job asked for the same moment (gpuscope trace fleet): wait for it, on this host's wall
+        # clock, which the wait (on the monotonic clock) may not keep to: until the wall clock reads it (a
+        # loaded run's rank started 4.7 ms early after one wait)
+        while (delay := od.start_delay_s(req)) > 0:
+            if self.exiting.wait(delay):
+                od.mark_done(self.requests_dir, req["id"], host, self.pid, status="refused",
+                             reason="the process exited before the window's start", **answer)
+                return
         began = time.monotonic()
         started = {"unix_ns": time.time_ns(), "monotonic_ns": time.monotonic_ns()}  # before it starts: see _run
         prof, all_threads, error = self._start()
