@@ -77,6 +77,7 @@ class Agent:
     url: str
     shown: str
     clock: Clock | None = None
+    asked_clock: Clock | None = None  # the estimate the window's start was asked with (later ones are better)
     host: str = ""
     request_id: str = ""
     processes: list[dict[str, Any]] = field(default_factory=list)
@@ -322,6 +323,7 @@ def _sample(agent: Agent, t0: int, doc: dict[str, Any], t3: int) -> None:
 
 async def _ask(session: Any, agent: Agent, job: str, duration_s: float, start_ns: int) -> None:
     assert agent.clock is not None
+    agent.asked_clock = agent.clock
     body = {"job": job, "duration": f"{duration_s:g}s", "start_unix": (start_ns + agent.clock.offset_ns) / 1e9}
     try:
         t0 = time.time_ns()
@@ -475,6 +477,9 @@ def _merge_and_analyse(agents: list[Agent], ranks: list[Rank], job: str, start_n
         summary["arrivals"] = got.to_dict() if got is not None else None
     summary["agents"] = [{"url": a.shown, "host": a.host, "offset_ns": a.clock.offset_ns if a.clock else None,
                           "offset_error_ns": a.clock.delay_ns // 2 if a.clock else None,
+                          # the start was asked on the estimate of then: its window starts within its error
+                          "start_offset_ns": a.asked_clock.offset_ns if a.asked_clock else None,
+                          "start_offset_error_ns": a.asked_clock.delay_ns // 2 if a.asked_clock else None,
                           "request_id": a.request_id or None, "processes": len(a.processes),
                           "no_job": a.no_job, "problem": a.problem or None} for a in agents]
     summary["ranks"] = [{"rank": r.rank, "url": r.agent.shown, "pid": r.pid, "start_error_ns": r.start_error_ns,
