@@ -55,9 +55,11 @@ def test_a_request_that_waited_past_its_deadline_is_not_sent(srv) -> None:
     assert len(unsent) >= 8 and all(r.error == "timeout" for r in unsent)
     assert all(r.t_failed - r.t_intended >= TIMEOUT_S for r in unsent)
     # the one connection sent them in order until the next one's deadline had passed: those sent are the
-    # first ones (how many made it depends on the machine's load, not asserted), the first answered at least
+    # first ones (how many made it depends on the machine's load, not asserted); each answered, or timed out at
+    # its deadline (a loaded machine once held even the first one's 50 ms answer past 200 ms)
     sent = [r for r in recs if r.bytes_out > 0]
-    assert sent and recs[:len(sent)] == sent and sent[0].error is None
+    assert sent and recs[:len(sent)] == sent
+    assert all(r.error is None or r.t_failed - r.t_intended >= TIMEOUT_S for r in sent)
 
 
 def test_answers_before_the_deadline_are_not_timed_out(srv) -> None:
