@@ -234,6 +234,7 @@ class GuardSampler(threading.Thread):
         self.url = url + "/guard/metrics"
         self.limits: list[float] = []
         self.queue_depths: list[float] = []
+        self.tpots: list[float] = []  # the service's time per output token as the guard read it
         self.done = threading.Event()
 
     def run(self) -> None:
@@ -244,6 +245,7 @@ class GuardSampler(threading.Thread):
                 continue
             self.limits += metric_values(text, "gpuscope_guard_concurrency_limit")[:1]
             self.queue_depths += metric_values(text, "gpuscope_guard_queue_depth")[:1]
+            self.tpots += metric_values(text, "gpuscope_guard_service_tpot_seconds")[:1]
 
     def figures(self) -> dict[str, Any]:
         self.done.set()
@@ -251,7 +253,9 @@ class GuardSampler(threading.Thread):
         lim = sorted(self.limits)
         return {"limit_min": lim[0] if lim else None, "limit_median": lim[len(lim) // 2] if lim else None,
                 "limit_max": lim[-1] if lim else None,
-                "queue_depth_max": max(self.queue_depths) if self.queue_depths else None}
+                "queue_depth_max": max(self.queue_depths) if self.queue_depths else None,
+                "service_tpot_ms_median": round(sorted(self.tpots)[len(self.tpots) // 2] * 1000, 2) if self.tpots else None,
+                "service_tpot_ms_max": round(max(self.tpots) * 1000, 2) if self.tpots else None}
 
 
 def p99(values: list[float]) -> float | None:
@@ -448,7 +452,8 @@ def main(argv: list[str] | None = None) -> int:
         summary = report(modes, slo)
         print(f"guard: concurrency limit min/median/max {fmt(gs['limit_min'], '.1f')}/"
               f"{fmt(gs['limit_median'], '.1f')}/{fmt(gs['limit_max'], '.1f')} (max batch {max_batch}), "
-              f"queue depth max {fmt(gs['queue_depth_max'])}; "
+              f"queue depth max {fmt(gs['queue_depth_max'])}, service TPOT median/max "
+              f"{fmt(gs['service_tpot_ms_median'])}/{fmt(gs['service_tpot_ms_max'])} ms (SLO {slo['tpot_ms']:.1f}); "
               + ", ".join(ln.replace("gpuscope_guard_shed_total", "shed") for ln in modes["guard"]["guard_metrics"]))
         if args.json_out:
             args.json_out.write_text(json.dumps({
