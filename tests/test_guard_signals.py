@@ -12,7 +12,6 @@ from gpuscope.guard import GpuSignal, Guard, parse_config
 from gpuscope.guard._signals import (
     SignalPoller,
     TpotMeter,
-    queue_from_metrics,
     service_values,
     signal_from_latest,
 )
@@ -34,22 +33,26 @@ class Clock:
         return self.t
 
 
+async def _metrics_server(handler) -> tuple[web.AppRunner, str]:
+    """A real aiohttp server on loopback answering /metrics with `handler`; (runner, its /metrics URL)."""
+    app = web.Application()
+    app.router.add_get("/metrics", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}/metrics"
+
+
 def test_signal_from_a_real_agent_and_queue_depth_from_real_metrics(tmp_path):
     agent = AgentProc(tmp_path, "--simulate", "healthy", "--gpus", "2")
     try:
         agent.wait_ready()
 
         async def scenario():
-            app = web.Application()
-
             async def metrics(request: web.Request) -> web.Response:
                 return web.Response(text=VLLM_METRICS)
 
-            app.router.add_get("/metrics", metrics)
-            runner = web.AppRunner(app)
-            await runner.setup()
-            await web.TCPSite(runner, "127.0.0.1", 0).start()
-            svc = f"http://127.0.0.1:{runner.addresses[0][1]}/metrics"
+            runner, svc = await _metrics_server(metrics)
             clock = Clock()
             g = Guard(parse_config({"classes": [{"name": "a"}], "signals": {
                 "agent": f"http://127.0.0.1:{agent.port}", "service_metrics": svc, "queue_high": 10}}), clock=clock)
@@ -99,8 +102,8 @@ def test_signal_parsing_edges():
     g0 = signal_from_latest(snap, "0", 1.0)
     assert (g0.sm_active_ratio, g0.throttled) == (0.3, False) and abs(g0.memory_free_ratio - 0.04) < 1e-9
     assert signal_from_latest(snap, "7", 1.0) is None
-    assert queue_from_metrics("not { prometheus", "x") is None
-    assert queue_from_metrics(VLLM_METRICS, "vllm:num_requests_running") == 3.0
+    assert service_values("not { prometheus", ("x",)) is None
+    assert service_values(VLLM_METRICS, ("vllm:num_requests_running", "x")) == {"vllm:num_requests_running": 3.0}
 
 
 def test_an_agent_beyond_loopback_is_read_with_its_token(tmp_path):
@@ -131,7 +134,6 @@ def test_the_services_tpot_from_its_token_counter_backs_the_limit_off_over_its_s
     guard's clock, 10 x 0.5 / 1,000 = 5 ms a token, over a 4 ms SLO: overloaded, the limit backs off."""
     async def scenario():
         reads = {"n": 0}
-        app = web.Application()
 
         async def metrics(request: web.Request) -> web.Response:
             reads["n"] += 1
@@ -143,11 +145,7 @@ vllm:num_requests_running{{model_name="m"}} 10
 vllm:num_requests_waiting{{model_name="m"}} 0
 """)
 
-        app.router.add_get("/metrics", metrics)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        svc = f"http://127.0.0.1:{runner.addresses[0][1]}/metrics"
+        runner, svc = await _metrics_server(metrics)
         clock = Clock()
         g = Guard(parse_config({"classes": [{"name": "a"}], "signals": {
             "service_metrics": svc, "tpot_slo_s": 0.004}}), clock=clock)

@@ -23,7 +23,7 @@ from typing import Any
 from ._core import Guard
 from ._limit import GpuSignal
 
-__all__ = ["SignalPoller", "TpotMeter", "queue_from_metrics", "service_values", "signal_from_latest"]
+__all__ = ["SignalPoller", "TpotMeter", "service_values", "signal_from_latest"]
 
 log = logging.getLogger("gpuscope.guard")
 
@@ -72,12 +72,6 @@ def service_values(text: str, metrics: tuple[str, ...]) -> dict[str, float] | No
     except (ValueError, TypeError):
         return None
     return out
-
-
-def queue_from_metrics(text: str, metric: str) -> float | None:
-    """The sum of a gauge over its label sets in Prometheus text; None when absent or unparsable."""
-    got = service_values(text, (metric,))
-    return None if got is None else got.get(metric)
 
 
 class TpotMeter:

@@ -514,9 +514,9 @@ class _Tracer:
         if why:
             od.mark_done(self.requests_dir, req["id"], host, self.pid, status="refused", reason=why, **answer)
             return
-        # Every rank of a job asked for the same moment (gpuscope trace fleet): wait for it, on this host's wall
-        # clock, which the wait (on the monotonic clock) may not keep to: until the wall clock reads it (a
-        # loaded run's rank started 4.7 ms early after one wait)
+        # Every rank of a job asked for the same moment (gpuscope trace fleet): wait for it on this host's wall
+        # clock; the wait itself runs on the monotonic clock, which a slewed or stepped wall clock may leave
+        # behind, so until the wall clock reads it
         while (delay := od.start_delay_s(req)) > 0:
             if self.exiting.wait(delay):
                 od.mark_done(self.requests_dir, req["id"], host, self.pid, status="refused",
